@@ -1,0 +1,190 @@
+"""One error hierarchy for the SDK, the CLI, the control plane and the node agent.
+
+Every error has a stable machine ``code`` and maps to one HTTP status. On the wire every non-2xx body is::
+
+    {"error": {"code": "...", "message": "...", "details": ..., "request_id": "..."}}
+
+The tree (callers branch on *what they can do*, not on HTTP numbers)::
+
+    PillDropsError                       code, message, details, request_id, retryable
+    ├─ InvalidRequest        400 invalid_request
+    ├─ AuthenticationError   401 unauthenticated
+    ├─ PermissionDenied      403 permission_denied
+    ├─ NotFound              404 not_found
+    │   ├─ SandboxNotFound   404 sandbox_not_found
+    │   ├─ FileNotFound      404 file_not_found
+    │   └─ TemplateNotFound  404 template_not_found
+    ├─ Conflict              409 conflict
+    │   └─ InvalidState      409 invalid_state       (details: from, to)
+    ├─ PayloadTooLarge       413 payload_too_large
+    ├─ RateLimited           429 rate_limited        (retryable)
+    ├─ ServerError           500 internal            (retryable for idempotent calls)
+    ├─ NodeUnavailable       502 node_unavailable    (retryable)
+    ├─ CapacityUnavailable   503 capacity_unavailable (retryable)
+    ├─ TransportError        —   no response at all  (retryable)
+    │   └─ RequestTimeout    —   client-side deadline (also a builtin TimeoutError)
+    └─ CommandFailed         —   only from run(..., check=True) when exit_code != 0
+
+The SDK maps a body's ``code`` to the class first and falls back to the HTTP status (``from_wire``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class PillDropsError(Exception):
+    """Root of every error PillDrops raises."""
+
+    code: ClassVar[str] = "error"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str = "", *, details: Any = None, request_id: str | None = None) -> None:
+        super().__init__(message or self.code)
+        self.message = message or self.code
+        self.details = details
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        suffix = f" (request_id={self.request_id})" if self.request_id else ""
+        return f"{self.message}{suffix}"
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "details": self.details,
+                "request_id": self.request_id,
+            }
+        }
+
+
+class InvalidRequest(PillDropsError):
+    code = "invalid_request"
+    status = 400
+
+
+class AuthenticationError(PillDropsError):
+    code = "unauthenticated"
+    status = 401
+
+
+class PermissionDenied(PillDropsError):
+    code = "permission_denied"
+    status = 403
+
+
+class NotFound(PillDropsError):
+    code = "not_found"
+    status = 404
+
+
+class SandboxNotFound(NotFound):
+    code = "sandbox_not_found"
+
+
+class FileNotFound(NotFound):
+    code = "file_not_found"
+
+
+class TemplateNotFound(NotFound):
+    code = "template_not_found"
+
+
+class Conflict(PillDropsError):
+    code = "conflict"
+    status = 409
+
+
+class InvalidState(Conflict):
+    """An operation is illegal in the sandbox's current state; ``details`` names both states."""
+
+    code = "invalid_state"
+
+    def __init__(self, message: str = "", *, current: str | None = None, target: str | None = None,
+                 details: Any = None, request_id: str | None = None) -> None:
+        if details is None and (current or target):
+            details = {"from": current, "to": target}
+        if not message and (current or target):
+            message = f"cannot go from state {current!r} to {target!r}"
+        super().__init__(message, details=details, request_id=request_id)
+
+
+class PayloadTooLarge(PillDropsError):
+    code = "payload_too_large"
+    status = 413
+
+
+class RateLimited(PillDropsError):
+    code = "rate_limited"
+    status = 429
+    retryable = True
+
+
+class ServerError(PillDropsError):
+    code = "internal"
+    status = 500
+    retryable = True
+
+
+class NodeUnavailable(PillDropsError):
+    code = "node_unavailable"
+    status = 502
+    retryable = True
+
+
+class CapacityUnavailable(PillDropsError):
+    code = "capacity_unavailable"
+    status = 503
+    retryable = True
+
+
+class TransportError(PillDropsError):
+    """No HTTP response was received (connection refused, reset, DNS, ...)."""
+
+    code = "transport_error"
+    status = 0
+    retryable = True
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    code = "request_timeout"
+
+
+class CommandFailed(PillDropsError):
+    """Raised by ``run(..., check=True)`` when the command exits non-zero. ``result`` holds the output."""
+
+    code = "command_failed"
+    status = 0
+
+    def __init__(self, message: str = "", *, result: Any = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.result = result
+
+
+_ALL: tuple[type[PillDropsError], ...] = (
+    InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
+    TemplateNotFound, Conflict, InvalidState, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
+    CapacityUnavailable,
+)
+BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
+BY_STATUS: dict[int, type[PillDropsError]] = {
+    400: InvalidRequest, 401: AuthenticationError, 403: PermissionDenied, 404: NotFound, 409: Conflict,
+    413: PayloadTooLarge, 422: InvalidRequest, 429: RateLimited, 500: ServerError, 502: NodeUnavailable,
+    503: CapacityUnavailable,
+}
+
+
+def from_wire(status: int, body: Any) -> PillDropsError:
+    """Build the most specific error from an HTTP status and a decoded JSON body (any shape)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        err = {}
+    code = err.get("code") if isinstance(err.get("code"), str) else None
+    cls = BY_CODE.get(code or "") or BY_STATUS.get(status) or (ServerError if status >= 500 else PillDropsError)
+    message = err.get("message") if isinstance(err.get("message"), str) else f"HTTP {status}"
+    exc = cls.__new__(cls)
+    PillDropsError.__init__(exc, message, details=err.get("details"), request_id=err.get("request_id"))
+    return exc

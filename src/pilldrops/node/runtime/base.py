@@ -1,0 +1,93 @@
+"""The runtime seam: what the node agent needs from an isolation backend (crun, fake, later qemu).
+
+The agent never knows which driver it holds. A driver owns everything about *how* a sandbox is isolated
+(rootfs, cgroups, namespaces, seccomp); the agent owns *what* runs and when (deadlines, caps, journal).
+
+Contract every driver keeps (tests/unit/test_runtime_contract.py runs it on each):
+- ``create`` returns only once the sandbox's init is running; on any failure it leaves nothing behind
+  and raises ``RuntimeFailure``.
+- Sandbox processes are never children of the agent: killing the agent leaves them running.
+- ``exec`` runs a command inside the sandbox with all of its restrictions; output arrives in chunks;
+  ``ExecProcess.kill`` kills the command's whole process tree.
+- ``destroy`` is idempotent and removes every process, mount, cgroup and state file of the sandbox.
+- ``state`` derives the truth from facts (runtime state, pid + start time), never from memory alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+
+class RuntimeFailure(Exception):
+    """A runtime operation failed; ``detail`` carries the runtime's own words (stderr, log)."""
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.message = message
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    id: str
+    layers: tuple[Path, ...]           # read-only template layers, top first (overlay lowerdir order)
+    vcpu: float = 1.0
+    memory_mb: int = 512
+    pids_limit: int = 1024
+    envs: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    hostname: str = "sandbox"
+
+
+@dataclass
+class Handle:
+    """What the agent persists per sandbox so that it (or a restarted agent) can find it again."""
+
+    id: str
+    pid: int | None = None
+    pid_start_time: int | None = None   # /proc/<pid>/stat field 22, guards against pid reuse
+    bundle: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    status: Literal["running", "stopped", "gone"]
+    pid: int | None = None
+    oom_killed: bool = False
+    exit_code: int | None = None
+
+
+StreamName = Literal["stdout", "stderr"]
+
+
+class ExecProcess(Protocol):
+    pid: int | None
+
+    async def read(self) -> tuple[StreamName, bytes] | None:
+        """Next output chunk from either stream, or None once both are at EOF."""
+
+    async def wait(self) -> int:
+        """Exit code; 128+N when killed by signal N."""
+
+    async def kill(self) -> None:
+        """Kill the command's whole process tree (idempotent)."""
+
+
+class Runtime(Protocol):
+    name: str
+
+    async def create(self, spec: SandboxSpec) -> Handle: ...
+
+    async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
+                   stdin: AsyncIterable[bytes] | bytes | None = None) -> ExecProcess: ...
+
+    async def state(self, handle: Handle) -> RuntimeState: ...
+
+    async def destroy(self, handle: Handle) -> None: ...
+
+    async def list_ids(self) -> list[str]:
+        """Ids of every sandbox this runtime instance currently holds (for reaping and leak checks)."""

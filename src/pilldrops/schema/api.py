@@ -1,0 +1,191 @@
+"""Public REST wire models: what the SDK, the CLI and the control plane exchange.
+
+Pydantic only, no I/O. Requests forbid unknown fields so a typo is a 400, not silently ignored.
+Units are in the names (``memory_mb``); ``timeout`` is in seconds everywhere.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_TIMEOUT_S = 86_400
+DEFAULT_TIMEOUT_S = 300
+DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    # Responses ignore unknown fields so an older SDK keeps working against a newer server.
+    model_config = ConfigDict(extra="ignore")
+
+
+class SandboxState(str, Enum):
+    pending = "pending"
+    starting = "starting"
+    running = "running"
+    paused = "paused"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+    lost = "lost"
+
+
+class EndReason(str, Enum):
+    killed = "killed"
+    timeout = "timeout"
+    oom = "oom"
+    exited = "exited"
+    node_lost = "node_lost"
+    failed_start = "failed_start"
+    evicted = "evicted"
+    shutdown = "shutdown"
+
+
+def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
+    if len(v) > max_items:
+        raise ValueError(f"at most {max_items} {what} entries")
+    for k, val in v.items():
+        if not k or len(k) > 256:
+            raise ValueError(f"{what} keys must be 1..256 characters")
+        if len(val) > 8192:
+            raise ValueError(f"{what} value for {k!r} is longer than 8192 characters")
+    return v
+
+
+class CreateSandboxRequest(_Request):
+    template: str = Field("base", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    vcpu: float = Field(1, gt=0, le=64, description="CPU quota in cores")
+    memory_mb: int = Field(512, ge=16, le=262_144, description="memory limit in MiB, no swap")
+    timeout: int = Field(DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S,
+                         description="seconds until the sandbox is killed (max 86400)")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    envs: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_string_map(v, "metadata")
+
+    @field_validator("envs")
+    @classmethod
+    def _envs(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if "=" in k or "\0" in k:
+                raise ValueError(f"invalid environment variable name {k!r}")
+        return _check_string_map(v, "envs", max_items=1024)
+
+
+class SandboxInfo(_Response):
+    id: str
+    template: str
+    state: SandboxState
+    vcpu: float
+    memory_mb: int
+    timeout: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+    node_id: str | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    end_at: datetime | None = None
+    ended_at: datetime | None = None
+    end_reason: EndReason | None = None
+    error: str | None = None
+    # Data plane: where the SDK talks to the sandbox directly, and the token it must present there.
+    # Only returned by create and connect (never in listings).
+    envd_url: str | None = None
+    access_token: str | None = None
+
+
+class SandboxList(_Response):
+    items: list[SandboxInfo]
+    next_cursor: str | None = None
+
+
+class SetTimeoutRequest(_Request):
+    timeout: int = Field(..., ge=1, le=MAX_TIMEOUT_S, description="seconds from now")
+
+
+class RunRequest(_Request):
+    cmd: str | list[str] = Field(..., description="a shell command line, or an argv list run without a shell")
+    envs: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = Field(None, max_length=4096)
+    timeout: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="seconds; kills the process tree")
+    stdin: str | None = Field(None, description="text fed to the command's stdin, then closed")
+    max_output_bytes: int = Field(DEFAULT_OUTPUT_CAP, ge=1, le=256 * 1024 * 1024,
+                                  description="cap per stream; output past it is dropped and truncated is set")
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("argv must not be empty")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("command must not be empty")
+        return v
+
+
+class RunEvent(_Response):
+    """One NDJSON line of a streamed run. ``data`` is base64 for stdout/stderr chunks."""
+
+    type: Literal["start", "stdout", "stderr", "exit", "error"]
+    pid: int | None = None
+    data: str | None = None
+    exit_code: int | None = None
+    duration: float | None = None
+    truncated: bool | None = None
+    timed_out: bool | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+class FileInfo(_Response):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class KeyCreateRequest(_Request):
+    name: str = Field("default", min_length=1, max_length=128)
+
+
+class KeyInfo(_Response):
+    id: str
+    name: str
+    team_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+    last_used_at: datetime | None = None
+
+
+class KeyCreated(KeyInfo):
+    secret: str
+
+
+class TemplateInfo(_Response):
+    name: str
+    description: str = ""
+    layers: list[str] = Field(default_factory=list)
+    size_bytes: int = 0
+    built_at: datetime | None = None
+    nodes: list[str] = Field(default_factory=list)
+
+
+class TemplateList(_Response):
+    items: list[TemplateInfo]
+
+
+class WhoAmI(_Response):
+    team_id: str
+    team_name: str
+    key_id: str
