@@ -1,0 +1,89 @@
+"""cgroup v1 helpers: where a sandbox's cgroups live, its OOM counter, and removing leftovers.
+
+crun (cgroupfs manager) creates ``/sys/fs/cgroup/<hierarchy>/<parent>/<id>`` in every v1 hierarchy and
+removes them at delete; these helpers find and remove what is left (e.g. after a crash).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def hierarchies() -> list[Path]:
+    """Mounted cgroup hierarchy roots under /sys/fs/cgroup (v1 ones, plus unified)."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            mp = parts[4]
+            fstype = parts[parts.index("-") + 1]
+            if fstype in ("cgroup", "cgroup2") and mp.startswith(str(CGROUP_ROOT) + "/"):
+                out.append(Path(mp))
+    return sorted(set(out))
+
+
+def cgroup_dirs(rel: str) -> list[Path]:
+    rel = rel.strip("/")
+    return [h / rel for h in hierarchies() if (h / rel).is_dir()]
+
+
+def oom_kill_count(rel: str) -> int:
+    """The memory cgroup's ``oom_kill`` counter (0 when the cgroup is gone)."""
+    try:
+        text = (CGROUP_ROOT / "memory" / rel.strip("/") / "memory.oom_control").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "oom_kill":
+            return int(v)
+    return 0
+
+
+def remove_tree(rel: str, *, timeout: float = 2.0) -> list[Path]:
+    """rmdir ``rel`` (children first) in every hierarchy; retries while busy. Returns what is left."""
+    left: list[Path] = []
+    for d in cgroup_dirs(rel):
+        subdirs = sorted((Path(r) for r, _, _ in os.walk(d)), key=lambda p: len(p.parts), reverse=True)
+        for sd in subdirs:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    sd.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        left.append(sd)
+                        break
+                    _kill_procs(sd)
+                    time.sleep(0.02)
+    return left
+
+
+def _kill_procs(d: Path) -> None:
+    try:
+        pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def remove_if_empty(rel: str) -> None:
+    """rmdir ``rel`` in every hierarchy when it has no children (for a runtime's parent cgroup)."""
+    for d in cgroup_dirs(rel):
+        try:
+            d.rmdir()
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.EBUSY, errno.ENOTEMPTY):
+                raise

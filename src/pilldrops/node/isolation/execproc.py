@@ -1,0 +1,171 @@
+"""A host subprocess exposed as an ``ExecProcess`` (runtime/base.py): chunks, exit code, tree kill.
+
+Used by the crun runtime (the subprocess is ``crun exec``) and by the fake runtime (the command itself).
+Output is read by two OS threads (blocking reads of <= 64 KiB) that push ``(stream, bytes)`` into ONE
+unbounded anyio memory object stream through the event loop token, so chunks keep arrival order, the
+command never blocks on an unread pipe, and no task group has to outlive ``exec()``. A third thread
+feeds stdin (bytes, or an async iterable pulled through the loop) and a fourth waits for the exit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from pilldrops.node.isolation import procs
+from pilldrops.node.runtime.base import StreamName
+
+CHUNK = 64 * 1024
+
+
+async def _next_chunk(it: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class PipeExec:
+    """``ExecProcess`` over a ``subprocess.Popen`` started in its own session (pgid == popen.pid).
+
+    ``pid`` is the host pid of the *command*: for crun it is read from ``pid_file`` (written by
+    ``crun exec --pid-file``), otherwise it is the Popen pid.
+    """
+
+    def __init__(self, argv: list[str], *, stdin: AsyncIterable[bytes] | bytes | None,
+                 env: dict[str, str] | None = None, cwd: str | Path | None = None,
+                 pid_file: Path | None = None) -> None:
+        self._pid_file = pid_file
+        self._token = anyio.lowlevel.current_token()
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](math.inf)
+        self._done = anyio.Event()
+        self._killed = False
+        self._popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+            start_new_session=True, close_fds=True)
+        self._pid: int | None = None if pid_file is not None else self._popen.pid
+        assert self._popen.stdout is not None and self._popen.stderr is not None
+        for name, pipe in (("stdout", self._popen.stdout), ("stderr", self._popen.stderr)):
+            threading.Thread(target=self._pump, args=(name, pipe, self._send.clone()), daemon=True).start()
+        self._send.close()
+        if stdin is not None:
+            src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
+            threading.Thread(target=self._feed, args=(src,), daemon=True).start()
+        threading.Thread(target=self._wait_exit, daemon=True).start()
+
+    # -- threads ---------------------------------------------------------------------------------
+    def _pump(self, name: StreamName, pipe, send) -> None:  # type: ignore[no-untyped-def]
+        fd = pipe.fileno()
+        try:
+            while True:
+                data = os.read(fd, CHUNK)
+                if not data:
+                    break
+                anyio.from_thread.run_sync(send.send_nowait, (name, data), token=self._token)
+        except Exception:  # noqa: BLE001 - loop gone or receiver closed: stop reading
+            pass
+        finally:
+            pipe.close()
+            try:
+                anyio.from_thread.run_sync(send.close, token=self._token)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
+        pipe = self._popen.stdin
+        assert pipe is not None
+        try:
+            if isinstance(src, bytes):
+                pipe.write(src)
+            else:
+                while (chunk := anyio.from_thread.run(_next_chunk, src, token=self._token)) is not None:
+                    pipe.write(chunk)
+                    pipe.flush()
+        except Exception:  # noqa: BLE001 - broken pipe (command exited) or loop gone
+            pass
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def _wait_exit(self) -> None:
+        self._popen.wait()
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
+        try:
+            anyio.from_thread.run_sync(self._done.set, token=self._token)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- ExecProcess -----------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the command once known (crun writes it to the pid file right after starting it)."""
+        if self._pid is None and self._pid_file is not None:
+            try:
+                self._pid = int(self._pid_file.read_text().strip())
+            except (OSError, ValueError):
+                pass
+        return self._pid
+
+    async def read(self) -> tuple[StreamName, bytes] | None:
+        try:
+            return await self._recv.receive()
+        except anyio.EndOfStream:
+            return None
+
+    async def wait(self) -> int:
+        await self._done.wait()
+        rc = self._popen.returncode
+        return 128 - rc if rc < 0 else rc
+
+    def _command_pid(self, timeout: float) -> int | None:
+        if self._pid_file is None:
+            return self._popen.pid
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                text = self._pid_file.read_text().strip()
+                if text:
+                    self._pid = int(text)
+                    return self._pid
+            except (OSError, ValueError):
+                pass
+            if self._popen.poll() is not None or time.monotonic() > deadline:
+                return None
+            time.sleep(0.002)
+
+    def _kill_sync(self) -> None:
+        if self._popen.poll() is None:
+            pid = self._command_pid(timeout=2.0)
+            if pid is not None:
+                procs.kill_tree(pid, pgid=self._popen.pid)
+        try:
+            os.killpg(self._popen.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    async def kill(self) -> None:
+        if not self._killed:
+            self._killed = True
+            await anyio.to_thread.run_sync(self._kill_sync, abandon_on_cancel=True)
+        await self._done.wait()
+
+    async def __aenter__(self) -> PipeExec:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._popen.poll() is None:
+            await self.kill()
