@@ -1,0 +1,465 @@
+"""Templates: declarative TOML specs built into cached, read-only overlay layers.
+
+A spec (``src/pilldrops/templates/<name>.toml``)::
+
+    name = "code-interpreter"
+    description = "..."
+    from = "base"                  # a parent template, or a builder: "busybox" | "debootstrap"
+    workdir = "/home/user"
+    [env]
+    LANG = "C.UTF-8"
+    [[steps]]
+    run = "apt-get update && ..."  # or: copy = {src = "file", dest = "/x"} (src relative to the spec)
+                                   #     env = {K = "V"} / workdir = "/dir"  (affect later steps + result)
+
+Each template is ONE layer dir on top of its parent's layers. A builder writes the layer directly; a
+child runs its steps in a chroot over an overlay (lower = parent layers, upper = the new layer), so
+deletions stay as overlay whiteouts (char 0/0) that keep working when the layer is used as a lower.
+Layers live at ``<data_dir>/templates/<name>/<hash>/{layer,manifest.json}``; the hash covers the spec,
+copied files and the parent's hash, so any change rebuilds. A build happens in a temp dir renamed into
+place at the end (a crash never leaves a half template visible), under a per-template file lock.
+Building needs root (chroot, mount).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import tomllib
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pilldrops.errors import TemplateNotFound
+from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
+
+BUILDERS = ("busybox", "debootstrap")
+BUILDER_VERSION = "1"          # bump to force rebuilds when builder code changes its output
+SPEC_DIR = Path(__file__).resolve().parent.parent / "templates"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+DEFAULT_SUITE = "bookworm"
+BUILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+Progress = Callable[[str], None]
+
+
+class TemplateSpecError(ValueError):
+    """A template spec file is invalid; the message names the file and the problem."""
+
+
+class TemplateBuildError(RuntimeError):
+    """A build step failed; ``output`` holds the tail of its output."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(f"{message}\n{output[-4000:]}" if output else message)
+        self.output = output
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str                     # run | copy | env | workdir
+    value: Any
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    name: str
+    description: str
+    base: str                     # the "from" field
+    env: dict[str, str]
+    workdir: str | None
+    steps: tuple[Step, ...]
+    path: Path
+
+    @property
+    def is_builder(self) -> bool:
+        return self.base in BUILDERS
+
+    def canonical(self) -> dict[str, Any]:
+        return {"name": self.name, "from": self.base, "env": self.env, "workdir": self.workdir,
+                "steps": [[s.kind, s.value] for s in self.steps]}
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    layers: tuple[Path, ...]      # top first, ready for SandboxSpec.layers
+    env: dict[str, str]
+    workdir: str
+    hash: str
+    size: int = 0
+    built_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class TemplateStatus:
+    name: str
+    description: str
+    base: str
+    hash: str
+    built: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- spec parsing ---------------------------------------------------------------------------------
+_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps"}
+
+
+def _str_map(v: Any, where: str) -> dict[str, str]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+        raise TemplateSpecError(f"{where}: must be a table of strings")
+    return dict(v)
+
+
+def parse_spec(path: Path) -> TemplateSpec:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise TemplateSpecError(f"{path}: {e}") from e
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise TemplateSpecError(f"{path}: unknown keys {sorted(unknown)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise TemplateSpecError(f"{path}: 'name' must match {_NAME_RE.pattern}")
+    base = data.get("from")
+    if not isinstance(base, str) or not base:
+        raise TemplateSpecError(f"{path}: 'from' must name a parent template or a builder {BUILDERS}")
+    if base == name:
+        raise TemplateSpecError(f"{path}: template cannot be built from itself")
+    workdir = data.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
+        raise TemplateSpecError(f"{path}: 'workdir' must be an absolute path")
+    steps = []
+    for i, raw in enumerate(data.get("steps", [])):
+        where = f"{path}: steps[{i}]"
+        if not isinstance(raw, dict) or len(raw) != 1:
+            raise TemplateSpecError(f"{where}: each step has exactly one of run/copy/env/workdir")
+        (kind, value), = raw.items()
+        if kind == "run":
+            if not isinstance(value, str) or not value.strip():
+                raise TemplateSpecError(f"{where}: 'run' must be a non-empty string")
+        elif kind == "copy":
+            if (not isinstance(value, dict) or set(value) != {"src", "dest"}
+                    or not all(isinstance(x, str) for x in value.values())
+                    or not value["dest"].startswith("/")):
+                raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
+            if Path(value["src"]).is_absolute() or ".." in Path(value["src"]).parts:
+                raise TemplateSpecError(f"{where}: copy src must be relative to the spec file")
+            value = dict(value)
+        elif kind == "env":
+            value = _str_map(value, where)
+        elif kind == "workdir":
+            if not isinstance(value, str) or not value.startswith("/"):
+                raise TemplateSpecError(f"{where}: 'workdir' must be an absolute path")
+        else:
+            raise TemplateSpecError(f"{where}: unknown step kind {kind!r}")
+        steps.append(Step(kind, value))
+    return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
+                        env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
+                        steps=tuple(steps), path=path.resolve())
+
+
+def _hash_path(h: Any, p: Path) -> None:
+    if p.is_dir():
+        for sub in sorted(p.rglob("*")):
+            h.update(str(sub.relative_to(p)).encode())
+            if sub.is_file():
+                h.update(sub.read_bytes())
+    elif p.exists():
+        h.update(p.read_bytes())
+    else:
+        raise TemplateSpecError(f"copy source missing: {p}")
+
+
+def spec_hash(spec: TemplateSpec, parent_hash: str) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"spec": spec.canonical(), "parent": parent_hash, "builder": BUILDER_VERSION},
+                        sort_keys=True).encode())
+    for s in spec.steps:
+        if s.kind == "copy":
+            _hash_path(h, spec.path.parent / s.value["src"])
+    return h.hexdigest()[:16]
+
+
+def apt_mirror() -> str:
+    """The Debian mirror this machine's apt uses (deb822 sources first), else deb.debian.org."""
+    src = Path("/etc/apt/sources.list.d/debian.sources")
+    if src.exists():
+        for line in src.read_text().splitlines():
+            if line.startswith("URIs:"):
+                for uri in line.split()[1:]:
+                    if not uri.rstrip("/").endswith("-security"):
+                        return uri.rstrip("/")
+    lst = Path("/etc/apt/sources.list")
+    if lst.exists():
+        for line in lst.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
+                uri = next((p for p in parts[1:] if "://" in p), None)
+                if uri:
+                    return uri.rstrip("/")
+    return DEFAULT_MIRROR
+
+
+# -- build helpers ---------------------------------------------------------------------------------
+def _run(argv: list[str], progress: Progress | None, *, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        line = raw.decode(errors="replace").rstrip()
+        tail = (tail + [line])[-80:]
+        if progress:
+            progress(line)
+    if proc.wait() != 0:
+        raise TemplateBuildError(f"command failed (exit {proc.returncode}): {' '.join(argv)[:300]}",
+                                 "\n".join(tail))
+
+
+def _tree_size(p: Path) -> int:
+    total = 0
+    for root, dirs, files in os.walk(p):
+        for n in dirs + files:
+            try:
+                total += os.lstat(os.path.join(root, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@contextmanager
+def _chroot_mounts(root: Path) -> Iterator[None]:
+    """proc + /dev + the host's resolv.conf inside ``root`` for the duration of the build steps."""
+    for d in ("proc", "dev", "etc"):
+        (root / d).mkdir(exist_ok=True)
+    resolv = root / "etc" / "resolv.conf"
+    saved: tuple[str, bytes | str] | None = None
+    if resolv.is_symlink():
+        saved = ("link", os.readlink(resolv))
+    elif resolv.exists():
+        saved = ("file", resolv.read_bytes())
+    try:
+        mount(b"proc", root / "proc", b"proc", 0, None)
+        mount(b"/dev", root / "dev", None, MS_BIND, None)
+        if resolv.is_symlink() or resolv.exists():
+            resolv.unlink()
+        if Path("/etc/resolv.conf").exists():
+            shutil.copyfile("/etc/resolv.conf", resolv)
+        yield
+    finally:
+        umount_all_under(root / "dev")
+        umount_all_under(root / "proc")
+        if resolv.is_symlink() or resolv.exists():
+            resolv.unlink()
+        if saved and saved[0] == "link":
+            os.symlink(saved[1], resolv)
+        elif saved:
+            resolv.write_bytes(saved[1])  # type: ignore[arg-type]
+
+
+def _build_busybox(layer: Path, progress: Progress | None) -> None:
+    busybox = Path("/bin/busybox")
+    if not busybox.exists():
+        raise TemplateBuildError("/bin/busybox missing: run `scripts/install-system-deps` (busybox-static)")
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "home", "proc", "sys", "dev", "var/tmp"):
+        (layer / d).mkdir(parents=True, exist_ok=True)
+    (layer / "tmp").mkdir(exist_ok=True)
+    os.chmod(layer / "tmp", 0o1777)
+    os.chmod(layer / "root", 0o700)
+    shutil.copy2(busybox, layer / "bin" / "busybox")
+    _run(["chroot", str(layer), "/bin/busybox", "--install", "-s"], progress)
+    (layer / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+    (layer / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (layer / "etc" / "hostname").write_text("sandbox\n")
+
+
+def _build_debootstrap(layer: Path, progress: Progress | None) -> None:
+    if not shutil.which("debootstrap"):
+        raise TemplateBuildError("debootstrap missing: run `scripts/install-system-deps`")
+    mirror = apt_mirror()
+    if progress:
+        progress(f"debootstrap --variant=minbase {DEFAULT_SUITE} from {mirror}")
+    _run(["debootstrap", "--variant=minbase", DEFAULT_SUITE, str(layer), mirror], progress)
+    for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/apt/archives/*.deb"):
+        for p in layer.glob(pattern):
+            if p.is_file() or p.is_symlink():
+                p.unlink()
+            elif p.is_dir() and p.name != "partial":
+                shutil.rmtree(p)
+
+
+# -- the store ---------------------------------------------------------------------------------------
+class TemplateStore:
+    """Specs from ``spec_dirs`` (later dirs override earlier; default: the packaged templates), built
+    layers under ``<data_dir>/templates``. ``build``/``ensure`` block (run them in a worker thread from
+    async code) and need root."""
+
+    def __init__(self, data_dir: Path, *, spec_dirs: Sequence[Path] | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.root = self.data_dir / "templates"
+        self.spec_dirs = [Path(p) for p in (spec_dirs if spec_dirs is not None else [SPEC_DIR])]
+
+    # specs
+    def specs(self) -> dict[str, TemplateSpec]:
+        out: dict[str, TemplateSpec] = {}
+        for d in self.spec_dirs:
+            for f in sorted(Path(d).glob("*.toml")):
+                s = parse_spec(f)
+                out[s.name] = s
+        return out
+
+    def spec(self, name: str) -> TemplateSpec:
+        specs = self.specs()
+        if name not in specs:
+            raise TemplateNotFound(f"no template spec named {name!r}", details={"template": name})
+        return specs[name]
+
+    def hash(self, name: str, _seen: tuple[str, ...] = ()) -> str:
+        if name in _seen:
+            raise TemplateSpecError(f"template cycle: {' -> '.join(_seen + (name,))}")
+        s = self.spec(name)
+        parent = f"builder:{s.base}" if s.is_builder else self.hash(s.base, _seen + (name,))
+        return spec_hash(s, parent)
+
+    # built templates
+    def _final(self, name: str, h: str) -> Path:
+        return self.root / name / h
+
+    def get(self, name: str) -> Template:
+        h = self.hash(name)
+        manifest = self._final(name, h) / "manifest.json"
+        if not manifest.exists():
+            raise TemplateNotFound(f"template {name!r} is not built (hash {h}); build it with "
+                                   f"TemplateStore.build({name!r})", details={"template": name, "hash": h})
+        m = json.loads(manifest.read_text())
+        return Template(name=m["name"], layers=tuple(Path(p) for p in m["layers"]), env=m["env"],
+                        workdir=m["workdir"], hash=m["hash"], size=m["size"], built_at=m["built_at"])
+
+    def list(self) -> list[TemplateStatus]:
+        out = []
+        for name, s in sorted(self.specs().items()):
+            h = self.hash(name)
+            out.append(TemplateStatus(name=name, description=s.description, base=s.base, hash=h,
+                                      built=(self._final(name, h) / "manifest.json").exists()))
+        return out
+
+    def ensure(self, name: str, progress: Progress | None = None) -> Template:
+        try:
+            return self.get(name)
+        except TemplateNotFound:
+            if name not in self.specs():
+                raise
+            return self.build(name, progress=progress)
+
+    def build(self, name: str, progress: Progress | None = None, *, force: bool = False) -> Template:
+        s = self.spec(name)
+        parent = None if s.is_builder else self.ensure(s.base, progress)
+        h = self.hash(name)
+        final = self._final(name, h)
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        with open(self.root / name / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (final / "manifest.json").exists() and not force:
+                return self.get(name)
+            t0 = time.monotonic()
+            if progress:
+                progress(f"building template {name} ({h}) from {s.base}")
+            tmp = self.root / name / f".tmp-{h}-{uuid.uuid4().hex[:8]}"
+            try:
+                self._build_into(s, parent, tmp, progress)
+                layers = [str(final / "layer")] + ([str(p) for p in parent.layers] if parent else [])
+                env, workdir = self._resolve_env(s, parent)
+                manifest = {"name": name, "hash": h, "layers": layers, "env": env, "workdir": workdir,
+                            "size": _tree_size(tmp / "layer"), "built_at": time.time(),
+                            "build_seconds": round(time.monotonic() - t0, 3), "from": s.base}
+                (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+                if final.exists():             # force rebuild: move the old one out of the way
+                    old = self.root / name / f".old-{h}-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(tmp, final)
+            finally:
+                if tmp.exists():
+                    umount_all_under(tmp)
+                    shutil.rmtree(tmp, ignore_errors=True)
+            if progress:
+                progress(f"built template {name} in {time.monotonic() - t0:.2f}s")
+            return self.get(name)
+
+    @staticmethod
+    def _resolve_env(s: TemplateSpec, parent: Template | None) -> tuple[dict[str, str], str]:
+        env = dict(parent.env) if parent else {}
+        env.update(s.env)
+        workdir = s.workdir or (parent.workdir if parent else "/")
+        for st in s.steps:
+            if st.kind == "env":
+                env.update(st.value)
+            elif st.kind == "workdir":
+                workdir = st.value
+        return env, workdir
+
+    def _build_into(self, s: TemplateSpec, parent: Template | None, tmp: Path,
+                    progress: Progress | None) -> None:
+        layer = tmp / "layer"
+        layer.mkdir(parents=True)
+        if parent is None:
+            {"busybox": _build_busybox, "debootstrap": _build_debootstrap}[s.base](layer, progress)
+            if s.steps:
+                self._run_steps(s, None, layer, progress)
+            return
+        work, merged = tmp / "work", tmp / "merged"
+        work.mkdir()
+        merged.mkdir()
+        mount_overlay(merged, list(parent.layers), layer, work)
+        try:
+            self._run_steps(s, parent, merged, progress)
+        finally:
+            umount_all_under(merged)
+        shutil.rmtree(work, ignore_errors=True)
+        merged.rmdir()
+
+    def _run_steps(self, s: TemplateSpec, parent: Template | None, root: Path,
+                   progress: Progress | None) -> None:
+        env = dict(parent.env) if parent else {}
+        env.update(s.env)
+        workdir = s.workdir or (parent.workdir if parent else "/")
+        with _chroot_mounts(root):
+            for i, st in enumerate(s.steps):
+                if progress:
+                    progress(f"[{s.name} step {i + 1}/{len(s.steps)}] {st.kind}: {st.value}")
+                if st.kind == "env":
+                    env.update(st.value)
+                elif st.kind == "workdir":
+                    workdir = st.value
+                elif st.kind == "copy":
+                    src = s.path.parent / st.value["src"]
+                    dest = root / st.value["dest"].lstrip("/")
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    if src.is_dir():
+                        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+                    else:
+                        shutil.copy2(src, dest / src.name if dest.is_dir() else dest)
+                else:
+                    (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+                    run_env = {"PATH": BUILD_PATH, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive",
+                               "LC_ALL": "C", **env}
+                    script = f"cd {_shq(workdir)} && {st.value}"
+                    _run(["chroot", str(root), "/bin/sh", "-c", script], progress, env=run_env)
+        (root / (s.workdir or workdir).lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+
+def _shq(s: str) -> str:
+    return "'" + s.replace("'", "'\\''") + "'"
