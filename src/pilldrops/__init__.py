@@ -1,0 +1,69 @@
+"""PillDrops: self-hostable disposable sandboxes for RL rollouts and evals.
+
+Example::
+
+    from pilldrops import Sandbox
+
+    with Sandbox.create(template="code-interpreter", vcpu=1, memory_mb=512, timeout=600) as sb:
+        sb.upload("./env", "/env")
+        r = sb.run("python /env/episode.py")
+        reward = float(r.stdout)
+
+``AsyncSandbox`` is the asyncio twin (``async with await AsyncSandbox.create(...) as sb:``).
+Every error is a :class:`PillDropsError`; see :mod:`pilldrops.errors` for the tree.
+"""
+
+from pilldrops.errors import (
+    AuthenticationError,
+    CapacityUnavailable,
+    CommandFailed,
+    Conflict,
+    FileNotFound,
+    InvalidRequest,
+    InvalidState,
+    NodeUnavailable,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    PillDropsError,
+    RateLimited,
+    RequestTimeout,
+    SandboxNotFound,
+    ServerError,
+    TemplateNotFound,
+    TransportError,
+)
+from pilldrops.schema.api import FileInfo, SandboxInfo, SandboxState
+from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._base import RunResult
+from pilldrops.sdk._sync.sandbox import Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncSandbox",
+    "AuthenticationError",
+    "CapacityUnavailable",
+    "CommandFailed",
+    "Conflict",
+    "FileInfo",
+    "FileNotFound",
+    "InvalidRequest",
+    "InvalidState",
+    "NodeUnavailable",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "PillDropsError",
+    "RateLimited",
+    "RequestTimeout",
+    "RunResult",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxState",
+    "ServerError",
+    "TemplateNotFound",
+    "TransportError",
+    "__version__",
+]

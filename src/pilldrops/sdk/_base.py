@@ -1,0 +1,598 @@
+"""Colour-free SDK helpers: everything that does no network I/O, shared by ``_async`` and ``_sync``.
+
+Request targets and headers, error mapping (HTTP status/body and transport exceptions, each in one place),
+the retry decision and backoff, decoding a streamed run into a :class:`RunResult`, tar packing for
+``upload`` and safe extraction for ``download``, and the shared-connection-pool caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import email.utils
+import functools
+import os
+import posixpath
+import random
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import anyio
+import anyio.to_thread
+import httpx
+import pydantic
+
+from pilldrops.errors import (
+    CommandFailed,
+    InvalidRequest,
+    PillDropsError,
+    RequestTimeout,
+    ServerError,
+    TransportError,
+    from_wire,
+)
+from pilldrops.schema.api import DEFAULT_OUTPUT_CAP, RunEvent, SandboxInfo
+from pilldrops.sdk._config import MAX_CONNECTIONS, MAX_KEEPALIVE_CONNECTIONS, ClientConfig
+
+try:  # pragma: no cover - trivial
+    from importlib.metadata import version as _dist_version
+
+    SDK_VERSION = _dist_version("pilldrops")
+except Exception:  # pragma: no cover
+    SDK_VERSION = "0.0.0"
+
+USER_AGENT = f"pilldrops-python/{SDK_VERSION}"
+T = TypeVar("T")
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+# ---------------------------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: a base URL and the auth headers that base URL wants."""
+
+    base_url: str
+    headers: dict[str, str]
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+
+def control_target(config: ClientConfig) -> Target:
+    """The control plane, authenticated with the API key."""
+    return Target(config.api_url, {"Authorization": f"Bearer {config.api_key}"})
+
+
+def data_target(info: SandboxInfo, config: ClientConfig) -> Target:
+    """The sandbox's data plane: the node directly when ``envd_url`` is known, else the control plane's proxy.
+
+    The API key is never sent to a node; the node gets only the per-sandbox access token.
+    """
+    if info.envd_url and info.access_token:
+        return Target(info.envd_url, {"X-Access-Token": info.access_token})
+    return control_target(config)
+
+
+def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
+    return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"
+
+
+def list_params(state: str | list[str] | None, metadata: dict[str, str] | None, limit: int,
+                cursor: str | None) -> list[tuple[str, str]]:
+    """Query parameters of ``GET /v1/sandboxes`` (``state`` repeats, metadata is ``metadata.<k>=<v>``)."""
+    params: list[tuple[str, str]] = []
+    states = [state] if isinstance(state, str) else list(state or [])
+    params += [("state", getattr(s, "value", s)) for s in states]
+    params += [(f"metadata.{k}", v) for k, v in (metadata or {}).items()]
+    params.append(("limit", str(limit)))
+    if cursor:
+        params.append(("cursor", cursor))
+    return params
+
+
+def new_idempotency_key() -> str:
+    """One key per logical create, reused by every retry of it."""
+    import uuid
+
+    return f"pd-{uuid.uuid4().hex}"
+
+
+def http_client_kwargs(config: ClientConfig) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client`` / ``httpx.AsyncClient`` (no auth: it is set per target)."""
+    kw: dict[str, Any] = {
+        "timeout": httpx.Timeout(config.request_timeout),
+        "limits": httpx.Limits(max_connections=MAX_CONNECTIONS,
+                               max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
+        "headers": {"User-Agent": USER_AGENT},
+        "follow_redirects": False,
+    }
+    if config.transport is not None:
+        kw["transport"] = config.transport
+    return kw
+
+
+def stream_timeout(config: ClientConfig) -> httpx.Timeout:
+    """Timeout for a streamed run: connect/write/pool bounded, but no read timeout (commands may be long)."""
+    return httpx.Timeout(config.request_timeout, read=None)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@contextmanager
+def map_transport_errors() -> Iterator[None]:
+    """Translate every ``httpx`` exception into a PillDrops error (the one place this happens)."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise RequestTimeout(f"request timed out: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+    except httpx.TransportError as exc:
+        raise TransportError(f"could not reach PillDrops: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+    except httpx.HTTPError as exc:  # stream/decoding errors and the like: still "no usable response"
+        raise TransportError(f"HTTP error: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+    except httpx.InvalidURL as exc:
+        raise InvalidRequest(f"invalid URL: {exc}") from exc
+
+
+def error_from_response(response: httpx.Response) -> PillDropsError:
+    """The typed error for a non-2xx response; the body need not be JSON. The response must be read."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    request_id = response.headers.get("x-request-id")
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        snippet = response.text[:200].strip() if response.content else ""
+        message = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+        body = {"error": {"message": f"{message}: {snippet}" if snippet else message,
+                          "request_id": request_id}}
+    exc = from_wire(response.status_code, body)
+    if exc.request_id is None:
+        exc.request_id = request_id
+    return exc
+
+
+def build_model(model: type[M], **fields: Any) -> M:
+    """Validate a request body locally; a bad argument is an :class:`InvalidRequest` before any I/O."""
+    try:
+        return model(**fields)
+    except pydantic.ValidationError as exc:
+        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        first = details[0] if details else {"loc": [], "msg": str(exc)}
+        where = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequest(f"invalid {where or 'argument'}: {first['msg']}", details=details) from None
+
+
+def parse_model(model: type[M], response: httpx.Response) -> M:
+    """Validate a 2xx JSON body; a malformed one is a :class:`ServerError`, never a pydantic error."""
+    try:
+        return model.model_validate_json(response.content)
+    except (pydantic.ValidationError, ValueError) as exc:
+        raise ServerError(f"unexpected response from {response.request.url.path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------- retries
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503})
+BACKOFF_BASE_S = 0.25
+BACKOFF_CAP_S = 4.0
+MAX_RETRY_AFTER_S = 60.0
+
+
+def should_retry(exc: PillDropsError, *, idempotent: bool) -> bool:
+    """Whether a failed attempt may be repeated.
+
+    Idempotent calls retry on transport errors and on 429/500/502/503. Other calls (``run``, ``upload``)
+    retry only when the request provably never left this process (connect errors, pool timeouts).
+    """
+    if isinstance(exc, TransportError):
+        return idempotent or isinstance(exc.__cause__, _NOT_SENT)
+    return idempotent and exc.status in RETRY_STATUSES
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+def backoff_delay(attempt: int, retry_after: float | None = None, *, base: float = BACKOFF_BASE_S,
+                  cap: float = BACKOFF_CAP_S, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry number ``attempt`` (0-based): exponential with jitter, capped.
+
+    A server's ``Retry-After`` wins (up to 60 s).
+    """
+    if retry_after is not None:
+        return min(retry_after, MAX_RETRY_AFTER_S)
+    delay = min(cap, base * (2 ** attempt))
+    return delay * (0.5 + 0.5 * (rng or random).random())
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished command produced.
+
+    ``stdout``/``stderr`` are UTF-8 decoded with replacement characters; the raw bytes are in
+    ``stdout_bytes``/``stderr_bytes``. ``duration`` is in seconds. ``truncated`` means output passed
+    ``max_output_bytes`` and the rest was dropped; ``timed_out`` means the command hit its ``timeout``
+    (``exit_code`` is then 124). A non-zero exit is data; call :meth:`check_returncode` to raise.
+    """
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    duration: float = 0.0
+    truncated: bool = False
+    timed_out: bool = False
+    cmd: str | list[str] | None = field(default=None, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def check_returncode(self) -> RunResult:
+        """Raise :class:`CommandFailed` (with ``.result``) when ``exit_code`` is not 0; else return self."""
+        if self.exit_code != 0:
+            what = "timed out" if self.timed_out else f"exited with code {self.exit_code}"
+            tail = self.stderr.strip().splitlines()[-1:] if self.stderr.strip() else []
+            msg = f"command {self.cmd!r} {what}" + (f": {tail[0][:300]}" if tail else "")
+            raise CommandFailed(msg, result=self)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"RunResult(exit_code={self.exit_code}, stdout={len(self.stdout_bytes)}B, "
+                f"stderr={len(self.stderr_bytes)}B, duration={self.duration:.3f}s"
+                + (", truncated" if self.truncated else "") + (", timed_out" if self.timed_out else "") + ")")
+
+
+class _Stream:
+    def __init__(self, callback: Callable[[str], Any] | None, cap: int) -> None:
+        self.callback = callback
+        self.cap = cap
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> None:
+        room = self.cap - self.size
+        if len(data) > room:
+            data, self.truncated = data[:max(room, 0)], True
+        if data:
+            self.chunks.append(data)
+            self.size += len(data)
+            if self.callback is not None:
+                text = self.decoder.decode(data)
+                if text:
+                    self.callback(text)
+
+    def finish(self) -> bytes:
+        if self.callback is not None:
+            tail = self.decoder.decode(b"", final=True)
+            if tail:
+                self.callback(tail)
+        return b"".join(self.chunks)
+
+
+class RunDecoder:
+    """Turns the NDJSON lines of ``POST .../run`` into callbacks and a :class:`RunResult`.
+
+    Feed it each line with :meth:`feed`; an ``error`` event raises the matching PillDrops error.
+    Callbacks receive decoded text chunks; a multi-byte character split across chunks is decoded whole.
+    """
+
+    def __init__(self, *, cmd: str | list[str] | None = None, on_stdout: Callable[[str], Any] | None = None,
+                 on_stderr: Callable[[str], Any] | None = None,
+                 max_output_bytes: int = DEFAULT_OUTPUT_CAP) -> None:
+        self.cmd = cmd
+        self.pid: int | None = None
+        self._out = _Stream(on_stdout, max_output_bytes)
+        self._err = _Stream(on_stderr, max_output_bytes)
+        self._exit: RunEvent | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._exit is not None
+
+    def feed(self, line: str | bytes) -> None:
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "replace")
+        if not line.strip():
+            return
+        try:
+            event = RunEvent.model_validate_json(line)
+        except (pydantic.ValidationError, ValueError) as exc:
+            raise ServerError(f"malformed run event: {line[:200]!r}") from exc
+        if event.type == "start":
+            self.pid = event.pid
+        elif event.type in ("stdout", "stderr"):
+            import base64
+            import binascii
+
+            try:
+                data = base64.b64decode(event.data or "", validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ServerError("malformed base64 in run output") from exc
+            (self._out if event.type == "stdout" else self._err).feed(data)
+        elif event.type == "exit":
+            self._exit = event
+        elif event.type == "error":
+            raise from_wire(0, {"error": {"code": event.code, "message": event.message or event.code}})
+
+    def result(self) -> RunResult:
+        """The final result; raises :class:`TransportError` if the stream ended without an ``exit`` event."""
+        out, err = self._out.finish(), self._err.finish()
+        if self._exit is None:
+            raise TransportError("the run stream ended before the command's exit was reported")
+        ev = self._exit
+        return RunResult(
+            exit_code=ev.exit_code if ev.exit_code is not None else -1,
+            stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
+            stdout_bytes=out, stderr_bytes=err, duration=float(ev.duration or 0.0),
+            truncated=bool(ev.truncated) or self._out.truncated or self._err.truncated,
+            timed_out=bool(ev.timed_out), cmd=self.cmd,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- tar
+
+CHUNK_SIZE = 1 << 20
+
+
+@dataclass(frozen=True)
+class UploadPlan:
+    """A packed upload: the tar file on local disk, the remote directory to unpack it under, member count."""
+
+    tar_path: str
+    dest: str
+    entries: int
+
+    def cleanup(self) -> None:
+        try:
+            os.unlink(self.tar_path)
+        except FileNotFoundError:
+            pass
+
+
+def _reset_owner(ti: tarfile.TarInfo) -> tarfile.TarInfo:
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    return ti
+
+
+def pack_upload(local: str | os.PathLike[str], remote: str) -> UploadPlan:
+    """Pack ``local`` (a file or a directory) into a temporary tar file for ``PUT .../archive``.
+
+    - a directory: its *contents* with names relative to it, unpacked under ``remote`` (so ``remote``
+      becomes the directory);
+    - a file: one member named ``basename(remote)`` unpacked under ``dirname(remote)``; a ``remote``
+      ending in ``/`` is a directory and keeps the local file name.
+
+    Symlinks are stored as symlinks, never followed. The caller must ``cleanup()`` the plan.
+    """
+    src = Path(local)
+    if not src.exists() and not src.is_symlink():
+        raise FileNotFoundError(f"no such file or directory: {src}")
+    if not remote:
+        raise InvalidRequest("remote path must not be empty")
+    fd, tar_path = tempfile.mkstemp(prefix="pilldrops-upload-", suffix=".tar")
+    entries = 0
+    try:
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            if src.is_dir() and not src.is_symlink():
+                dest = remote if remote == "/" else remote.rstrip("/")
+                for root, dirs, files in os.walk(src, followlinks=False):
+                    dirs.sort()
+                    rel_root = os.path.relpath(root, src)
+                    for name in sorted(dirs) + sorted(files):
+                        path = os.path.join(root, name)
+                        arc = name if rel_root == "." else posixpath.join(Path(rel_root).as_posix(), name)
+                        tar.add(path, arcname=arc, recursive=False, filter=_reset_owner)
+                        entries += 1
+            else:
+                if remote.endswith("/"):
+                    dest, arc = remote.rstrip("/") or "/", src.name
+                else:
+                    dest, arc = posixpath.dirname(remote) or ".", posixpath.basename(remote)
+                tar.add(str(src), arcname=arc, recursive=False, filter=_reset_owner)
+                entries = 1
+    except BaseException:
+        os.unlink(tar_path)
+        raise
+    return UploadPlan(tar_path=tar_path, dest=dest, entries=entries)
+
+
+def iter_file(path: str, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    """A file's bytes in chunks (a request body streamed from disk, not held in memory)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            yield chunk
+
+
+async def aiter_file(path: str, chunk_size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+    """Async twin of :func:`iter_file`; disk reads run in a worker thread."""
+    with open(path, "rb") as f:
+        while chunk := await anyio.to_thread.run_sync(f.read, chunk_size):
+            yield chunk
+
+
+def download_tempfile(local: str | os.PathLike[str]) -> tuple[str, Any]:
+    """A temporary file next to ``local`` (same filesystem, so the final move is a rename)."""
+    parent = Path(local).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=".pilldrops-download-", suffix=".tar", dir=parent)
+    return path, os.fdopen(fd, "wb")
+
+
+def extract_download(tar_path: str, remote: str, local: str | os.PathLike[str]) -> Path:
+    """Safely unpack a ``GET .../archive`` tar (holding ``basename(remote)``) so ``local`` becomes it.
+
+    Extraction uses tarfile's ``data`` filter: absolute names, ``../`` members, links out of the
+    destination and device files are refused with :class:`InvalidRequest`. If ``local`` is an existing
+    directory, a downloaded directory is merged into it and a downloaded file is placed inside it.
+    """
+    dst = Path(local).absolute()
+    workdir = tempfile.mkdtemp(prefix=".pilldrops-extract-", dir=dst.parent)
+    try:
+        try:
+            with tarfile.open(tar_path, mode="r:*") as tar:
+                tar.extractall(workdir, filter="data")
+        except tarfile.FilterError as exc:
+            raise InvalidRequest(f"refusing unsafe archive from the sandbox: {exc}") from exc
+        except tarfile.TarError as exc:
+            raise ServerError(f"the sandbox returned a broken archive: {exc}") from exc
+        name = posixpath.basename(remote.rstrip("/"))
+        top = Path(workdir) / name if name else Path(workdir)
+        if name and not (top.exists() or top.is_symlink()):
+            found = os.listdir(workdir)
+            if len(found) != 1:
+                raise ServerError(f"archive for {remote!r} does not hold {name!r}")
+            top = Path(workdir) / found[0]
+        if dst.is_dir() and not dst.is_symlink():
+            if top.is_dir() and not top.is_symlink():
+                shutil.copytree(top, dst, symlinks=True, dirs_exist_ok=True)
+                return dst
+            final = dst / top.name
+            if final.is_dir() and not final.is_symlink():
+                shutil.rmtree(final)
+            os.replace(top, final)
+            return final
+        if dst.is_symlink() or dst.exists():
+            dst.unlink()
+        if top == Path(workdir):
+            os.rename(workdir, dst)
+            workdir = ""
+        else:
+            os.replace(top, dst)
+        return dst
+    finally:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- pools
+
+
+class ClientCache:
+    """One shared ``httpx.Client`` (one connection pool) per (api_url, api_key, transport); thread-safe."""
+
+    def __init__(self, factory: Callable[..., Any]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str, int], Any] = {}
+
+    def get(self, config: ClientConfig) -> Any:
+        with self._lock:
+            client = self._clients.get(config.pool_key)
+            if client is None or client.is_closed:
+                client = self._clients[config.pool_key] = self._factory(**http_client_kwargs(config))
+            return client
+
+    def clear(self) -> None:
+        """Forget (and close) every cached client."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+
+class AsyncClientCache:
+    """One shared ``httpx.AsyncClient`` per running event loop and (api_url, api_key, transport).
+
+    An AsyncClient's connections belong to the loop that opened them, so loops never share one. Entries
+    vanish with their loop. Outside asyncio (e.g. trio) a fresh client is made per sandbox.
+    """
+
+    def __init__(self, factory: Callable[..., Any]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._by_loop: weakref.WeakKeyDictionary[Any, dict[tuple[str, str, int], Any]] = \
+            weakref.WeakKeyDictionary()
+
+    def get(self, config: ClientConfig) -> Any:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return self._factory(**http_client_kwargs(config))
+        with self._lock:
+            clients = self._by_loop.setdefault(loop, {})
+            client = clients.get(config.pool_key)
+            if client is None or client.is_closed:
+                client = clients[config.pool_key] = self._factory(**http_client_kwargs(config))
+            return client
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_loop = weakref.WeakKeyDictionary()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_loop.values())
+
+
+class Shield:
+    """No-op twin of :class:`AsyncShield` (sync code cannot be cancelled mid-call)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class AsyncShield:
+    """Shields cleanup (the kill in ``__aexit__``) from an enclosing cancellation."""
+
+    def __init__(self) -> None:
+        self._scope = anyio.CancelScope(shield=True)
+
+    def __enter__(self) -> None:
+        self._scope.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._scope.__exit__(*exc)
+
+
+class Blocking:
+    """Runs blocking local work (tar packing, extraction) inline. Twin of :class:`AsyncBlocking`."""
+
+    @staticmethod
+    def run(fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+
+class AsyncBlocking:
+    """Runs blocking local work (tar packing, extraction) in a worker thread, off the event loop."""
+
+    @staticmethod
+    async def run(fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
