@@ -1,0 +1,274 @@
+"""Commands that run PillDrops on this machine: ``up`` (embedded default), ``serve`` (control plane),
+``node`` (node agent) and ``template build``. Server and node code is imported inside the commands so the
+client CLI works with only the SDK installed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
+DEFAULT_TEMPLATES = "code-interpreter"
+
+
+def _data_dir_option(f: Any) -> Any:
+    return click.option("--data-dir", type=click.Path(path_type=Path), default=DEFAULT_DATA_DIR,
+                        envvar="PILLDROPS_DATA_DIR", show_default=True,
+                        help="where the store, templates and sandbox state live")(f)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _console() -> Any:
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def build_templates(data_dir: Path, names: list[str]) -> None:
+    """Build (or find cached) templates, with a live progress line per template."""
+    from pilldrops.node.templates import TemplateStore
+    store = TemplateStore(data_dir)
+    console = _console()
+    for name in names:
+        try:
+            store.get(name)
+            continue
+        except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
+            pass
+        t0 = time.monotonic()
+        with console.status(f"[bold]building template {name}[/] (first start only)") as status:
+            def progress(line: str, _name: str = name) -> None:
+                status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "
+                              f"[dim]{line[:90]}[/]")
+            tpl = store.ensure(name, progress=progress)
+        console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
+                      f"({tpl.size / 2**20:.0f} MiB)")
+
+
+def _print_exports(api_url: str, secret: str | None, saved: Path | None) -> None:
+    console = _console()
+    if secret:
+        console.print(f"[green]✓[/] API key created and saved to {saved}")
+        click.echo(f"export PILLDROPS_API_URL={api_url} PILLDROPS_API_KEY={secret}")
+    else:
+        console.print(f"[green]✓[/] using the API key saved in {saved}")
+        click.echo(f"export PILLDROPS_API_URL={api_url}")
+
+
+async def _bootstrap_key(cp: Any, api_url: str) -> None:
+    from pilldrops._internal import config
+    saved = config.load_file().get("api_key")
+    _, secret = await cp.services.auth.bootstrap(saved)
+    path = config.config_path()
+    if secret:
+        path = config.save_file(api_url, secret)
+    elif config.load_file().get("api_url") != api_url and saved:
+        path = config.save_file(api_url, saved)
+    _print_exports(api_url, secret, path)
+
+
+# ---- up ---------------------------------------------------------------------------------------------
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7070, show_default=True, type=int)
+@click.option("--node-port", default=None, type=int, help="node agent / data plane port [default: port+1]")
+@_data_dir_option
+@click.option("--templates", "template_names", default=DEFAULT_TEMPLATES, show_default=True,
+              help="comma-separated templates to build on first start")
+@click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
+@click.option("-v", "--verbose", is_flag=True)
+def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
+       keep_sandboxes: bool, verbose: bool) -> None:
+    """Run the control plane and one node agent on this machine (SQLite), in the foreground."""
+    import anyio
+    _logging(verbose)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in template_names.split(",") if n.strip()]
+    build_templates(data_dir, names)
+    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes)
+
+
+async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool) -> None:
+    import anyio
+
+    from pilldrops._internal.serving import Served, wait_for_signal
+    from pilldrops.node.agent import Settings, default_capacity
+    from pilldrops.node.main import build_node, default_node_name
+    from pilldrops.server.main import build_control_plane
+    from pilldrops.server.store.sql import sqlite_url
+
+    token = secrets.token_urlsafe(32)
+    api_url = f"http://{host}:{port}"
+    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token)
+    cpu, mem = default_capacity()
+    node = build_node(Settings(name=default_node_name(), public_url=f"http://{host}:{node_port}",
+                               capacity_vcpu=cpu, capacity_memory_mb=mem, control_plane_url=api_url,
+                               node_token=token, keep_on_exit=keep), data_dir)
+    cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cp_served.serve)
+            tg.start_soon(node_served.serve)
+            await tg.start(node.agent.run)
+            with anyio.fail_after(30):
+                await node.agent.wait_registered()
+            await _bootstrap_key(cp, api_url)
+            _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
+                             f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
+            await wait_for_signal()
+            await node.aclose()
+            node_served.stop()
+            cp_served.stop()
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
+    finally:
+        await cp.aclose()
+    _console().print("stopped" + (" (sandboxes kept running)" if keep else ""))
+
+
+# ---- serve ------------------------------------------------------------------------------------------
+
+def _node_token(data_dir: Path, given: str | None) -> str:
+    if given:
+        return given
+    path = data_dir / "node_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7070, show_default=True, type=int)
+@click.option("--db", default=None, help="database URL [default: SQLite in the data dir]")
+@click.option("--node-token", envvar="PILLDROPS_NODE_TOKEN", default=None,
+              help="token node agents must present [default: generated and kept in the data dir]")
+@_data_dir_option
+@click.option("-v", "--verbose", is_flag=True)
+def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, verbose: bool) -> None:
+    """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
+    import anyio
+    _logging(verbose)
+    token = _node_token(data_dir, node_token)
+    anyio.run(_serve, host, port, db, token, data_dir, node_token is None)
+
+
+async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool) -> None:
+    import anyio
+
+    from pilldrops._internal.serving import Served, wait_for_signal
+    from pilldrops.server.main import build_control_plane
+    from pilldrops.server.store.sql import sqlite_url
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token)
+    served = Served(cp.app, host, port)
+    api_url = f"http://{host}:{port}"
+    try:
+        await _bootstrap_key(cp, api_url)
+        if show_token:
+            _console().print(f"node token (kept in {data_dir / 'node_token'}):")
+            click.echo(f"export PILLDROPS_NODE_TOKEN={token}")
+        _console().print(f"[green]✓[/] control plane at [bold]{api_url}[/]")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(served.serve)
+            await wait_for_signal()
+            served.stop()
+    finally:
+        await cp.aclose()
+
+
+# ---- node -------------------------------------------------------------------------------------------
+
+@click.command()
+@click.option("--control-plane", "control_plane", required=True, envvar="PILLDROPS_CONTROL_PLANE",
+              help="control plane URL, e.g. http://127.0.0.1:7070")
+@click.option("--node-token", envvar="PILLDROPS_NODE_TOKEN", required=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7071, show_default=True, type=int)
+@click.option("--public-url", default=None, help="URL clients use to reach this node [default: http://host:port]")
+@click.option("--name", default=None, help="node name [default: hostname]")
+@click.option("--capacity-vcpu", type=float, default=None, help="vCPU offered [default: cores × 64]")
+@click.option("--capacity-memory-mb", type=int, default=None, help="MiB offered [default: RAM × 32]")
+@_data_dir_option
+@click.option("--templates", "template_names", default="", help="comma-separated templates to build first")
+@click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
+@click.option("-v", "--verbose", is_flag=True)
+def node(control_plane: str, node_token: str, host: str, port: int, public_url: str | None, name: str | None,
+         capacity_vcpu: float | None, capacity_memory_mb: int | None, data_dir: Path, template_names: str,
+         keep_sandboxes: bool, verbose: bool) -> None:
+    """Run a node agent on this host (root) that registers with a control plane."""
+    import anyio
+
+    from pilldrops.node.agent import Settings, default_capacity
+    from pilldrops.node.main import default_node_name
+    _logging(verbose)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()])
+    cpu, mem = default_capacity()
+    settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",
+                        capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
+                        control_plane_url=control_plane.rstrip("/"), node_token=node_token,
+                        keep_on_exit=keep_sandboxes)
+    anyio.run(_node, settings, host, port, data_dir)
+
+
+async def _node(settings: Any, host: str, port: int, data_dir: Path) -> None:
+    import anyio
+
+    from pilldrops._internal.serving import Served, wait_for_signal
+    from pilldrops.node.main import build_node
+
+    node = build_node(settings, data_dir)
+    served = Served(node.app, host, port)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(served.serve)
+        await tg.start(node.agent.run)
+        _console().print(f"[green]✓[/] node {settings.name} serving at {settings.public_url}, "
+                         f"joining {settings.control_plane_url}")
+        await wait_for_signal()
+        await node.aclose()
+        served.stop()
+        await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
+
+
+# ---- template build ---------------------------------------------------------------------------------
+
+@click.command("build")
+@click.argument("name")
+@_data_dir_option
+@click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
+def template_build(name: str, data_dir: Path, force: bool) -> None:
+    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine."""
+    from pilldrops.node.templates import TemplateStore
+    if os.geteuid() != 0:
+        raise click.ClickException("building templates needs root (chroot, mount)")
+    if force:
+        store = TemplateStore(data_dir)
+        t0 = time.monotonic()
+        with _console().status(f"rebuilding {name}") as status:
+            tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),
+                              force=True)
+        _console().print(f"[green]✓[/] {name} rebuilt in {time.monotonic() - t0:.0f}s")
+    else:
+        build_templates(data_dir, [name])
+        tpl = TemplateStore(data_dir).get(name)
+    click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
+    sys.stdout.flush()

@@ -1,0 +1,1 @@
+"""Node agent: agent → {journal, dataplane} → runtime drivers. The only code that touches the host."""

@@ -1,0 +1,98 @@
+"""The node's HTTP surface: the node API for the control plane (node token, ``/node/v1``) and the data
+plane for SDKs (per-sandbox access token in ``X-Access-Token``, ``/v1/sandboxes/{id}/...``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from pilldrops import errors
+from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
+from pilldrops._version import __version__
+from pilldrops.node.agent import NodeAgent
+from pilldrops.node.dataplane import DataPlane, Target
+from pilldrops.schema.api import FileInfo, RunRequest
+from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops._internal.ids import same_secret as same
+
+
+def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
+    app = FastAPI(title="PillDrops node agent", version=__version__)
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    plane = DataPlane(agent.runtime)
+
+    async def node_auth(request: Request) -> None:
+        if not same(bearer(request) or "", node_token):
+            raise errors.AuthenticationError("invalid node token")
+
+    def target(sandbox_id: str, token: str | None) -> Target:
+        live = agent.get(sandbox_id)
+        if not token or not same(token, live.spec.access_token):
+            raise errors.AuthenticationError("missing or invalid X-Access-Token for this sandbox")
+        return live.target
+
+    Token = Annotated[str | None, Header(alias="x-access-token")]
+    Path_ = Annotated[str, Query(alias="path", min_length=1, max_length=4096)]
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, object]:
+        return {"ok": True, "node_id": agent.node_id, "sandboxes": len(agent.live)}
+
+    node = APIRouter(prefix="/node/v1", dependencies=[Depends(node_auth)])
+
+    @node.post("/sandboxes", response_model=NodeSandboxStatus)
+    async def create(spec: NodeSandboxSpec) -> NodeSandboxStatus:
+        return await agent.create(spec)
+
+    @node.get("/sandboxes")
+    async def list_() -> dict[str, list[NodeSandboxStatus]]:
+        return {"items": agent.statuses()}
+
+    @node.delete("/sandboxes/{sandbox_id}", response_model=NodeSandboxStatus)
+    async def kill(sandbox_id: str) -> NodeSandboxStatus:
+        return await agent.kill(sandbox_id)
+
+    @node.put("/sandboxes/{sandbox_id}/deadline", response_model=NodeSandboxStatus)
+    async def deadline(sandbox_id: str, body: NodeDeadline) -> NodeSandboxStatus:
+        return agent.set_deadline(sandbox_id, body.end_at)
+
+    app.include_router(node)
+
+    data = APIRouter(prefix="/v1/sandboxes/{sandbox_id}")
+
+    @data.post("/run", response_class=StreamingResponse)
+    async def run(sandbox_id: str, body: RunRequest, x_access_token: Token = None) -> StreamingResponse:
+        stream = await plane.run(target(sandbox_id, x_access_token), body)
+        return StreamingResponse(stream, media_type="application/x-ndjson")
+
+    @data.put("/archive")
+    async def put_archive(sandbox_id: str, request: Request, path: Path_,
+                          x_access_token: Token = None) -> dict[str, int]:
+        n = await plane.put_archive(target(sandbox_id, x_access_token), path, request.stream())
+        return {"entries": n}
+
+    @data.get("/archive", response_class=StreamingResponse)
+    async def get_archive(sandbox_id: str, path: Path_, x_access_token: Token = None) -> StreamingResponse:
+        stream: AsyncIterator[bytes] = await plane.get_archive(target(sandbox_id, x_access_token), path)
+        return StreamingResponse(stream, media_type="application/x-tar")
+
+    @data.get("/files")
+    async def read_file(sandbox_id: str, path: Path_, x_access_token: Token = None) -> Response:
+        content = await plane.read_file(target(sandbox_id, x_access_token), path)
+        return Response(content, media_type="application/octet-stream")
+
+    @data.put("/files", response_model=FileInfo)
+    async def write_file(sandbox_id: str, request: Request, path: Path_,
+                         x_access_token: Token = None) -> FileInfo:
+        return await plane.write_file(target(sandbox_id, x_access_token), path, request.stream())
+
+    @data.get("/files/list")
+    async def list_files(sandbox_id: str, path: Path_, x_access_token: Token = None) -> dict[str, list[FileInfo]]:
+        return {"items": await plane.list_dir(target(sandbox_id, x_access_token), path)}
+
+    app.include_router(data)
+    return app

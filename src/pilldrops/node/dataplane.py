@@ -1,0 +1,243 @@
+"""The data plane: run commands and move files in and out of one sandbox, through the runtime's ``exec``.
+
+- ``run`` streams NDJSON ``RunEvent`` lines. Output is capped per stream; past the cap it is still read
+  (and dropped) so the command never blocks on a full pipe. A command timeout kills its whole process
+  tree and reports exit code 124 with ``timed_out``. If the client goes away, the command is killed.
+- Files move as tar streams unpacked or packed by the sandbox's own ``tar`` inside its own root, after the
+  node sanitised the stream (``archive.sanitize``): nothing is ever resolved against the host's paths.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import tempfile
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from typing import IO
+
+import anyio
+
+from pilldrops import errors
+from pilldrops.node.archive import sanitize
+from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime
+from pilldrops.schema.api import FileInfo, RunEvent, RunRequest
+
+TIMEOUT_EXIT_CODE = 124
+_NOT_FOUND, _IS_DIR = 44, 45
+MAX_UPLOAD_BYTES = 8 * 1024**3
+MAX_READ_BYTES = 256 * 1024**2
+_SPOOL = 8 * 1024**2
+_CHUNK = 256 * 1024
+
+
+@dataclass
+class Target:
+    """What the data plane needs to know of a sandbox."""
+
+    id: str
+    handle: Handle
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+
+
+def _line(ev: RunEvent) -> bytes:
+    return ev.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+def _check_path(path: str) -> str:
+    if not path.startswith("/") or "\0" in path or len(path) > 4096:
+        raise errors.InvalidRequest(f"path must be absolute: {path!r}")
+    return path
+
+
+async def _kill_quietly(proc: ExecProcess) -> None:
+    with anyio.CancelScope(shield=True):
+        try:
+            await proc.kill()
+        except Exception:  # noqa: BLE001 - best effort on a path that is already failing
+            pass
+
+
+async def _drain(proc: ExecProcess, limit: int) -> tuple[bytes, bytes, int]:
+    out, err = bytearray(), bytearray()
+    while (chunk := await proc.read()) is not None:
+        buf = out if chunk[0] == "stdout" else err
+        if len(buf) + len(chunk[1]) > limit:
+            await _kill_quietly(proc)
+            raise errors.PayloadTooLarge(f"output is larger than {limit} bytes")
+        buf += chunk[1]
+    return bytes(out), bytes(err), await proc.wait()
+
+
+async def _file_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
+    while chunk := f.read(_CHUNK):
+        yield chunk
+
+
+class DataPlane:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
+                    cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None) -> ExecProcess:
+        return await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
+                                       stdin=stdin)
+
+    async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,
+                  limit: int = MAX_READ_BYTES) -> tuple[bytes, bytes, int]:
+        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=stdin)
+        try:
+            return await _drain(proc, limit)
+        except BaseException:
+            await _kill_quietly(proc)
+            raise
+
+    # ---- run -----------------------------------------------------------------------------------------
+
+    async def run(self, t: Target, req: RunRequest) -> AsyncIterator[bytes]:
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        if req.cwd is not None:
+            _check_path(req.cwd)
+        started = time.monotonic()
+        proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
+                                stdin=req.stdin.encode() if req.stdin is not None else None)
+        return self._stream(proc, req, started)
+
+    async def _stream(self, proc: ExecProcess, req: RunRequest, started: float) -> AsyncIterator[bytes]:
+        deadline = started + req.timeout if req.timeout else math.inf
+        used = {"stdout": 0, "stderr": 0}
+        truncated = timed_out = finished = False
+        try:
+            yield _line(RunEvent(type="start", pid=proc.pid))
+            while True:
+                chunk = None
+                with anyio.move_on_after(deadline - time.monotonic()) as scope:
+                    chunk = await proc.read()
+                if scope.cancelled_caught:
+                    timed_out = True
+                    await _kill_quietly(proc)
+                    break
+                if chunk is None:
+                    break
+                stream, data = chunk
+                room = req.max_output_bytes - used[stream]
+                if len(data) > room:
+                    truncated = True
+                    data = data[:max(room, 0)]
+                if data:
+                    used[stream] += len(data)
+                    yield _line(RunEvent(type=stream, data=base64.b64encode(data).decode()))
+            code = await proc.wait()
+            finished = True
+            yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if timed_out else code,
+                                 duration=round(time.monotonic() - started, 6), truncated=truncated,
+                                 timed_out=timed_out))
+        finally:
+            if not finished:      # the client went away or the stream failed: never leave the command
+                await _kill_quietly(proc)
+
+    # ---- archives ------------------------------------------------------------------------------------
+
+    async def put_archive(self, t: Target, dest: str, body: AsyncIterable[bytes]) -> int:
+        _check_path(dest)
+        with tempfile.SpooledTemporaryFile(_SPOOL) as raw, tempfile.SpooledTemporaryFile(_SPOOL) as clean:
+            size = 0
+            async for chunk in body:
+                size += len(chunk)
+                if size > MAX_UPLOAD_BYTES:
+                    raise errors.PayloadTooLarge(f"upload is larger than {MAX_UPLOAD_BYTES} bytes")
+                raw.write(chunk)
+            raw.seek(0)
+            count = await anyio.to_thread.run_sync(sanitize, raw, clean)
+            clean.seek(0)
+            _, err, code = await self._sh(t, 'mkdir -p "$1" && exec tar -x -f - -C "$1"', dest,
+                                          stdin=_file_chunks(clean))
+        if code != 0:
+            raise errors.InvalidRequest(f"unpacking into {dest} failed: {err.decode(errors='replace').strip()}")
+        return count
+
+    async def get_archive(self, t: Target, path: str) -> AsyncIterator[bytes]:
+        """Checks the path first (so a missing one is a 404 before any byte is sent), then streams."""
+        _check_path(path)
+        script = ('[ -e "$1" ] || [ -L "$1" ] || exit 44; d=$(dirname "$1"); b=$(basename "$1"); '
+                  'case "$b" in -*) b="./$b";; esac; cd "$d" && exec tar -c -f - "$b"')
+        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", path])
+        first: list[bytes] = []
+        while (chunk := await proc.read()) is not None:
+            if chunk[0] == "stdout":
+                first.append(chunk[1])
+                break
+        if not first:
+            code = await proc.wait()
+            if code == _NOT_FOUND:
+                raise errors.FileNotFound(f"{path} does not exist in the sandbox")
+            if code != 0:
+                raise errors.ServerError(f"packing {path} failed with exit code {code}")
+
+        async def rest() -> AsyncIterator[bytes]:
+            done = False
+            try:
+                for b in first:
+                    yield b
+                while (chunk := await proc.read()) is not None:
+                    if chunk[0] == "stdout":
+                        yield chunk[1]
+                await proc.wait()
+                done = True
+            finally:
+                if not done:
+                    await _kill_quietly(proc)
+
+        return rest()
+
+    # ---- single files --------------------------------------------------------------------------------
+
+    async def read_file(self, t: Target, path: str) -> bytes:
+        _check_path(path)
+        out, err, code = await self._sh(t, '[ -d "$1" ] && exit 45; [ -f "$1" ] || exit 44; exec cat "$1"',
+                                        path)
+        if code == _NOT_FOUND:
+            raise errors.FileNotFound(f"{path} does not exist in the sandbox")
+        if code == _IS_DIR:
+            raise errors.InvalidRequest(f"{path} is a directory")
+        if code != 0:
+            raise errors.ServerError(f"reading {path} failed: {err.decode(errors='replace').strip()}")
+        return out
+
+    async def write_file(self, t: Target, path: str, body: AsyncIterable[bytes]) -> FileInfo:
+        _check_path(path)
+        _, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1"', path, stdin=body)
+        if code != 0:
+            raise errors.InvalidRequest(f"writing {path} failed: {err.decode(errors='replace').strip()}")
+        infos = await self._stat(t, path, listing=False)
+        return infos[0]
+
+    async def list_dir(self, t: Target, path: str) -> list[FileInfo]:
+        _check_path(path)
+        return await self._stat(t, path, listing=True)
+
+    async def _stat(self, t: Target, path: str, *, listing: bool) -> list[FileInfo]:
+        fmt = "%F|%s|%a|%Y|%n"
+        if listing:
+            script = ('[ -d "$1" ] || exit 44; for f in "$1"/* "$1"/.[!.]* "$1"/..?*; do '
+                      '[ -e "$f" ] || [ -L "$f" ] || continue; stat -c "$2" "$f"; done')
+        else:
+            script = '[ -e "$1" ] || [ -L "$1" ] || exit 44; stat -c "$2" "$1"'
+        out, err, code = await self._sh(t, script, path, fmt)
+        if code == _NOT_FOUND:
+            raise errors.FileNotFound(f"{path} is not a directory in the sandbox" if listing
+                                      else f"{path} does not exist in the sandbox")
+        if code != 0:
+            raise errors.ServerError(f"stat of {path} failed: {err.decode(errors='replace').strip()}")
+        items = []
+        for line in out.decode(errors="replace").splitlines():
+            kind, size, mode, mtime, name = line.split("|", 4)
+            ftype = ("file" if kind.startswith("regular") else "dir" if kind == "directory"
+                     else "symlink" if kind == "symbolic link" else "other")
+            full = name.replace("//", "/")
+            items.append(FileInfo(name=full.rsplit("/", 1)[-1], path=full, type=ftype, size=int(size),
+                                  mode=int(mode, 8), mtime=float(mtime)))
+        return items
+

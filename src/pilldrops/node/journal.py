@@ -1,0 +1,59 @@
+"""The agent's intent journal: one small JSON file per sandbox, written atomically (write + fsync + rename).
+
+Write intent before acting (``creating``) and confirm after (``running`` with the runtime handle), so a
+restarted agent can tell a half-made sandbox (reap it) from a live one (adopt it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pilldrops.node.runtime.base import Handle
+
+Phase = Literal["creating", "running"]
+
+
+@dataclass
+class Entry:
+    id: str
+    phase: Phase
+    spec: dict[str, Any]
+    handle: dict[str, Any] = field(default_factory=dict)
+    started_at: str | None = None
+
+    def runtime_handle(self) -> Handle:
+        return Handle(**self.handle) if self.handle else Handle(id=self.id)
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sandbox_id: str) -> Path:
+        return self.dir / f"{sandbox_id}.json"
+
+    def write(self, entry: Entry) -> None:
+        path = self._path(entry.id)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(asdict(entry), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def remove(self, sandbox_id: str) -> None:
+        self._path(sandbox_id).unlink(missing_ok=True)
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for p in sorted(self.dir.glob("*.json")):
+            try:
+                out.append(Entry(**json.loads(p.read_text())))
+            except (OSError, ValueError, TypeError):
+                p.unlink(missing_ok=True)   # a torn write of an intent: nothing was created from it yet
+        return out

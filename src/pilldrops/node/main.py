@@ -1,0 +1,46 @@
+"""Building a node agent on this host: prepared host, crun runtime, template store, agent, app.
+Used by `pilldrops node` and `pilldrops up`. Needs root."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from pilldrops.node.agent import NodeAgent, Settings
+from pilldrops.node.api import create_node_app
+from pilldrops.node.isolation.host import prepare_host
+from pilldrops.node.runtime.crun import CrunRuntime
+from pilldrops.node.templates import TemplateStore
+
+
+@dataclass
+class Node:
+    agent: NodeAgent
+    app: FastAPI
+    runtime: CrunRuntime
+    templates: TemplateStore
+
+    async def aclose(self) -> None:
+        await self.agent.shutdown()
+        if not self.agent.settings.keep_on_exit:
+            await self.runtime.close()
+
+
+def default_node_name() -> str:
+    return re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40] or "node"
+
+
+def build_node(settings: Settings, data_dir: Path) -> Node:
+    if os.geteuid() != 0:
+        raise PermissionError("the node agent needs root (cgroups, mounts, namespaces): run it as root")
+    prepare_host()
+    templates = TemplateStore(data_dir)
+    safe = re.sub(r"[^a-zA-Z0-9_-]", "-", settings.name)[:40]
+    runtime = CrunRuntime(data_dir / "node", name=safe)
+    agent = NodeAgent(settings, runtime, templates, data_dir / "node")
+    return Node(agent, create_node_app(agent, settings.node_token), runtime, templates)

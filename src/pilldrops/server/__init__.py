@@ -1,0 +1,1 @@
+"""Control plane: api → service → {scheduler, store, nodes} → domain. Never touches cgroups or mounts."""

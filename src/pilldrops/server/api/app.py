@@ -1,0 +1,175 @@
+"""The control plane's HTTP edge: public REST (API keys), the node API (node token), and a streaming
+proxy of the data plane for clients that cannot reach nodes. Only parsing, auth and status mapping live
+here; every decision is in ``server.service``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from pilldrops import errors
+from pilldrops._version import __version__ as VERSION
+from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
+from pilldrops.schema.api import (
+    CreateSandboxRequest, KeyCreated, SandboxState, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
+    TemplateList, WhoAmI,
+)
+from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered
+from pilldrops.server.service.auth import AuthService, Principal
+from pilldrops.server.service.nodes import NodeService
+from pilldrops.server.service.sandboxes import SandboxService
+
+
+@dataclass
+class Services:
+    auth: AuthService
+    sandboxes: SandboxService
+    nodes: NodeService
+
+
+def create_app(services: Services) -> FastAPI:
+    app = FastAPI(title="PillDrops control plane", version=VERSION,
+                  description="Disposable sandboxes for RL rollouts. See docs/api.md.")
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    app.state.services = services
+
+    async def principal(request: Request) -> Principal:
+        return await services.auth.authenticate(bearer(request))
+
+    async def node_auth(request: Request) -> None:
+        services.nodes.check_token(bearer(request))
+
+    Caller = Annotated[Principal, Depends(principal)]
+    sbx = services.sandboxes
+    api = APIRouter(prefix="/v1")
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    @api.get("/whoami", response_model=WhoAmI)
+    async def whoami(p: Caller) -> WhoAmI:
+        team = await services.auth.store.get_team(p.team_id)
+        return WhoAmI(team_id=p.team_id, team_name=team.name if team else "", key_id=p.key_id)
+
+    @api.post("/sandboxes", response_model=SandboxInfo, status_code=201)
+    async def create_sandbox(body: CreateSandboxRequest, p: Caller, response: Response,
+                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None
+                             ) -> SandboxInfo:
+        row, created = await sbx.create(p.team_id, body, idempotency_key)
+        if not created:
+            response.status_code = 200
+        return await sbx.info(row, with_token=True)
+
+    @api.get("/sandboxes", response_model=SandboxList)
+    async def list_sandboxes(request: Request, p: Caller, state: Annotated[list[str] | None, Query()] = None,
+                             limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                             cursor: str | None = None) -> SandboxList:
+        states = state or []
+        bad = [s for s in states if s not in SandboxState.__members__]
+        if bad:
+            raise errors.InvalidRequest(f"unknown state {bad[0]!r}",
+                                        details={"allowed": list(SandboxState.__members__)})
+        labels = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+        return await sbx.list(p.team_id, states=states, labels=labels, limit=limit, cursor=cursor)
+
+    @api.get("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    async def get_sandbox(sandbox_id: str, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.get_row(p.team_id, sandbox_id))
+
+    @api.post("/sandboxes/{sandbox_id}/connect", response_model=SandboxInfo)
+    async def connect(sandbox_id: str, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.connect(p.team_id, sandbox_id), with_token=True)
+
+    @api.post("/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)
+    async def set_timeout(sandbox_id: str, body: SetTimeoutRequest, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.set_timeout(p.team_id, sandbox_id, body.timeout))
+
+    @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    async def kill(sandbox_id: str, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.kill(p.team_id, sandbox_id))
+
+    # ---- data plane, proxied to the sandbox's node ----------------------------------------------------
+
+    async def proxy(request: Request, p: Principal, sandbox_id: str, tail: str) -> StreamingResponse:
+        row = await sbx.connect(p.team_id, sandbox_id)
+        node = await sbx.node_for(row)
+        headers = {"x-access-token": row.access_token}
+        if "content-type" in request.headers:
+            headers["content-type"] = request.headers["content-type"]
+        body = request.stream() if request.method in ("POST", "PUT") else None
+        cm = sbx.nodes.proxy(request.method, f"{node.url}/v1/sandboxes/{sandbox_id}/{tail}", headers=headers,
+                             params=request.query_params, body=body)
+        resp = await cm.__aenter__()
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:
+                await cm.__aexit__(None, None, None)
+
+        keep = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "x-request-id")}
+        return StreamingResponse(relay(), status_code=resp.status_code, headers=keep)
+
+    @api.post("/sandboxes/{sandbox_id}/run", response_class=StreamingResponse)
+    async def run(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "run")
+
+    @api.api_route("/sandboxes/{sandbox_id}/archive", methods=["GET", "PUT"], response_class=StreamingResponse)
+    async def archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "archive")
+
+    @api.api_route("/sandboxes/{sandbox_id}/files", methods=["GET", "PUT"], response_class=StreamingResponse)
+    async def files(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "files")
+
+    @api.get("/sandboxes/{sandbox_id}/files/list", response_class=StreamingResponse)
+    async def files_list(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "files/list")
+
+    # ---- keys and templates ---------------------------------------------------------------------------
+
+    @api.post("/keys", response_model=KeyCreated, status_code=201)
+    async def create_key(body: KeyCreateRequest, p: Caller) -> KeyCreated:
+        return await services.auth.create_key(p.team_id, body.name)
+
+    @api.get("/keys")
+    async def list_keys(p: Caller) -> dict[str, list[KeyInfo]]:
+        return {"items": await services.auth.list_keys(p.team_id)}
+
+    @api.delete("/keys/{key_id}", response_model=KeyInfo)
+    async def revoke_key(key_id: str, p: Caller) -> KeyInfo:
+        return await services.auth.revoke_key(p.team_id, key_id)
+
+    @api.get("/templates", response_model=TemplateList)
+    async def templates(p: Caller) -> TemplateList:
+        return TemplateList(items=await services.nodes.templates())
+
+    app.include_router(api)
+
+    # ---- node API (node token) ------------------------------------------------------------------------
+
+    internal = APIRouter(prefix="/internal/v1", dependencies=[Depends(node_auth)], include_in_schema=False)
+
+    @internal.post("/nodes/register", response_model=NodeRegistered)
+    async def register(body: NodeRegister) -> NodeRegistered:
+        return await services.nodes.register(body)
+
+    @internal.post("/nodes/{node_id}/heartbeat")
+    async def heartbeat(node_id: str, body: NodeHeartbeat) -> dict[str, bool]:
+        await services.nodes.heartbeat(node_id, body)
+        return {"ok": True}
+
+    @internal.post("/nodes/{node_id}/events")
+    async def event(node_id: str, body: NodeEvent) -> dict[str, bool]:
+        await sbx.apply_node_status(node_id, body.sandbox)
+        return {"ok": True}
+
+    app.include_router(internal)
+    return app

@@ -1,0 +1,1 @@
+"""Pure domain rules: sandbox state machine, key hashing. No I/O, no clock."""

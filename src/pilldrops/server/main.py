@@ -1,0 +1,37 @@
+"""Building the control plane from settings: store, services, app. Used by `pilldrops serve` and `up`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from pilldrops._internal.clock import Clock
+from pilldrops.server.api.app import Services, create_app
+from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.service.auth import AuthService
+from pilldrops.server.service.nodes import NodeService
+from pilldrops.server.service.sandboxes import SandboxService
+from pilldrops.server.store.sql import Store
+
+
+@dataclass
+class ControlPlane:
+    app: FastAPI
+    services: Services
+    store: Store
+    node_client: NodeClient
+
+    async def aclose(self) -> None:
+        await self.node_client.aclose()
+        await self.store.close()
+
+
+async def build_control_plane(db_url: str, node_token: str, clock: Clock | None = None) -> ControlPlane:
+    clock = clock or Clock()
+    store = await Store.open(db_url)
+    node_client = NodeClient(node_token)
+    sandboxes = SandboxService(store, node_client, clock)
+    services = Services(auth=AuthService(store, clock), sandboxes=sandboxes,
+                        nodes=NodeService(store, sandboxes, clock, node_token))
+    return ControlPlane(create_app(services), services, store, node_client)

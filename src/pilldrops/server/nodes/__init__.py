@@ -1,0 +1,1 @@
+"""Calling node agents: the control plane's only way to act on sandboxes."""

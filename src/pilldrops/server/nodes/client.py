@@ -1,0 +1,75 @@
+"""HTTP client for the node API (``/node/v1/...``, node token) and data-plane proxying.
+
+Infrastructure errors stay here: anything that is not an answer from the node becomes ``NodeUnavailable``;
+a typed error body from the node is re-raised as the same PillDrops error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from pilldrops import errors
+from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+
+
+class NodeClient:
+    def __init__(self, node_token: str, *, timeout: float = 60.0) -> None:
+        self._token = node_token
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            headers={"Authorization": f"Bearer {node_token}"},
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, url: str, **kw: Any) -> Any:
+        try:
+            resp = await self._http.request(method, url, **kw)
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = None
+            raise errors.from_wire(resp.status_code, body)
+        return resp.json() if resp.content else None
+
+    async def create(self, node_url: str, spec: NodeSandboxSpec) -> NodeSandboxStatus:
+        data = await self._call("POST", f"{node_url}/node/v1/sandboxes", content=spec.model_dump_json(),
+                                headers={"content-type": "application/json"})
+        return NodeSandboxStatus.model_validate(data)
+
+    async def kill(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus | None:
+        try:
+            data = await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}")
+        except errors.NotFound:
+            return None
+        return NodeSandboxStatus.model_validate(data)
+
+    async def set_deadline(self, node_url: str, sandbox_id: str, deadline: NodeDeadline) -> NodeSandboxStatus:
+        data = await self._call("PUT", f"{node_url}/node/v1/sandboxes/{sandbox_id}/deadline",
+                                content=deadline.model_dump_json(),
+                                headers={"content-type": "application/json"})
+        return NodeSandboxStatus.model_validate(data)
+
+    @asynccontextmanager
+    async def proxy(self, method: str, url: str, *, headers: dict[str, str], params: Any,
+                    body: AsyncIterator[bytes] | None) -> AsyncIterator[httpx.Response]:
+        """Forward a data-plane request to the node and yield the streamed answer (not yet read)."""
+        req = self._http.build_request(method, url, headers=headers, params=params, content=body,
+                                       timeout=httpx.Timeout(None, connect=5.0))
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
+        try:
+            yield resp
+        finally:
+            await resp.aclose()

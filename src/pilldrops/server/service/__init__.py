@@ -1,0 +1,1 @@
+"""Use cases of the control plane. Raise ``pilldrops.errors`` types; never speak HTTP."""

@@ -1,0 +1,78 @@
+"""Teams, API keys and who is calling. Keys are stored hashed; a revoked or unknown key is a 401."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from pilldrops import errors
+from pilldrops._internal.clock import Clock
+from pilldrops.schema.api import KeyCreated, KeyInfo
+from pilldrops.server.domain import keys as keyrules
+from pilldrops.server.store.models import ApiKey, Team
+from pilldrops.server.store.sql import Store
+
+_TOUCH_EVERY = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class Principal:
+    team_id: str
+    key_id: str
+
+
+def key_info(k: ApiKey) -> KeyInfo:
+    return KeyInfo(id=k.id, name=k.name, team_id=k.team_id, prefix=k.prefix, created_at=k.created_at,
+                   revoked_at=k.revoked_at, last_used_at=k.last_used_at)
+
+
+class AuthService:
+    def __init__(self, store: Store, clock: Clock) -> None:
+        self.store = store
+        self.clock = clock
+
+    async def authenticate(self, secret: str | None) -> Principal:
+        if not secret:
+            raise errors.AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>' (see `pilldrops up` or PILLDROPS_API_KEY)")
+        key = await self.store.key_by_hash(keyrules.hash_key(secret))
+        if key is None or key.revoked_at is not None:
+            raise errors.AuthenticationError("invalid or revoked API key")
+        now = self.clock.now()
+        if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
+            await self.store.touch_key(key.id, now)
+        return Principal(team_id=key.team_id, key_id=key.id)
+
+    async def create_team(self, name: str) -> Team:
+        return await self.store.create_team(name, self.clock.now())
+
+    async def create_key(self, team_id: str, name: str) -> KeyCreated:
+        secret = keyrules.generate_key()
+        k = await self.store.add_key(team_id, name, keyrules.display_prefix(secret), keyrules.hash_key(secret),
+                                     self.clock.now())
+        return KeyCreated(**key_info(k).model_dump(), secret=secret)
+
+    async def list_keys(self, team_id: str) -> list[KeyInfo]:
+        return [key_info(k) for k in await self.store.list_keys(team_id)]
+
+    async def revoke_key(self, team_id: str, key_id: str) -> KeyInfo:
+        k = await self.store.revoke_key(team_id, key_id, self.clock.now())
+        if k is None:
+            raise errors.NotFound(f"no key {key_id!r}")
+        return key_info(k)
+
+    async def bootstrap(self, saved_secret: str | None) -> tuple[str, str | None]:
+        """First start: make a team and a key. Later starts: reuse the saved key if it is still valid.
+
+        Returns ``(team_id, new_secret_or_None)``; ``None`` means the saved key is still good.
+        """
+        teams = await self.store.list_teams()
+        if saved_secret and teams:
+            try:
+                principal = await self.authenticate(saved_secret)
+                return principal.team_id, None
+            except errors.AuthenticationError:
+                pass
+        team = teams[0] if teams else await self.create_team("default")
+        created = await self.create_key(team.id, "pilldrops-up")
+        return team.id, created.secret

@@ -1,0 +1,214 @@
+"""Sandbox use cases: create (idempotent, scheduled), get, list, connect, set_timeout, kill, node events.
+
+Ordering rules kept here:
+- a placement and its reservation are recorded in one step under ``_place_lock`` so two racing creates
+  never over-commit a node (one control-plane process; the fleet issue moves this into the database);
+- no store transaction is held while a node is called;
+- every state change is a compare-and-set from the states it is legal from (``domain.states``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+
+import anyio
+
+from pilldrops import errors
+from pilldrops._internal.clock import Clock
+from pilldrops._internal.ids import new_id
+from pilldrops.schema.api import CreateSandboxRequest, EndReason, SandboxInfo, SandboxList, SandboxState
+from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.server import scheduler
+from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
+from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.store.models import Node, Sandbox
+from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
+
+S = SandboxState
+_LIVE = [s.value for s in LIVE]
+_REPLAY_WAIT_S = 60.0
+NODE_READY_WINDOW = timedelta(seconds=30)
+
+
+def _from(target: SandboxState) -> list[str]:
+    """States from which ``target`` is a legal transition."""
+    return [s.value for s, allowed in TRANSITIONS.items() if target in allowed]
+
+
+class SandboxService:
+    def __init__(self, store: Store, nodes: NodeClient, clock: Clock) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.clock = clock
+        self._place_lock = anyio.Lock()
+
+    # ---- views ---------------------------------------------------------------------------------------
+
+    async def info(self, row: Sandbox, *, with_token: bool = False) -> SandboxInfo:
+        envd_url = None
+        if with_token and row.node_id:
+            node = await self.store.get_node(row.node_id)
+            envd_url = node.url if node else None
+        return SandboxInfo(
+            id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
+            memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
+            created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
+            end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
+            envd_url=envd_url, access_token=row.access_token if with_token else None,
+        )
+
+    async def get_row(self, team_id: str, sandbox_id: str) -> Sandbox:
+        row = await self.store.get_sandbox(sandbox_id, team_id)
+        if row is None:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} not found")
+        return row
+
+    # ---- create --------------------------------------------------------------------------------------
+
+    async def create(self, team_id: str, req: CreateSandboxRequest,
+                     idempotency_key: str | None = None) -> tuple[Sandbox, bool]:
+        """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
+        req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        if idempotency_key:
+            existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+            if existing is not None:
+                return await self._replay(existing, req_hash), False
+        now = self.clock.now()
+        row = Sandbox(
+            id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
+            timeout=req.timeout, state=S.starting.value, metadata_=dict(req.metadata), envs=dict(req.envs),
+            access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
+            created_at=now, end_at=now + timedelta(seconds=req.timeout),
+        )
+        async with self._place_lock:
+            node = await self._place(req)
+            row.node_id = node.id
+            try:
+                await self.store.insert_sandbox(row)
+            except DuplicateIdempotencyKey:
+                existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
+                assert existing is not None
+                return await self._replay(existing, req_hash), False
+        spec = NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
+                               end_at=self.clock.now() + timedelta(seconds=req.timeout), envs=row.envs,
+                               access_token=row.access_token, team_id=team_id)
+        try:
+            status = await self.nodes.create(node.url, spec)
+        except errors.PillDropsError as exc:
+            await self.store.update_sandbox(row.id, from_states=[S.starting.value], state=S.failed.value,
+                                            end_reason=EndReason.failed_start.value, error=exc.message,
+                                            ended_at=self.clock.now())
+            raise
+        updated = await self.store.update_sandbox(
+            row.id, from_states=[S.starting.value], state=S.running.value,
+            started_at=status.started_at or self.clock.now(), end_at=status.end_at or spec.end_at)
+        return (updated or await self.get_row(team_id, row.id)), True
+
+    async def _place(self, req: CreateSandboxRequest) -> Node:
+        nodes = await self.store.list_nodes()
+        now = self.clock.now()
+        if not any(req.template in {t.get("name") for t in n.templates} for n in nodes):
+            known = sorted({t.get("name") for n in nodes for t in n.templates})
+            raise errors.TemplateNotFound(
+                f"template {req.template!r} is not built on any node (available: {', '.join(known) or 'none'}); "
+                f"build it with `pilldrops template build {req.template}`")
+        allocs = await self.store.allocations()
+        views = [scheduler.NodeView(
+            id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
+            used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],
+            ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
+            templates=frozenset(t.get("name") for t in n.templates)) for n in nodes]
+        result = scheduler.place(scheduler.Request(req.template, req.vcpu, req.memory_mb), views)
+        if isinstance(result, scheduler.Unschedulable):
+            if result.never:
+                raise errors.InvalidRequest(f"request is larger than any node ({result.explain()})",
+                                            details={"reasons": result.reasons})
+            raise errors.CapacityUnavailable(result.explain(), details={"reasons": result.reasons})
+        return next(n for n in nodes if n.id == result.node_id)
+
+    async def _replay(self, row: Sandbox, req_hash: str) -> Sandbox:
+        if row.request_hash != req_hash:
+            raise errors.Conflict("Idempotency-Key was already used with a different request body",
+                                  details={"sandbox_id": row.id})
+        with anyio.move_on_after(_REPLAY_WAIT_S):
+            while row.state == S.starting.value:   # the first attempt is still booting it
+                await anyio.sleep(0.05)
+                row = await self.get_row(row.team_id, row.id)
+        return row
+
+    # ---- reads ---------------------------------------------------------------------------------------
+
+    async def list(self, team_id: str, *, states: list[str], labels: dict[str, str], limit: int,
+                   cursor: str | None) -> SandboxList:
+        try:
+            page = await self.store.list_sandboxes(team_id, states=states, labels=labels, limit=limit,
+                                                   cursor=cursor)
+        except ValueError as exc:
+            raise errors.InvalidRequest(str(exc)) from exc
+        return SandboxList(items=[await self.info(r) for r in page.items], next_cursor=page.next_cursor)
+
+    async def connect(self, team_id: str, sandbox_id: str) -> Sandbox:
+        row = await self.get_row(team_id, sandbox_id)
+        if row.state != S.running.value:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running",
+                                      current=row.state, target=S.running.value)
+        return row
+
+    async def node_for(self, row: Sandbox) -> Node:
+        node = await self.store.get_node(row.node_id or "")
+        if node is None:
+            raise errors.NodeUnavailable(f"sandbox {row.id} has no reachable node")
+        return node
+
+    # ---- changes -------------------------------------------------------------------------------------
+
+    async def set_timeout(self, team_id: str, sandbox_id: str, timeout: int) -> Sandbox:
+        row = await self.connect(team_id, sandbox_id)
+        end_at = self.clock.now() + timedelta(seconds=timeout)
+        node = await self.node_for(row)
+        status = await self.nodes.set_deadline(node.url, row.id, NodeDeadline(end_at=end_at))
+        updated = await self.store.update_sandbox(row.id, from_states=[S.running.value],
+                                                  end_at=status.end_at or end_at)
+        return updated or await self.get_row(team_id, sandbox_id)
+
+    async def kill(self, team_id: str, sandbox_id: str) -> Sandbox:
+        row = await self.get_row(team_id, sandbox_id)
+        if SandboxState(row.state) in ENDED:
+            return row
+        if row.node_id:
+            node = await self.node_for(row)
+            await self.nodes.kill(node.url, row.id)
+        updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), state=S.stopped.value,
+                                                  end_reason=EndReason.killed.value, ended_at=self.clock.now())
+        return updated or await self.get_row(team_id, sandbox_id)
+
+    async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
+        """A node reported a sandbox ended on its own (deadline, init exit, OOM, teardown)."""
+        if st.state not in ENDED:
+            return
+        row = await self.store.get_sandbox(st.id)
+        if row is None or row.node_id != node_id:
+            return
+        await self.store.update_sandbox(
+            st.id, from_states=_from(st.state), state=st.state.value,
+            end_reason=(st.end_reason or EndReason.exited).value, ended_at=st.ended_at or self.clock.now(),
+            error=st.error)
+
+    async def reconcile_node(self, node_id: str, live_ids: set[str]) -> None:
+        """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period
+        so a heartbeat composed before a create finished does not count)."""
+        cutoff = self.clock.now() - NODE_READY_WINDOW
+        for row in await self.store.live_sandboxes_on(node_id):
+            if row.id in live_ids or row.created_at > cutoff:
+                continue
+            await self.store.update_sandbox(row.id, from_states=_from(S.lost), state=S.lost.value,
+                                            end_reason=EndReason.node_lost.value, ended_at=self.clock.now(),
+                                            error="the node no longer has this sandbox")
+
+    async def live_on(self, node_id: str) -> list[str]:
+        return [r.id for r in await self.store.live_sandboxes_on(node_id)]
+
+
+__all__ = ["SandboxService", "_LIVE"]

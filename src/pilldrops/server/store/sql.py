@@ -1,0 +1,245 @@
+"""The SQL store: every query the control plane makes, each in its own short transaction.
+
+Never hold a transaction across a call to a node: callers read, call, then write. SQLite (the embedded
+default) is used through one connection in WAL mode, so writers never fail with "database is locked"; they
+queue for microseconds instead. PostgreSQL uses a normal pool.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import and_, event, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+from pilldrops._internal.ids import new_id
+from pilldrops.server.domain.states import LIVE
+from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, Team
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+class DuplicateIdempotencyKey(Exception):
+    pass
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite+aiosqlite:///{path}"
+
+
+def _sync_url(url: str) -> str:
+    return url.replace("+aiosqlite", "").replace("+asyncpg", "+psycopg")
+
+
+def migrate(url: str) -> None:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", _sync_url(url))
+    command.upgrade(cfg, "head")
+
+
+@dataclass(frozen=True)
+class Page:
+    items: list[Sandbox]
+    next_cursor: str | None
+
+
+def _encode_cursor(row: Sandbox) -> str:
+    return base64.urlsafe_b64encode(f"{row.created_at.isoformat()}|{row.id}".encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        at, sid = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(at), sid
+    except Exception as exc:  # noqa: BLE001 - any garbage is a bad cursor
+        raise ValueError("invalid cursor") from exc
+
+
+class Store:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.session = async_sessionmaker(engine, expire_on_commit=False)
+
+    @classmethod
+    async def open(cls, url: str) -> Store:
+        await anyio.to_thread.run_sync(migrate, url)
+        if url.startswith("sqlite"):
+            engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=120,
+                                         connect_args={"timeout": 60})
+
+            @event.listens_for(engine.sync_engine, "connect")
+            def _pragmas(conn: Any, _rec: Any) -> None:
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+        else:
+            engine = create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+        return cls(engine)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    # ---- teams and keys -------------------------------------------------------------------------------
+
+    async def create_team(self, name: str, now: datetime) -> Team:
+        team = Team(id=new_id("team"), name=name, created_at=now)
+        async with self.session.begin() as s:
+            s.add(team)
+        return team
+
+    async def list_teams(self) -> list[Team]:
+        async with self.session() as s:
+            return list((await s.scalars(select(Team).order_by(Team.created_at))).all())
+
+    async def get_team(self, team_id: str) -> Team | None:
+        async with self.session() as s:
+            return await s.get(Team, team_id)
+
+    async def add_key(self, team_id: str, name: str, prefix: str, key_hash: str, now: datetime) -> ApiKey:
+        key = ApiKey(id=new_id("key"), team_id=team_id, name=name, prefix=prefix, key_hash=key_hash,
+                     created_at=now)
+        async with self.session.begin() as s:
+            s.add(key)
+        return key
+
+    async def key_by_hash(self, key_hash: str) -> ApiKey | None:
+        async with self.session() as s:
+            return (await s.scalars(select(ApiKey).where(ApiKey.key_hash == key_hash))).first()
+
+    async def touch_key(self, key_id: str, now: datetime) -> None:
+        async with self.session.begin() as s:
+            await s.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=now))
+
+    async def list_keys(self, team_id: str) -> list[ApiKey]:
+        async with self.session() as s:
+            q = select(ApiKey).where(ApiKey.team_id == team_id).order_by(ApiKey.created_at)
+            return list((await s.scalars(q)).all())
+
+    async def revoke_key(self, team_id: str, key_id: str, now: datetime) -> ApiKey | None:
+        async with self.session.begin() as s:
+            key = await s.get(ApiKey, key_id)
+            if key is None or key.team_id != team_id:
+                return None
+            if key.revoked_at is None:
+                key.revoked_at = now
+            return key
+
+    # ---- nodes ---------------------------------------------------------------------------------------
+
+    async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
+                          templates: list[dict[str, Any]], now: datetime) -> Node:
+        async with self.session.begin() as s:
+            node = (await s.scalars(select(Node).where(Node.name == name))).first()
+            if node is None:
+                node = Node(id=new_id("node"), name=name, registered_at=now, draining=False)
+                s.add(node)
+            node.url = url
+            node.capacity_vcpu = capacity_vcpu
+            node.capacity_memory_mb = capacity_memory_mb
+            node.templates = templates
+            node.state = "ready"
+            node.last_heartbeat_at = now
+            return node
+
+    async def heartbeat(self, node_id: str, templates: list[dict[str, Any]], now: datetime) -> Node | None:
+        async with self.session.begin() as s:
+            node = await s.get(Node, node_id)
+            if node is None:
+                return None
+            node.templates = templates
+            node.state = "ready"
+            node.last_heartbeat_at = now
+            return node
+
+    async def get_node(self, node_id: str) -> Node | None:
+        async with self.session() as s:
+            return await s.get(Node, node_id)
+
+    async def list_nodes(self) -> list[Node]:
+        async with self.session() as s:
+            return list((await s.scalars(select(Node).order_by(Node.name))).all())
+
+    async def allocations(self) -> dict[str, tuple[float, int]]:
+        """(vCPU, MiB) held per node by sandboxes not yet ended, reservations in flight included."""
+        async with self.session() as s:
+            q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
+                 .where(Sandbox.state.in_([st.value for st in LIVE]), Sandbox.node_id.is_not(None))
+                 .group_by(Sandbox.node_id))
+            return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
+
+    # ---- sandboxes -----------------------------------------------------------------------------------
+
+    async def insert_sandbox(self, row: Sandbox) -> Sandbox:
+        try:
+            async with self.session.begin() as s:
+                s.add(row)
+                await s.flush()
+                for k, v in (row.metadata_ or {}).items():
+                    s.add(SandboxLabel(sandbox_id=row.id, key=k, value=v))
+        except IntegrityError as exc:
+            if row.idempotency_key:
+                raise DuplicateIdempotencyKey(row.idempotency_key) from exc
+            raise
+        return row
+
+    async def get_sandbox(self, sandbox_id: str, team_id: str | None = None) -> Sandbox | None:
+        async with self.session() as s:
+            row = await s.get(Sandbox, sandbox_id)
+        if row is None or (team_id is not None and row.team_id != team_id):
+            return None
+        return row
+
+    async def sandbox_by_idempotency_key(self, team_id: str, key: str) -> Sandbox | None:
+        async with self.session() as s:
+            q = select(Sandbox).where(Sandbox.team_id == team_id, Sandbox.idempotency_key == key)
+            return (await s.scalars(q)).first()
+
+    async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
+                             labels: dict[str, str] | None = None, limit: int = 100,
+                             cursor: str | None = None) -> Page:
+        q = select(Sandbox).where(Sandbox.team_id == team_id)
+        states = list(states)
+        if states:
+            q = q.where(Sandbox.state.in_(states))
+        for k, v in (labels or {}).items():
+            lab = select(SandboxLabel.sandbox_id).where(SandboxLabel.key == k, SandboxLabel.value == v)
+            q = q.where(Sandbox.id.in_(lab))
+        if cursor:
+            at, sid = _decode_cursor(cursor)
+            q = q.where(or_(Sandbox.created_at < at, and_(Sandbox.created_at == at, Sandbox.id < sid)))
+        q = q.order_by(Sandbox.created_at.desc(), Sandbox.id.desc()).limit(limit + 1)
+        async with self.session() as s:
+            rows = list((await s.scalars(q)).all())
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page(rows, _encode_cursor(rows[-1]) if more and rows else None)
+
+    async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
+        async with self.session() as s:
+            q = select(Sandbox).where(Sandbox.node_id == node_id,
+                                      Sandbox.state.in_([st.value for st in LIVE]))
+            return list((await s.scalars(q)).all())
+
+    async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
+                             **values: Any) -> Sandbox | None:
+        """Compare-and-set: update only while the row is in one of ``from_states``; None when it was not."""
+        async with self.session.begin() as s:
+            q = update(Sandbox).where(Sandbox.id == sandbox_id)
+            if from_states is not None:
+                q = q.where(Sandbox.state.in_(list(from_states)))
+            res = await s.execute(q.values(**values))
+            if res.rowcount == 0:
+                return None
+        return await self.get_sandbox(sandbox_id)
