@@ -1,0 +1,1 @@
+"""The ``pilldrops`` command line (click + rich). Entry point: :func:`pilldrops.cli.main.main`."""
