@@ -1,7 +1,6 @@
 """The node's HTTP surface: the node API for the control plane (node token, ``/node/v1``) and the data
 plane for SDKs (per-sandbox access token in ``X-Access-Token``, ``/v1/sandboxes/{id}/...``)."""
 
-from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Annotated

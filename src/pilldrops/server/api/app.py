@@ -2,7 +2,6 @@
 proxy of the data plane for clients that cannot reach nodes. Only parsing, auth and status mapping live
 here; every decision is in ``server.service``."""
 
-from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
