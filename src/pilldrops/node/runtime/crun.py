@@ -132,10 +132,10 @@ class CrunRuntime:
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
-        args = ["exec"]
-        args += [f"--env={k}={v}" for k, v in self._exec_env(d, env).items()]
-        if cwd:
-            args.append(f"--cwd={cwd}")
+        base_env, base_cwd = self._process_defaults(d)
+        args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
+        args += [f"--env={k}={v}" for k, v in {**base_env, **env}.items()]
+        args.append(f"--cwd={cwd or base_cwd}")
         args += [f"--pid-file={pid_file}", handle.id, *argv]
         try:
             return PipeExec(self._cmd(*args), stdin=stdin, pid_file=pid_file)
@@ -143,18 +143,17 @@ class CrunRuntime:
             raise RuntimeFailure(f"cannot start crun exec in {handle.id}", detail=str(e)) from e
 
     @staticmethod
-    def _exec_env(d: Path, env: dict[str, str]) -> dict[str, str]:
-        """The sandbox's own env (config.json: PATH, template env, spec.envs) overlaid with ``env``.
+    def _process_defaults(d: Path) -> tuple[dict[str, str], str]:
+        """The sandbox's own env (PATH, template env, spec.envs) and cwd from its config.json.
 
-        crun exec with ``--env`` starts from an empty environment, so the base is passed explicitly.
+        crun exec with ``--env`` starts from an empty environment and defaults cwd to "/", so both are
+        passed explicitly; the exec's ``env``/``cwd`` override them.
         """
         try:
-            base = json.loads((d / "config.json").read_text())["process"]["env"]
+            proc = json.loads((d / "config.json").read_text())["process"]
+            return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
-        merged = dict(item.split("=", 1) for item in base)
-        merged.update(env)
-        return merged
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.

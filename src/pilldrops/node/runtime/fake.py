@@ -1,0 +1,129 @@
+"""FakeRuntime: a ``Runtime`` for fast unit tests of the agent. TEST-ONLY, NO ISOLATION.
+
+Each sandbox is a plain temp directory; ``exec`` runs argv as an ordinary host subprocess with its cwd
+inside that directory (``cwd="/x"`` maps to ``<dir>/x``) and the sandbox env merged over a minimal host
+env. It keeps the same ``ExecProcess`` semantics as crun (chunks in arrival order, 128+N exit codes,
+``kill`` of the whole tree) and needs no root. Never a product path (ARCHITECTURE.md §4).
+
+Knobs for failure tests: ``fail_create`` (bool, or an exception to raise) makes the next creates fail;
+``simulate_exit(handle, code)`` / ``simulate_oom(handle)`` make ``state`` report a stopped sandbox.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from pilldrops.node.isolation.execproc import PipeExec
+from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
+
+_HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TMPDIR")
+
+
+@dataclass
+class _Sandbox:
+    spec: SandboxSpec
+    dir: Path
+    pid: int
+    status: str = "running"
+    oom: bool = False
+    exit_code: int | None = None
+
+
+class FakeRuntime:
+    """Sandboxes as temp dirs under ``root`` (a fresh temp dir by default)."""
+
+    name = "fake"
+
+    def __init__(self, root: Path | None = None, *, fail_create: bool | BaseException = False) -> None:
+        self._own_root = root is None
+        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="pilldrops-fake-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fail_create = fail_create
+        self._boxes: dict[str, _Sandbox] = {}
+        self._execs: dict[str, list[PipeExec]] = {}
+        self._pids = itertools.count(100_000)
+
+    async def create(self, spec: SandboxSpec) -> Handle:
+        if self.fail_create:
+            if isinstance(self.fail_create, BaseException):
+                raise self.fail_create
+            raise RuntimeFailure(f"fake create of {spec.id} failed", detail="fail_create is set")
+        if spec.id in self._boxes:
+            raise RuntimeFailure(f"sandbox {spec.id} already exists")
+        d = self.root / spec.id
+        d.mkdir(parents=True)
+        (d / spec.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        pid = next(self._pids)
+        self._boxes[spec.id] = _Sandbox(spec=spec, dir=d, pid=pid)
+        return Handle(id=spec.id, pid=pid, pid_start_time=pid, bundle=str(d))
+
+    def _box(self, handle: Handle) -> _Sandbox:
+        box = self._boxes.get(handle.id)
+        if box is None:
+            raise RuntimeFailure(f"sandbox {handle.id} does not exist")
+        return box
+
+    async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
+                   stdin: AsyncIterable[bytes] | bytes | None = None) -> PipeExec:
+        box = self._box(handle)
+        if box.status != "running":
+            raise RuntimeFailure(f"sandbox {handle.id} is not running")
+        if not argv:
+            raise RuntimeFailure("exec needs a non-empty argv")
+        workdir = box.dir / (cwd or box.spec.workdir).lstrip("/")
+        if not workdir.is_dir():
+            raise RuntimeFailure(f"cwd {cwd!r} does not exist in sandbox {handle.id}")
+        full_env = {k: os.environ[k] for k in _HOST_ENV_KEEP if k in os.environ}
+        full_env.update(box.spec.envs)
+        full_env.update(env)
+        try:
+            proc = PipeExec(list(argv), stdin=stdin, env=full_env, cwd=workdir)
+        except OSError as e:           # like crun exec: the runtime reports, the command exits 127
+            raise RuntimeFailure(f"cannot exec {argv[0]!r}", detail=str(e)) from e
+        self._execs.setdefault(handle.id, []).append(proc)
+        return proc
+
+    async def state(self, handle: Handle) -> RuntimeState:
+        box = self._boxes.get(handle.id)
+        if box is None:
+            return RuntimeState(status="gone")
+        if box.status == "running":
+            return RuntimeState(status="running", pid=box.pid, oom_killed=box.oom)
+        return RuntimeState(status="stopped", oom_killed=box.oom, exit_code=box.exit_code)
+
+    async def destroy(self, handle: Handle) -> None:
+        box = self._boxes.pop(handle.id, None)
+        for proc in self._execs.pop(handle.id, []):
+            await proc.kill()
+        if box is not None:
+            await anyio.to_thread.run_sync(shutil.rmtree, box.dir, True)
+
+    async def list_ids(self) -> list[str]:
+        return sorted(self._boxes)
+
+    # -- test knobs ----------------------------------------------------------------------------
+    async def simulate_exit(self, handle: Handle, code: int = 0) -> None:
+        """The sandbox's init exited: every command dies, ``state`` says stopped with ``code``."""
+        box = self._box(handle)
+        box.status, box.exit_code = "stopped", code
+        for proc in self._execs.pop(handle.id, []):
+            await proc.kill()
+
+    async def simulate_oom(self, handle: Handle) -> None:
+        """The sandbox was OOM-killed: stopped, ``oom_killed`` true, exit code 137."""
+        self._box(handle).oom = True
+        await self.simulate_exit(handle, 137)
+
+    async def close(self) -> None:
+        for sid in list(self._boxes):
+            await self.destroy(Handle(id=sid))
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""Leak check for anything a runtime leaves on the host: crun containers, mounts, cgroups, processes.
+
+``before = snapshot(crun_roots=[...])`` ... ``assert_no_leaks(before)`` fails listing every new item:
+- containers in ``crun --root <r> list`` for each given root;
+- ``/proc/self/mountinfo`` mount points containing ``match``;
+- cgroup dirs whose name contains ``match`` under ``/sys/fs/cgroup/*`` (depth <= 3);
+- live processes whose ``/proc/<pid>/cgroup`` mentions ``match``. Zombies are ignored: a killed sandbox
+  init is re-parented to the host's pid 1, and on this machine kind pid 1 (process_api) reaps only every
+  few seconds; a zombie holds no memory, mount or cgroup.
+``match`` defaults to "pilldrops"; tests scope it to their session's unique name so that other
+PillDrops processes on the same machine cannot make them fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _containers(roots: list[Path]) -> set[str]:
+    out = set()
+    for r in roots:
+        if not Path(r).exists():
+            continue
+        p = subprocess.run(["crun", "--root", str(r), "list", "--format", "json"], capture_output=True)
+        if p.returncode == 0 and p.stdout.strip():
+            out |= {f"crun:{r}:{c['id']}" for c in json.loads(p.stdout) or []}
+    return out
+
+
+def _mounts(match: str) -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {f"mount:{line.split()[4]}" for line in f if match in line.split()[4]}
+
+
+def _cgroups(match: str) -> set[str]:
+    out = set()
+    if not CGROUP_ROOT.is_dir():
+        return out
+    for h in CGROUP_ROOT.iterdir():
+        if not h.is_dir():
+            continue
+        for root, dirs, _ in os.walk(h):
+            depth = len(Path(root).relative_to(h).parts)
+            for d in dirs:
+                if match in d:
+                    out.add(f"cgroup:{root}/{d}")
+            if depth >= 2:
+                dirs[:] = []
+    return out
+
+
+def _procs(match: str) -> set[str]:
+    out = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cg = Path(f"/proc/{name}/cgroup").read_text()
+        except OSError:
+            continue
+        if match in cg:
+            try:
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+                if stat[stat.rindex(b")") + 2:].startswith(b"Z"):
+                    continue
+            except (OSError, ValueError):
+                continue
+            try:
+                comm = Path(f"/proc/{name}/comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            out.add(f"proc:{name}:{comm}")
+    return out
+
+
+def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops") -> dict[str, object]:
+    roots = [Path(r) for r in (crun_roots or [])]
+    items = _containers(roots) | _mounts(match) | _cgroups(match) | _procs(match)
+    return {"roots": roots, "match": match, "items": items}
+
+
+def leaks(before: dict[str, object]) -> set[str]:
+    now = snapshot(before["roots"], before["match"])  # type: ignore[arg-type]
+    return now["items"] - before["items"]  # type: ignore[operator]
+
+
+def assert_no_leaks(before: dict[str, object], *, settle: float = 2.0) -> None:
+    """Fail if anything new is still there after up to ``settle`` seconds (processes take a moment to go)."""
+    deadline = time.monotonic() + settle
+    new = leaks(before)
+    while new and time.monotonic() < deadline:
+        time.sleep(0.05)
+        new = leaks(before)
+    assert not new, "leaked: " + ", ".join(sorted(new))
