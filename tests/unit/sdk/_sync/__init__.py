@@ -1,0 +1,1 @@
+# DO NOT EDIT — generated from _async by scripts/unasync.py

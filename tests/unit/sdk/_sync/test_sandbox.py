@@ -1,0 +1,313 @@
+# DO NOT EDIT — generated from _async by scripts/unasync.py
+"""Sandbox behaviour against the in-memory FakeControlPlane. Written async; the sync twin is generated."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pilldrops import (
+    Sandbox,
+    AuthenticationError,
+    CapacityUnavailable,
+    CommandFailed,
+    FileNotFound,
+    InvalidRequest,
+    InvalidState,
+    RequestTimeout,
+    SandboxNotFound,
+    SandboxState,
+    ServerError,
+    TransportError,
+)
+from pilldrops.sdk.testing import FakeControlPlane, FakeResult
+
+SB = r"/v1/sandboxes/[^/]+"
+
+
+def test_create_run_kill(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create("code-interpreter", vcpu=2, memory_mb=1024, timeout=600,
+                                   metadata={"run": "1"}, envs={"A": "1"}, **opts)
+    assert sb.id.startswith("sb_") and sb.info.state == SandboxState.running
+    assert sb.info.template == "code-interpreter" and sb.info.vcpu == 2 and sb.info.memory_mb == 1024
+    r = sb.run("echo hello && printenv A")
+    assert (r.exit_code, r.stdout, r.stderr, r.truncated, r.timed_out) == (0, "hello\n1\n", "", False, False)
+    assert r.stdout_bytes == b"hello\n1\n" and r.duration >= 0
+    info = sb.kill()
+    assert info.state == SandboxState.stopped and info.end_reason is not None
+    assert fake.sandboxes[sb.id].info.state == SandboxState.stopped
+    assert (sb.kill()).state == SandboxState.stopped  # idempotent
+
+
+def test_data_plane_is_direct_with_access_token(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    sb.run("true")
+    (req,) = fake.requests_to("POST", SB + "/run")
+    assert req.url.host == httpx.URL(fake.node_url).host
+    assert req.headers["x-access-token"] == fake.sandboxes[sb.id].access_token
+    assert "authorization" not in req.headers  # the API key never goes to a node
+
+
+def test_data_plane_falls_back_to_control_plane_proxy(opts: dict[str, Any]) -> None:
+    fake = FakeControlPlane(data_plane=False)
+    sb = Sandbox.create(**fake.client_options())
+    assert sb.info.envd_url is None
+    assert (sb.run("echo via proxy")).stdout == "via proxy\n"
+    (req,) = fake.requests_to("POST", SB + "/run")
+    assert req.url.host == httpx.URL(fake.api_url).host
+    assert req.headers["authorization"] == f"Bearer {fake.api_key}"
+
+
+def test_context_manager_kills_on_success_and_on_exception(fake: FakeControlPlane,
+                                                                 opts: dict[str, Any]) -> None:
+    with Sandbox.create(**opts) as sb:
+        first = sb.id
+    assert fake.sandboxes[first].info.state == SandboxState.stopped
+    with pytest.raises(ZeroDivisionError):
+        with Sandbox.create(**opts) as sb:
+            second = sb.id
+            1 / 0
+    assert fake.sandboxes[second].info.state == SandboxState.stopped
+
+
+def test_failing_kill_does_not_hide_the_body_error(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    with pytest.raises(KeyError):
+        with Sandbox.create(**opts):
+            fake.fail_next("DELETE", SB, status=500, times=10)
+            raise KeyError("body")
+    fake2 = FakeControlPlane()
+    with pytest.raises(ServerError):  # without a body error, the kill failure is raised
+        with Sandbox.create(**fake2.client_options()):
+            fake2.fail_next("DELETE", SB, status=500, times=10)
+
+
+def test_retried_create_reuses_idempotency_key(fake: FakeControlPlane, opts: dict[str, Any],
+                                                     delays: list[float]) -> None:
+    # The first attempt is processed but its answer is lost (503): the retry must not make a second one.
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=503, after=True)
+    sb = Sandbox.create(**opts)
+    attempts = fake.requests_to("POST", "/v1/sandboxes")
+    assert len(attempts) == 2 and len(delays) == 1
+    keys = {r.headers["idempotency-key"] for r in attempts}
+    assert len(keys) == 1 and keys.pop()
+    assert list(fake.sandboxes) == [sb.id]
+    other = Sandbox.create(**opts)  # a new logical create gets a new key
+    assert other.id != sb.id
+    assert fake.requests_to("POST", "/v1/sandboxes")[-1].headers["idempotency-key"] not in keys
+
+
+def test_retry_honours_retry_after(fake: FakeControlPlane, opts: dict[str, Any],
+                                         delays: list[float]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=429, retry_after=2)
+    Sandbox.create(**opts)
+    assert delays == [2.0]
+
+
+def test_idempotent_calls_retry_and_give_up(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    fake.fail_next("GET", SB, status=502, times=2)
+    assert (sb.get_info()).id == sb.id
+    assert len(fake.requests_to("GET", SB)) == 3
+    fake.fail_next("GET", SB, status=503, times=100)
+    with pytest.raises(CapacityUnavailable):
+        sb.get_info()
+    assert len(fake.requests_to("GET", SB)) == 3 + 4  # 1 try + 3 retries
+
+
+def test_non_idempotent_calls_are_not_retried(fake: FakeControlPlane, opts: dict[str, Any],
+                                                    tmp_path: Path) -> None:
+    sb = Sandbox.create(**opts)
+    fake.fail_next("POST", SB + "/run", status=503)
+    with pytest.raises(CapacityUnavailable):
+        sb.run("echo once")
+    assert len(fake.requests_to("POST", SB + "/run")) == 1
+    (tmp_path / "f").write_text("x")
+    fake.fail_next("PUT", SB + "/archive", status=500)
+    with pytest.raises(ServerError):
+        sb.upload(tmp_path / "f", "/f")
+    assert len(fake.requests_to("PUT", SB + "/archive")) == 1
+    fake.fail_next("POST", SB + "/run", exc=httpx.ReadError("reset"))
+    with pytest.raises(TransportError):
+        sb.run("echo once")
+    assert len(fake.requests_to("POST", SB + "/run")) == 2
+
+
+def test_unsent_requests_are_retried_even_for_run(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    fake.fail_next("POST", SB + "/run", exc=httpx.ConnectError("refused"))
+    assert (sb.run("echo ok")).stdout == "ok\n"
+
+
+def test_transport_errors_are_mapped(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    fake.fail_next(None, "", exc=httpx.ConnectError("connection refused"), times=100)
+    with pytest.raises(TransportError) as info:
+        Sandbox.create(**opts)
+    assert not isinstance(info.value, httpx.HTTPError)
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+    assert len(fake.requests) == 4
+    fake2 = FakeControlPlane()
+    fake2.fail_next(None, "", exc=httpx.ReadTimeout("slow"), times=100)
+    with pytest.raises(RequestTimeout) as timeout:
+        Sandbox.list(**fake2.client_options())
+    assert isinstance(timeout.value, TimeoutError)
+
+
+def test_http_errors_are_typed(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    with pytest.raises(SandboxNotFound) as nf:
+        Sandbox.connect("sb_missing", **opts)
+    assert nf.value.request_id and nf.value.code == "sandbox_not_found"
+    with pytest.raises(AuthenticationError):
+        Sandbox.create(api_url=fake.api_url, api_key="wrong", transport=fake.transport)
+    fake.fail_next("GET", "", status=500, body=b"<html>oops</html>", content_type="text/html", times=100)
+    with pytest.raises(ServerError) as se:
+        Sandbox.list(**opts)
+    assert "500" in str(se.value)
+    with pytest.raises(InvalidRequest):
+        Sandbox.create(vcpu=-1, **opts)  # validated locally, before any request
+
+
+def test_no_api_key_tells_how_to_get_one() -> None:
+    with pytest.raises(AuthenticationError, match="pilldrops up.*PILLDROPS_API_KEY"):
+        Sandbox.create()
+
+
+def test_run_output_decoding() -> None:
+    fake = FakeControlPlane(chunk_size=1)  # every byte its own chunk: multi-byte characters get split
+    fake.on_command("binary", lambda c: FakeResult(stdout=b"\xff\x00ok", stderr="é€😀"))
+    sb = Sandbox.create(**fake.client_options())
+    out: list[str] = []
+    err: list[str] = []
+    r = sb.run("echo héllo wörld €", on_stdout=out.append, on_stderr=err.append)
+    assert r.stdout == "héllo wörld €\n" and "".join(out) == r.stdout and "\ufffd" not in r.stdout
+    r = sb.run("binary", on_stdout=out.append, on_stderr=err.append)
+    assert r.stdout_bytes == b"\xff\x00ok" and r.stdout == "\ufffd\x00ok"
+    assert r.stderr == "é€😀" and "".join(err) == "é€😀"
+
+
+def test_run_truncation_exit_codes_and_timeouts(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    r = sb.run("echo 0123456789", max_output_bytes=4)
+    assert r.truncated and r.stdout == "0123"
+    r = sb.run("echo partial; exit 3")
+    assert r.exit_code == 3 and r.stdout == "partial\n" and not r.ok
+    r = sb.run("sleep 10", timeout=1)
+    assert r.timed_out and r.exit_code == 124
+    r = sb.run(["echo", "a b"], cwd="/tmp", stdin="in")
+    assert r.stdout == "a b\n"
+    assert (sb.run("cat", stdin="fed")).stdout == "fed"
+
+
+def test_check_raises_command_failed(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    with pytest.raises(CommandFailed) as info:
+        sb.run("echo boom >&2; exit 2", check=True)
+    assert info.value.result.exit_code == 2 and info.value.result.stderr == "boom\n"
+    assert "boom" in str(info.value)
+    assert (sb.run("true", check=True)).exit_code == 0
+
+
+def test_upload_directory_layout_keeps_symlinks(fake: FakeControlPlane, opts: dict[str, Any],
+                                                      tmp_path: Path) -> None:
+    env = tmp_path / "env"
+    (env / "sub").mkdir(parents=True)
+    (env / "episode.py").write_text("print(1)")
+    (env / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    os.symlink("episode.py", env / "link.py")
+    sb = Sandbox.create(**opts)
+    assert sb.upload(env, "/env") == 4
+    (req,) = fake.requests_to("PUT", SB + "/archive")
+    assert req.url.params["path"] == "/env"
+    names = sorted(m.name for m in tarfile.open(fileobj=__import__("io").BytesIO(req.content)).getmembers())
+    assert names == ["episode.py", "link.py", "sub", "sub/data.bin"]
+    fs = fake.sandboxes[sb.id]
+    assert fs.files["/env/episode.py"] == b"print(1)" and fs.files["/env/sub/data.bin"] == b"\x00\x01"
+    assert fs.links["/env/link.py"] == "episode.py" and "/env/link.py" not in fs.files
+    assert (sb.run("cat /env/episode.py")).stdout == "print(1)"
+
+
+def test_upload_single_file(fake: FakeControlPlane, opts: dict[str, Any], tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("A")
+    sb = Sandbox.create(**opts)
+    assert sb.upload(tmp_path / "a.txt", "/x/b.txt") == 1
+    assert fake.requests_to("PUT", SB + "/archive")[-1].url.params["path"] == "/x"
+    sb.upload(str(tmp_path / "a.txt"), "/y/")
+    assert fake.sandboxes[sb.id].files == {"/x/b.txt": b"A", "/y/a.txt": b"A"}
+    with pytest.raises(FileNotFoundError):
+        sb.upload(tmp_path / "missing", "/z")
+
+
+def test_download_round_trip(fake: FakeControlPlane, opts: dict[str, Any], tmp_path: Path) -> None:
+    sb = Sandbox.create(**opts)
+    sb.files.write("/out/result.json", '{"r": 1}')
+    sb.files.write("/out/deep/x.bin", b"\xff")
+    fake.sandboxes[sb.id].links["/out/link"] = "result.json"
+    got = sb.download("/out", tmp_path / "local")
+    assert got == tmp_path / "local"
+    assert (got / "result.json").read_text() == '{"r": 1}' and (got / "deep" / "x.bin").read_bytes() == b"\xff"
+    assert os.readlink(got / "link") == "result.json"
+    single = sb.download("/out/result.json", tmp_path / "r.json")
+    assert single.read_text() == '{"r": 1}'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pilldrops")]
+    with pytest.raises(FileNotFound):
+        sb.download("/nope", tmp_path / "nope")
+
+
+def test_files(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    info = sb.files.write("/data/a.txt", "héllo")
+    assert info.path == "/data/a.txt" and info.size == len("héllo".encode())
+    assert sb.files.read("/data/a.txt") == "héllo"
+    assert sb.files.read_bytes("/data/a.txt") == "héllo".encode()
+    assert [f.name for f in sb.files.list("/data")] == ["a.txt"]
+    assert sb.files.exists("/data/a.txt") and sb.files.exists("/data")
+    assert not sb.files.exists("/data/b.txt") and not sb.files.exists("/nope/b")
+    with pytest.raises(FileNotFound):
+        sb.files.read("/data/b.txt")
+
+
+def test_list_follows_cursors_and_filters(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    made = [Sandbox.create(metadata={"i": str(i), "even": str(i % 2 == 0)}, **opts)
+            for i in range(5)]
+    made[0].kill()
+    everything = Sandbox.list(page_size=2, **opts)
+    assert [s.id for s in everything] == [s.id for s in reversed(made)]
+    assert len(fake.requests_to("GET", "/v1/sandboxes")) == 3
+    running = Sandbox.list(state="running", **opts)
+    assert {s.id for s in running} == {s.id for s in made[1:]}
+    assert {s.id for s in Sandbox.list(state=[SandboxState.stopped], **opts)} == {made[0].id}
+    even = Sandbox.list(metadata={"even": "True"}, **opts)
+    assert {s.id for s in even} == {made[0].id, made[2].id, made[4].id}
+    assert all(s.access_token is None for s in everything)
+
+
+def test_connect_info_timeout_and_kill_by_id(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    again = Sandbox.connect(sb.id, **opts)
+    assert again.info.access_token == fake.sandboxes[sb.id].access_token
+    assert again.is_running()
+    before = sb.info.end_at
+    fake.advance(10)
+    info = sb.set_timeout(3600)
+    assert info.end_at is not None and before is not None and info.end_at > before
+    assert sb.info.access_token is not None  # refreshes keep the data-plane token
+    assert (Sandbox.get_info_by_id(sb.id, **opts)).id == sb.id
+    assert (Sandbox.kill_by_id(sb.id, **opts)).state == SandboxState.stopped
+    assert not sb.is_running()
+    with pytest.raises(InvalidState):
+        Sandbox.connect(sb.id, **opts)
+    with pytest.raises(InvalidRequest):
+        sb.set_timeout(0)
+
+
+def test_sandboxes_share_one_client(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    a = Sandbox.create(**opts)
+    b = Sandbox.connect(a.id, **opts)
+    assert a._client._http is b._client._http
+    other = FakeControlPlane()
+    c = Sandbox.create(**other.client_options())
+    assert c._client._http is not a._client._http
