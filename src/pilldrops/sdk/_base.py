@@ -459,6 +459,7 @@ def extract_download(tar_path: str, remote: str, local: str | os.PathLike[str]) 
     directory, a downloaded directory is merged into it and a downloaded file is placed inside it.
     """
     dst = Path(local).absolute()
+    dst.parent.mkdir(parents=True, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=".pilldrops-extract-", dir=dst.parent)
     try:
         try:

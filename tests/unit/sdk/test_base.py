@@ -1,0 +1,244 @@
+"""Colour-free helpers: retry decision, backoff, run decoding, tar packing and safe extraction."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import tarfile
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pilldrops import Sandbox
+from pilldrops.errors import (
+    CapacityUnavailable,
+    Conflict,
+    FileNotFound,
+    InvalidRequest,
+    NodeUnavailable,
+    RateLimited,
+    RequestTimeout,
+    ServerError,
+    TransportError,
+)
+from pilldrops.sdk import _base
+from pilldrops.sdk._sync import client as sync_client
+from pilldrops.sdk.testing import FakeControlPlane
+
+
+def _line(**event: object) -> str:
+    return json.dumps(event)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+# ---------------------------------------------------------------------------------------------- retries
+
+def test_should_retry_matrix() -> None:
+    for exc in (RateLimited(), ServerError(), NodeUnavailable(), CapacityUnavailable(), TransportError()):
+        assert _base.should_retry(exc, idempotent=True)
+        assert not _base.should_retry(exc, idempotent=False)
+    for exc in (InvalidRequest(), Conflict(), FileNotFound()):
+        assert not _base.should_retry(exc, idempotent=True)
+    not_sent = TransportError()
+    not_sent.__cause__ = httpx.ConnectError("refused")
+    assert _base.should_retry(not_sent, idempotent=False)
+
+
+def test_backoff_is_exponential_jittered_and_capped() -> None:
+    rng = random.Random(0)
+    for attempt in range(8):
+        d = _base.backoff_delay(attempt, rng=rng)
+        full = min(4.0, 0.25 * 2 ** attempt)
+        assert full / 2 <= d <= full
+    assert _base.backoff_delay(0, retry_after=3.0) == 3.0
+    assert _base.backoff_delay(0, retry_after=1e6) == 60.0
+
+
+def test_parse_retry_after() -> None:
+    assert _base.parse_retry_after("2") == 2.0
+    assert _base.parse_retry_after(None) is None and _base.parse_retry_after("soon") is None
+    assert _base.parse_retry_after("Thu, 01 Jan 1970 00:00:10 GMT", now=0) == 10.0
+
+
+def test_map_transport_errors() -> None:
+    with pytest.raises(RequestTimeout):
+        with _base.map_transport_errors():
+            raise httpx.PoolTimeout("pool")
+    with pytest.raises(TransportError) as info:
+        with _base.map_transport_errors():
+            raise httpx.RemoteProtocolError("eof")
+    assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
+    with pytest.raises(ValueError):  # non-httpx errors pass untouched
+        with _base.map_transport_errors():
+            raise ValueError("mine")
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+def test_run_decoder_split_utf8_and_callbacks() -> None:
+    chunks: list[str] = []
+    dec = _base.RunDecoder(cmd="x", on_stdout=chunks.append)
+    data = "añ€😀".encode()
+    dec.feed(_line(type="start", pid=7))
+    for i in range(len(data)):
+        dec.feed(_line(type="stdout", data=_b64(data[i:i + 1])))
+    dec.feed("")
+    dec.feed(_line(type="exit", exit_code=0, duration=1.5, truncated=False, timed_out=False))
+    r = dec.result()
+    assert "".join(chunks) == "añ€😀" == r.stdout and r.duration == 1.5 and dec.pid == 7
+
+
+def test_run_decoder_trailing_partial_char_is_replaced() -> None:
+    out: list[str] = []
+    dec = _base.RunDecoder(on_stdout=out.append)
+    dec.feed(_line(type="stdout", data=_b64("€".encode()[:2])))
+    dec.feed(_line(type="exit", exit_code=0))
+    assert dec.result().stdout == "\ufffd" and "".join(out) == "\ufffd"
+
+
+def test_run_decoder_client_side_cap() -> None:
+    dec = _base.RunDecoder(max_output_bytes=3)
+    dec.feed(_line(type="stderr", data=_b64(b"abcdef")))
+    dec.feed(_line(type="exit", exit_code=1))
+    r = dec.result()
+    assert r.stderr == "abc" and r.truncated and r.exit_code == 1
+
+
+@pytest.mark.parametrize("code,cls", [("node_unavailable", NodeUnavailable), ("file_not_found", FileNotFound),
+                                      ("capacity_unavailable", CapacityUnavailable)])
+def test_run_decoder_error_event(code: str, cls: type[Exception]) -> None:
+    dec = _base.RunDecoder()
+    with pytest.raises(cls, match="went away"):
+        dec.feed(_line(type="error", code=code, message="went away"))
+
+
+def test_run_decoder_missing_exit_and_garbage() -> None:
+    dec = _base.RunDecoder()
+    dec.feed(_line(type="stdout", data=_b64(b"x")))
+    with pytest.raises(TransportError):
+        dec.result()
+    with pytest.raises(ServerError):
+        _base.RunDecoder().feed("not json")
+
+
+def test_run_result_check_returncode() -> None:
+    ok = _base.RunResult(exit_code=0)
+    assert ok.check_returncode() is ok
+    bad = _base.RunResult(exit_code=124, timed_out=True, cmd="sleep 9")
+    with pytest.raises(Exception, match="timed out") as info:
+        bad.check_returncode()
+    assert info.value.result is bad  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------- tar
+
+def _members(plan: _base.UploadPlan) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(plan.tar_path) as tar:
+        return {m.name: m for m in tar.getmembers()}
+
+
+def test_pack_directory(tmp_path: Path) -> None:
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_text("a")
+    (tmp_path / "d" / "sub" / "b").write_text("b")
+    os.symlink("/etc/passwd", tmp_path / "d" / "abs-link")
+    plan = _base.pack_upload(tmp_path / "d", "/env/")
+    try:
+        members = _members(plan)
+        assert plan.dest == "/env" and plan.entries == 4
+        assert sorted(members) == ["a", "abs-link", "sub", "sub/b"]
+        assert members["abs-link"].issym() and members["abs-link"].linkname == "/etc/passwd"
+        assert all(m.uid == 0 and m.uname == "" for m in members.values())
+    finally:
+        plan.cleanup()
+    assert not os.path.exists(plan.tar_path)
+
+
+def test_pack_file_and_symlink_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("A")
+    plan = _base.pack_upload(tmp_path / "a.txt", "/x/b.txt")
+    assert (plan.dest, list(_members(plan))) == ("/x", ["b.txt"])
+    plan.cleanup()
+    os.symlink("a.txt", tmp_path / "ln")
+    plan = _base.pack_upload(tmp_path / "ln", "/x/")
+    assert (plan.dest, _members(plan)["ln"].issym()) == ("/x", True)
+    plan.cleanup()
+
+
+def _evil_tar(path: Path, *members: tuple[str, bytes | None, str | None]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, data, link in members:
+            ti = tarfile.TarInfo(name)
+            if link is not None:
+                ti.type, ti.linkname = tarfile.SYMTYPE, link
+                tar.addfile(ti)
+            else:
+                ti.size = len(data or b"")
+                tar.addfile(ti, io.BytesIO(data or b""))
+    return str(path)
+
+
+@pytest.mark.parametrize("members", [
+    [("../escape", b"x", None)],
+    [("out/../../escape", b"x", None)],
+    [("out", None, "/etc"), ("out/passwd", b"x", None)],
+    [("out/link", None, "../../../etc/passwd")],
+])
+def test_extract_refuses_unsafe_members(tmp_path: Path, members: list[tuple[str, bytes | None, str | None]]) -> None:
+    tar = _evil_tar(tmp_path / "evil.tar", *members)
+    dest = tmp_path / "dl" / "out"
+    with pytest.raises(InvalidRequest, match="unsafe"):
+        _base.extract_download(tar, "/out", dest)
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "dl" / "escape").exists()
+    assert [p.name for p in (tmp_path / "dl").iterdir()] == []  # work dir cleaned up
+
+
+def test_extract_keeps_absolute_names_inside(tmp_path: Path) -> None:
+    tar = _evil_tar(tmp_path / "abs.tar", ("/out", b"x", None))
+    got = _base.extract_download(tar, "/out", tmp_path / "dl" / "out")
+    assert got == tmp_path / "dl" / "out" and got.read_bytes() == b"x"
+
+
+def test_extract_file_into_existing_directory(tmp_path: Path) -> None:
+    tar = _evil_tar(tmp_path / "ok.tar", ("r.txt", b"hi", None))
+    (tmp_path / "dir").mkdir()
+    assert _base.extract_download(tar, "/w/r.txt", tmp_path / "dir") == tmp_path / "dir" / "r.txt"
+    assert (tmp_path / "dir" / "r.txt").read_bytes() == b"hi"
+
+
+# ---------------------------------------------------------------------------------------------- threads
+
+def test_64_threads_share_one_client() -> None:
+    fake = FakeControlPlane()
+    opts = fake.client_options()
+    clients: set[int] = set()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(64)
+
+    def rollout(i: int) -> None:
+        try:
+            barrier.wait()
+            with Sandbox.create(template="code-interpreter", metadata={"i": str(i)}, **opts) as sb:
+                clients.add(id(sb._client._http))
+                assert float(sb.run(f"echo {i}").stdout) == i
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rollout, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(clients) == 1 and len(fake.sandboxes) == 64
+    assert all(s.info.state.value == "stopped" for s in fake.sandboxes.values())
+    pool = sync_client._CLIENTS.get(sync_client.APIClient.from_options(**opts).config)
+    assert id(pool) in clients
