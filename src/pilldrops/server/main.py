@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import httpx
 from fastapi import FastAPI
 
 from pilldrops._internal.clock import Clock
@@ -27,10 +28,11 @@ class ControlPlane:
         await self.store.close()
 
 
-async def build_control_plane(db_url: str, node_token: str, clock: Clock | None = None) -> ControlPlane:
+async def build_control_plane(db_url: str, node_token: str, clock: Clock | None = None, *,
+                              node_transport: httpx.AsyncBaseTransport | None = None) -> ControlPlane:
     clock = clock or Clock()
     store = await Store.open(db_url)
-    node_client = NodeClient(node_token)
+    node_client = NodeClient(node_token, transport=node_transport)
     sandboxes = SandboxService(store, node_client, clock)
     services = Services(auth=AuthService(store, clock), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token))

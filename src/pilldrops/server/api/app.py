@@ -120,12 +120,20 @@ def create_app(services: Services) -> FastAPI:
     async def run(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
         return await proxy(request, p, sandbox_id, "run")
 
-    @api.api_route("/sandboxes/{sandbox_id}/archive", methods=["GET", "PUT"], response_class=StreamingResponse)
-    async def archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+    @api.put("/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse)
+    async def put_archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
         return await proxy(request, p, sandbox_id, "archive")
 
-    @api.api_route("/sandboxes/{sandbox_id}/files", methods=["GET", "PUT"], response_class=StreamingResponse)
-    async def files(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+    @api.get("/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse)
+    async def get_archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "archive")
+
+    @api.put("/sandboxes/{sandbox_id}/files", response_class=StreamingResponse)
+    async def write_file(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, "files")
+
+    @api.get("/sandboxes/{sandbox_id}/files", response_class=StreamingResponse)
+    async def read_file(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
         return await proxy(request, p, sandbox_id, "files")
 
     @api.get("/sandboxes/{sandbox_id}/files/list", response_class=StreamingResponse)

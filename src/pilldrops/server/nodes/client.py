@@ -17,9 +17,11 @@ from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStat
 
 
 class NodeClient:
-    def __init__(self, node_token: str, *, timeout: float = 60.0) -> None:
+    def __init__(self, node_token: str, *, timeout: float = 60.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._token = node_token
         self._http = httpx.AsyncClient(
+            transport=transport,
             timeout=httpx.Timeout(timeout, connect=5.0),
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
             headers={"Authorization": f"Bearer {node_token}"},

@@ -1,0 +1,106 @@
+"""An in-process PillDrops for unit tests: control plane (real SQLite store) + node agent on the
+FakeRuntime, wired through ASGI transports (no sockets, no root)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from pilldrops.node.agent import NodeAgent, Settings
+from pilldrops.node.api import create_node_app
+from pilldrops.node.runtime.fake import FakeRuntime
+from pilldrops.server.main import ControlPlane, build_control_plane
+from pilldrops.server.store.sql import sqlite_url
+
+TOKEN = "test-node-token"
+
+
+@dataclass(frozen=True)
+class FakeTemplate:
+    name: str
+    layers: tuple[Path, ...] = ()
+    env: dict[str, str] | None = None
+    workdir: str = "/"
+    size: int = 0
+    built_at: float = 0.0
+    built: bool = True
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", self.env or {"PD_TEMPLATE": self.name})
+
+
+class FakeTemplates:
+    def __init__(self, *names: str) -> None:
+        self.items = {n: FakeTemplate(n) for n in names}
+
+    def get(self, name: str) -> FakeTemplate:
+        from pilldrops.errors import TemplateNotFound
+        if name not in self.items:
+            raise TemplateNotFound(name)
+        return self.items[name]
+
+    def list(self) -> list[FakeTemplate]:
+        return list(self.items.values())
+
+
+@dataclass
+class Stack:
+    cp: ControlPlane
+    agent: NodeAgent
+    runtime: FakeRuntime
+    key: str
+    team_id: str
+
+    def client(self, key: str | None = None, **kw: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key if key is not None else self.key}"} if (key or self.key) else {}
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.cp.app), base_url="http://cp",
+                                 headers=headers, **kw)
+
+    async def new_team_key(self, name: str) -> str:
+        team = await self.cp.services.auth.create_team(name)
+        return (await self.cp.services.auth.create_key(team.id, "k")).secret
+
+
+@asynccontextmanager
+async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
+                templates: tuple[str, ...] = ("tiny",)) -> AsyncIterator[Stack]:
+    runtime = FakeRuntime(tmp_path / "fake")
+    holder: dict[str, Any] = {}
+    node_transport = httpx.ASGITransport(app=_Lazy(holder, "node"))
+    cp = await build_control_plane(sqlite_url(tmp_path / "db.sqlite"), TOKEN, node_transport=node_transport)
+    settings = Settings(name="node-a", public_url="http://node", capacity_vcpu=capacity_vcpu,
+                        capacity_memory_mb=capacity_memory_mb, control_plane_url="http://cp", node_token=TOKEN)
+    agent = NodeAgent(settings, runtime, FakeTemplates(*templates), tmp_path / "node",
+                      http=httpx.AsyncClient(transport=httpx.ASGITransport(app=cp.app),
+                                             headers={"Authorization": f"Bearer {TOKEN}"}))
+    holder["node"] = create_node_app(agent, TOKEN)
+    team_id, secret = await cp.services.auth.bootstrap(None)
+    assert secret
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            with anyio.fail_after(10):
+                await agent.wait_registered()
+            yield Stack(cp, agent, runtime, secret, team_id)
+            await agent.shutdown()
+            tg.cancel_scope.cancel()
+    finally:
+        await cp.aclose()
+        await runtime.close()
+
+
+class _Lazy:
+    """An ASGI app resolved at call time (the node app is built after the control plane)."""
+
+    def __init__(self, holder: dict[str, Any], key: str) -> None:
+        self.holder, self.key = holder, key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.holder[self.key](scope, receive, send)
