@@ -251,14 +251,14 @@ async def test_concurrent_creates(runtime, tiny):  # type: ignore[no-untyped-def
 
 
 async def test_sandbox_survives_agent_death_and_is_adopted(runtime, tiny, data_dir, init_path):  # type: ignore[no-untyped-def]
-    from conftest import SESSION  # type: ignore[import-not-found]
+    session = runtime.instance_name
     code = f"""
 import anyio, json, os, sys
 from pathlib import Path
 from pilldrops.node.runtime.crun import CrunRuntime
 from pilldrops.node.runtime.base import SandboxSpec
 async def main():
-    rt = CrunRuntime(Path({str(data_dir / 'state')!r}), name={SESSION!r}, init_path=Path({str(init_path)!r}))
+    rt = CrunRuntime(Path({str(data_dir / 'state')!r}), name={session!r}, init_path=Path({str(init_path)!r}))
     h = await rt.create(SandboxSpec(id="orphan", layers=tuple(Path(p) for p in {[str(p) for p in tiny.layers]!r})))
     print(json.dumps([h.pid, h.pid_start_time]), flush=True)
     os._exit(0)

@@ -1,0 +1,102 @@
+"""Template specs: parsing, validation, hashing (parent chain, copied files), env/workdir resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pilldrops.errors import TemplateNotFound
+from pilldrops.node import templates as T
+
+
+def write(d: Path, name: str, body: str) -> Path:
+    p = d / f"{name}.toml"
+    p.write_text(body)
+    return p
+
+
+def test_packaged_specs_parse() -> None:
+    store = T.TemplateStore(Path("/nonexistent-data"))
+    specs = store.specs()
+    assert {"tiny", "base", "code-interpreter"} <= set(specs)
+    assert specs["tiny"].base == "busybox" and specs["tiny"].is_builder
+    assert specs["base"].base == "debootstrap"
+    ci = specs["code-interpreter"]
+    assert ci.base == "base" and ci.workdir == "/home/user"
+    assert ci.steps[0].kind == "run" and "python3-numpy" in ci.steps[0].value
+    assert len({store.hash(n) for n in ("tiny", "base", "code-interpreter")}) == 3
+
+
+def test_hash_changes_with_spec_and_parent(tmp_path: Path) -> None:
+    write(tmp_path, "p", 'name = "p"\nfrom = "busybox"\n')
+    write(tmp_path, "c", 'name = "c"\nfrom = "p"\n[[steps]]\nrun = "echo 1"\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[tmp_path])
+    hp, hc = store.hash("p"), store.hash("c")
+    assert store.hash("c") == hc                                     # stable
+    write(tmp_path, "p", 'name = "p"\nfrom = "busybox"\n[env]\nX = "1"\n')
+    assert store.hash("p") != hp and store.hash("c") != hc           # parent change rebuilds the child
+    hc2 = store.hash("c")
+    write(tmp_path, "c", 'name = "c"\nfrom = "p"\n[[steps]]\nrun = "echo 2"\n')
+    assert store.hash("c") != hc2
+
+
+def test_copy_source_content_is_hashed(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("one")
+    write(tmp_path, "c", 'name = "c"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "f.txt", dest = "/f"}\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[tmp_path])
+    h = store.hash("c")
+    (tmp_path / "f.txt").write_text("two")
+    assert store.hash("c") != h
+
+
+@pytest.mark.parametrize("body,msg", [
+    ('from = "busybox"\n', "name"),
+    ('name = "x"\n', "from"),
+    ('name = "x"\nfrom = "busybox"\nbogus = 1\n', "unknown keys"),
+    ('name = "x"\nfrom = "busybox"\nworkdir = "rel"\n', "workdir"),
+    ('name = "x"\nfrom = "busybox"\n[[steps]]\nrun = ""\n', "run"),
+    ('name = "x"\nfrom = "busybox"\n[[steps]]\nfrobnicate = "a"\n', "unknown step"),
+    ('name = "x"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "../etc/passwd", dest = "/p"}\n', "relative"),
+    ('name = "x"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "a"}\n', "copy"),
+    ('name = "x"\nfrom = "x"\n', "itself"),
+    ('name = "x"\nfrom = "busybox"\n[env]\nA = 1\n', "strings"),
+    ('name = [\n', "bad.toml"),
+])
+def test_invalid_specs(tmp_path: Path, body: str, msg: str) -> None:
+    with pytest.raises(T.TemplateSpecError, match=msg):
+        T.parse_spec(write(tmp_path, "bad", body))
+
+
+def test_cycle_and_unknown_parent(tmp_path: Path) -> None:
+    write(tmp_path, "a", 'name = "a"\nfrom = "b"\n')
+    write(tmp_path, "b", 'name = "b"\nfrom = "a"\n')
+    write(tmp_path, "o", 'name = "o"\nfrom = "nope"\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[tmp_path])
+    with pytest.raises(T.TemplateSpecError, match="cycle"):
+        store.hash("a")
+    with pytest.raises(TemplateNotFound):
+        store.hash("o")
+
+
+def test_get_unbuilt_and_unknown(tmp_path: Path) -> None:
+    store = T.TemplateStore(tmp_path)
+    with pytest.raises(TemplateNotFound, match="not built"):
+        store.get("tiny")
+    with pytest.raises(TemplateNotFound, match="no template spec"):
+        store.get("does-not-exist")
+    assert all(not s.built for s in store.list())
+
+
+def test_env_and_workdir_resolution(tmp_path: Path) -> None:
+    write(tmp_path, "c", 'name = "c"\nfrom = "busybox"\nworkdir = "/w"\n[env]\nA = "1"\nB = "1"\n'
+                         '[[steps]]\nenv = {B = "2", C = "3"}\n[[steps]]\nworkdir = "/later"\n')
+    s = T.parse_spec(tmp_path / "c.toml")
+    parent = T.Template(name="p", layers=(), env={"P": "p", "A": "0"}, workdir="/p", hash="h")
+    env, workdir = T.TemplateStore._resolve_env(s, parent)
+    assert env == {"P": "p", "A": "1", "B": "2", "C": "3"}
+    assert workdir == "/later"
+
+
+def test_apt_mirror_is_a_url() -> None:
+    assert T.apt_mirror().startswith(("http://", "https://"))
