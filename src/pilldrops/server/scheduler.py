@@ -2,7 +2,8 @@
 
 Filters (in order, cheapest first): ready → not draining → has the template → fits vCPU → fits memory, where
 "used" already includes reservations still in flight. Then best fit: the node left with the least free
-capacity that still fits, over both dimensions (the larger of the two fractions), ties broken by node id so
+capacity that still fits, over both dimensions (the mean of the two free fractions, as Kubernetes'
+MostAllocated scores), ties broken by node id so
 the answer does not depend on the order nodes are given in. Every rejection is counted by reason so the
 caller can say "0/4 nodes fit: 3 insufficient memory, 1 draining".
 """
@@ -65,7 +66,7 @@ def _reject(req: Request, n: NodeView) -> str | None:
 def _leftover(req: Request, n: NodeView) -> float:
     free_cpu = (n.capacity_vcpu - n.used_vcpu - req.vcpu) / n.capacity_vcpu
     free_mem = (n.capacity_memory_mb - n.used_memory_mb - req.memory_mb) / n.capacity_memory_mb
-    return max(free_cpu, free_mem)
+    return (free_cpu + free_mem) / 2
 
 
 def place(req: Request, nodes: list[NodeView]) -> Placement | Unschedulable:
