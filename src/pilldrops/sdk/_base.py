@@ -579,8 +579,8 @@ class AsyncShield:
     def __enter__(self) -> None:
         self._scope.__enter__()
 
-    def __exit__(self, *exc: Any) -> bool | None:
-        return self._scope.__exit__(*exc)
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._scope.__exit__(*exc)  # type: ignore[arg-type]
 
 
 class Blocking:

@@ -18,7 +18,7 @@ def _load():
 
 
 def test_generated_sync_code_is_up_to_date() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], check=False, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
