@@ -27,7 +27,7 @@ def _containers(roots: list[Path]) -> set[str]:
     for r in roots:
         if not Path(r).exists():
             continue
-        p = subprocess.run(["crun", "--root", str(r), "list", "--format", "json"], capture_output=True)
+        p = subprocess.run(["crun", "--root", str(r), "list", "--format", "json"], capture_output=True, check=False)
         if p.returncode == 0 and p.stdout.strip():
             out |= {f"crun:{r}:{c['id']}" for c in json.loads(p.stdout) or []}
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import leakcheck  # noqa: E402  (tests/leakcheck.py)
+import leakcheck  # tests/leakcheck.py
 
 SESSION = f"it{os.getpid()}"
 MATCH = f"pilldrops-{SESSION}"

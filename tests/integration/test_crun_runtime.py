@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,11 +68,11 @@ async def test_init_is_pd_init_and_not_our_child(runtime, tiny):  # type: ignore
         pid = procs.ppid(pid)
     assert os.getpid() not in chain
     assert Path(f"/proc/{h.pid}/cmdline").read_bytes().split(b"\0")[0] == INIT_PATH_IN_SANDBOX.encode()
-    code, out, _ = await run(runtime, h, ["cat", "/proc/1/cmdline"])
+    _, out, _ = await run(runtime, h, ["cat", "/proc/1/cmdline"])
     assert out.split("\0")[0] == INIT_PATH_IN_SANDBOX
     # orphaned zombies get reaped by pd-init
-    code, _, _ = await run(runtime, h, ["sh", "-c", "sh -c 'sleep 0.1 &' ; sleep 0.5"])
-    code, out, _ = await run(runtime, h, ["sh", "-c", "cat /proc/[0-9]*/stat | awk '{print $3}'"])
+    await run(runtime, h, ["sh", "-c", "sh -c 'sleep 0.1 &' ; sleep 0.5"])
+    _, out, _ = await run(runtime, h, ["sh", "-c", "cat /proc/[0-9]*/stat | awk '{print $3}'"])
     assert "Z" not in out.split()
     rss = int(next(ln.split()[1] for ln in Path(f"/proc/{h.pid}/status").read_text().splitlines()
                    if ln.startswith("VmRSS")))
@@ -184,7 +183,7 @@ async def test_pids_limit_stops_fork_bomb(runtime, tiny):  # type: ignore[no-unt
     assert int((pids_max / "pids.max").read_text()) == 16
     assert int((pids_max / "pids.current").read_text()) <= 16
     assert await run(runtime, neighbour, ["echo", "ok"]) == (0, "ok\n", "")
-    assert subprocess.run(["true"]).returncode == 0
+    assert (await anyio.run_process(["true"])).returncode == 0
     await p.kill()
     await runtime.destroy(bomb)
     await runtime.destroy(neighbour)
@@ -264,7 +263,8 @@ async def main():
     os._exit(0)
 anyio.run(main)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    with anyio.fail_after(60):
+        out = await anyio.run_process([sys.executable, "-c", code], check=False)
     assert out.returncode == 0, out.stderr
     pid, start = json.loads(out.stdout)
     assert procs.alive(pid, start)

@@ -9,6 +9,7 @@ feeds stdin (bytes, or an async iterable pulled through the loop) and a fourth w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
+from typing import Self
 
 import anyio
 import anyio.from_thread
@@ -73,14 +75,12 @@ class PipeExec:
                 if not data:
                     break
                 anyio.from_thread.run_sync(send.send_nowait, (name, data), token=self._token)
-        except Exception:  # noqa: BLE001 - loop gone or receiver closed: stop reading
+        except Exception:  # noqa: BLE001, S110 - loop gone or receiver closed: stop reading
             pass
         finally:
             pipe.close()
-            try:
+            with contextlib.suppress(Exception):
                 anyio.from_thread.run_sync(send.close, token=self._token)
-            except Exception:  # noqa: BLE001
-                pass
 
     def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
         pipe = self._popen.stdin
@@ -92,22 +92,18 @@ class PipeExec:
                 while (chunk := anyio.from_thread.run(_next_chunk, src, token=self._token)) is not None:
                     pipe.write(chunk)
                     pipe.flush()
-        except Exception:  # noqa: BLE001 - broken pipe (command exited) or loop gone
+        except Exception:  # noqa: BLE001, S110 - broken pipe (command exited) or loop gone
             pass
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 pipe.close()
-            except OSError:
-                pass
 
     def _wait_exit(self) -> None:
         self._popen.wait()
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
-        try:
+        with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
             anyio.from_thread.run_sync(self._done.set, token=self._token)
-        except Exception:  # noqa: BLE001
-            pass
 
     # -- ExecProcess -----------------------------------------------------------------------------
     @property
@@ -152,10 +148,8 @@ class PipeExec:
             pid = self._command_pid(timeout=2.0)
             if pid is not None:
                 procs.kill_tree(pid, pgid=self._popen.pid)
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(self._popen.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
     async def kill(self) -> None:
         if not self._killed:
@@ -163,7 +157,7 @@ class PipeExec:
             await anyio.to_thread.run_sync(self._kill_sync, abandon_on_cancel=True)
         await self._done.wait()
 
-    async def __aenter__(self) -> PipeExec:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -103,7 +103,7 @@ class CrunRuntime:
             config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
                                 cgroup_parent=self.cgroup_parent, nofile=_nofile_limit())
             (d / "config.json").write_text(json.dumps(config))
-            with open(d / "crun.err", "wb") as err:
+            with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
                 r = await anyio.run_process(self._cmd("run", "--detach", "--bundle", str(d), spec.id),
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                             stderr=err, check=False)

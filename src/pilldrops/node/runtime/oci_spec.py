@@ -159,7 +159,7 @@ def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_paren
             "cgroupsPath": f"/{cgroup_parent.strip('/')}/{spec.id}",
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "cpu": {"quota": int(round(spec.vcpu * CPU_PERIOD)), "period": CPU_PERIOD},
+                "cpu": {"quota": round(spec.vcpu * CPU_PERIOD), "period": CPU_PERIOD},
                 "memory": {"limit": memory, "swap": memory},
                 "pids": {"limit": int(spec.pids_limit)},
             },

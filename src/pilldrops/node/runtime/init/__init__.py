@@ -38,7 +38,7 @@ def build_init(data_dir: Path) -> Path:
         raise InitBuildError("gcc is not installed: run `scripts/install-system-deps` first")
     bindir.mkdir(parents=True, exist_ok=True)
     tmp = bindir / f".pd-init.{os.getpid()}.tmp"
-    r = subprocess.run(["gcc", *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    r = subprocess.run(["gcc", *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise InitBuildError(f"gcc failed building pd-init: {r.stderr.strip()}")
