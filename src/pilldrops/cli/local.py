@@ -87,19 +87,20 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--templates", "template_names", default=DEFAULT_TEMPLATES, show_default=True,
               help="comma-separated templates to build on first start")
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
+@click.option("--node-name", default=None, help="name of the embedded node [default: hostname]")
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
-       keep_sandboxes: bool, verbose: bool) -> None:
+       keep_sandboxes: bool, node_name: str | None, verbose: bool) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground."""
     import anyio
     _logging(verbose)
     data_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names)
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes)
+    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name)
 
 
-async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool) -> None:
+async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -112,7 +113,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool) 
     api_url = f"http://{host}:{port}"
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token)
     cpu, mem = default_capacity()
-    node = build_node(Settings(name=default_node_name(), public_url=f"http://{host}:{node_port}",
+    node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
                                capacity_vcpu=cpu, capacity_memory_mb=mem, control_plane_url=api_url,
                                node_token=token, keep_on_exit=keep), data_dir)
     cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)

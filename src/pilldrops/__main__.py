@@ -1,0 +1,3 @@
+from pilldrops.cli.main import main
+
+main()

@@ -1,0 +1,301 @@
+"""End to end through the SDK, the control plane, the node agent and real crun sandboxes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from pilldrops import AsyncSandbox, CommandFailed, FileNotFound, InvalidRequest, Sandbox, SandboxNotFound
+from tests.e2e.conftest import Server, start_up, stop_up
+
+pytestmark = pytest.mark.integration
+
+
+def make_env(root: Path) -> Path:
+    env = root / "env"
+    (env / "lib").mkdir(parents=True)
+    (env / "episode.sh").write_text('#!/bin/sh\n. /env/lib/weights.sh\necho $(( $1 * WEIGHT + BIAS ))\n')
+    (env / "episode.sh").chmod(0o755)
+    (env / "lib" / "weights.sh").write_text("WEIGHT=3\nBIAS=1\n")
+    return env
+
+
+def test_rollout_fanout_64_threads(sdk_env: Server, tmp_path: Path) -> None:
+    env = make_env(tmp_path)
+
+    def rollout(policy: int) -> float:
+        with Sandbox.create(template="tiny", vcpu=0.5, memory_mb=128, timeout=600) as sb:
+            sb.upload(env, "/env")
+            r = sb.run(f"/env/episode.sh {policy}")
+            assert r.exit_code == 0, r.stderr
+            return float(r.stdout)
+
+    policies = list(range(96))
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        rewards = list(pool.map(rollout, policies))
+    assert rewards == [p * 3 + 1 for p in policies]
+    assert Sandbox.list(state="running") == []
+
+
+def test_async_twin(sdk_env: Server, tmp_path: Path) -> None:
+    env = make_env(tmp_path)
+
+    async def rollout(policy: int, out: list[float]) -> None:
+        async with await AsyncSandbox.create(template="tiny", memory_mb=128) as sb:
+            await sb.upload(env, "/env")
+            r = await sb.run(f"/env/episode.sh {policy}")
+            out.append(float(r.stdout))
+
+    async def main() -> list[float]:
+        out: list[float] = []
+        async with anyio.create_task_group() as tg:
+            for p in range(16):
+                tg.start_soon(rollout, p, out)
+        return out
+
+    assert sorted(anyio.run(main)) == sorted(p * 3 + 1 for p in range(16))
+
+
+def test_run_result_shape_streaming_and_check(sdk_env: Server) -> None:
+    with Sandbox.create(template="tiny", envs={"GREETING": "hi"}) as sb:
+        seen: list[str] = []
+        r = sb.run("echo $GREETING; echo oops >&2; printf 'caf\\303\\251 \\377'; exit 7", on_stdout=seen.append)
+        assert (r.exit_code, r.stderr) == (7, "oops\n")
+        assert r.stdout_bytes == "hi\ncafé \xff".encode("latin-1").replace(b"caf\xe9", "café".encode())
+        assert r.stdout == "hi\ncafé \ufffd" and "".join(seen) == r.stdout
+        assert r.duration > 0 and not r.truncated and not r.timed_out
+        assert sb.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        assert sb.run("echo $X", envs={"X": "from-run"}).stdout == "from-run\n"
+        assert sb.run(["sh", "-c", "cat"], stdin="fed in").stdout == "fed in"
+        with pytest.raises(CommandFailed) as ei:
+            sb.run("exit 3", check=True)
+        assert ei.value.result.exit_code == 3
+
+
+def test_command_timeout_kills_the_tree_and_output_is_capped(sdk_env: Server) -> None:
+    with Sandbox.create(template="tiny") as sb:
+        t0 = time.monotonic()
+        r = sb.run("sleep 300 & sleep 301 & echo started; wait", timeout=1)
+        assert r.timed_out and r.exit_code == 124 and r.stdout == "started\n"
+        assert time.monotonic() - t0 < 30
+        ps = sb.run("ps -o pid,args").stdout
+        assert "sleep 30" not in ps, ps
+        r = sb.run("yes | head -c 3000000", max_output_bytes=1000)
+        assert r.truncated and len(r.stdout_bytes) == 1000 and r.exit_code == 0
+        r = sb.run("head -c 40000000 /dev/zero")    # 40 MB past the default 16 MiB cap: never blocks
+        assert r.truncated and len(r.stdout_bytes) == 16 * 1024 * 1024
+
+
+def test_sandboxes_are_isolated_from_each_other_and_the_host(sdk_env: Server) -> None:
+    cp_port = httpx.URL(sdk_env.api_url).port
+    with Sandbox.create(template="tiny") as a, Sandbox.create(template="tiny") as b:
+        a.files.write("/root/secret.txt", "only-a")
+        a.run("sleep 777 >/dev/null 2>&1 &")
+        assert b.run("cat /root/secret.txt").exit_code != 0
+        assert "777" not in b.run("ps -o args").stdout
+        assert b.run("cat /proc/net/dev").stdout.count(":") == 1          # only lo
+        r = b.run(f"nc -w 2 127.0.0.1 {cp_port} </dev/null")              # the host's control plane port
+        assert r.exit_code != 0
+        r = b.run("nc -w 2 198.18.0.1 80 </dev/null")
+        assert r.exit_code != 0
+        points = [line.split()[1] for line in b.run("cat /proc/mounts").stdout.splitlines()]
+        allowed = ("/", "/proc", "/dev", "/sys", "/.pd/init")
+        assert all(p in allowed or p.startswith(("/proc/", "/dev/", "/sys/")) for p in points), points
+        assert b.run(f"ls {sdk_env.data_dir}").exit_code != 0
+        assert b.run("hostname").stdout.strip() == b.id.replace("_", "-")
+
+
+def test_memory_and_pids_limits_hit_only_the_offender(sdk_env: Server) -> None:
+    with Sandbox.create(template="tiny", memory_mb=48) as hog, Sandbox.create(template="tiny") as nb:
+        r = hog.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}")
+        assert r.exit_code == 137
+        assert hog.run("echo still-here").stdout == "still-here\n"       # only the command died
+        assert nb.run("echo fine").stdout == "fine\n"
+        assert hog.get_info().state == "running"
+    with Sandbox.create(template="tiny") as bomb, Sandbox.create(template="tiny") as nb:
+        bomb.run("f(){ f | f & }; f", timeout=10)                        # a fork bomb, bounded by pids.max
+        time.sleep(2)
+        assert nb.run("echo fine").stdout == "fine\n"                   # the neighbour is untouched
+        assert subprocess.run(["true"]).returncode == 0                 # so is the host
+    # leaving the block killed the bomb's whole cgroup; the autouse leak check verifies nothing is left
+
+
+def test_files_upload_download_roundtrip(sdk_env: Server, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "data.bin").write_bytes(bytes(range(256)) * 1000)
+    (src / "run.sh").write_text("echo ok")
+    (src / "run.sh").chmod(0o4755)                                        # setuid: must be stripped
+    (src / "link").symlink_to("sub/data.bin")
+    with Sandbox.create(template="tiny") as sb:
+        sb.upload(src, "/work/src")
+        sb.upload(src / "run.sh", "/single/renamed.sh")
+        assert sb.run("stat -c %a /work/src/run.sh").stdout.strip() == "755"
+        assert sb.run("readlink /work/src/link").stdout.strip() == "sub/data.bin"
+        assert sb.files.read("/single/renamed.sh") == "echo ok"
+        sb.files.write("/out/a.txt", "alpha")
+        sb.files.write("/out/b.bin", b"\x00\x01")
+        names = {f.name: f for f in sb.files.list("/out")}
+        assert set(names) == {"a.txt", "b.bin"} and names["a.txt"].size == 5 and names["a.txt"].type == "file"
+        assert sb.files.read_bytes("/out/b.bin") == b"\x00\x01"
+        dest = tmp_path / "back"
+        sb.download("/work/src", dest)
+        assert (dest / "sub" / "data.bin").read_bytes() == (src / "sub" / "data.bin").read_bytes()
+        with pytest.raises(FileNotFound):
+            sb.files.read("/nope")
+        with pytest.raises(FileNotFound):
+            sb.download("/nope", tmp_path / "x")
+
+
+def _tar(*members: tuple[str, bytes, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, kind, target in members:
+            ti = tarfile.TarInfo(name)
+            ti.type = kind
+            ti.linkname = target
+            data = b"pwned" if kind == tarfile.REGTYPE else b""
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("members", [
+    [("../../../../../../tmp/pilldrops-escape", tarfile.REGTYPE, "")],
+    [("/tmp/pilldrops-escape", tarfile.REGTYPE, "")],
+    [("lnk", tarfile.SYMTYPE, "/tmp"), ("lnk/pilldrops-escape", tarfile.REGTYPE, "")],
+    [("lnk", tarfile.SYMTYPE, "../../../../tmp")],
+    [("hard", tarfile.LNKTYPE, "/etc/passwd")],
+    [("dev", tarfile.CHRTYPE, "")],
+])
+def test_upload_traversal_is_refused(server: Server, api: httpx.Client, members: list) -> None:  # type: ignore[type-arg]
+    with Sandbox.create(template="tiny", api_url=server.api_url, api_key=server.api_key) as sb:
+        info = sb.info
+        for base, headers in [(server.api_url, {"Authorization": f"Bearer {server.api_key}"}),
+                              (info.envd_url, {"X-Access-Token": info.access_token or ""})]:
+            r = httpx.put(f"{base}/v1/sandboxes/{sb.id}/archive", params={"path": "/up"}, content=_tar(*members),
+                          headers={**headers, "content-type": "application/x-tar"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "invalid_request"
+        assert not Path("/tmp/pilldrops-escape").exists()
+        assert sb.run("ls /up").exit_code != 0               # nothing was unpacked
+
+
+def test_teams_cannot_see_each_other(server: Server, api: httpx.Client) -> None:
+    other = _second_team_key(server)
+    with Sandbox.create(template="tiny", api_url=server.api_url, api_key=server.api_key) as sb:
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(sb.id, api_url=server.api_url, api_key=other)
+        b = httpx.Client(base_url=server.api_url, headers={"Authorization": f"Bearer {other}"})
+        theirs, unknown = b.delete(f"/v1/sandboxes/{sb.id}"), b.delete("/v1/sandboxes/sb_unknown")
+        assert theirs.status_code == unknown.status_code == 404
+        assert theirs.json()["error"]["code"] == unknown.json()["error"]["code"]
+        assert sb.run("echo alive").stdout == "alive\n"
+        # the data plane needs the sandbox's own token
+        r = httpx.post(f"{sb.info.envd_url}/v1/sandboxes/{sb.id}/run", json={"cmd": "id"},
+                       headers={"X-Access-Token": "guess"})
+        assert r.status_code == 401
+    assert httpx.get(f"{server.api_url}/v1/sandboxes").status_code == 401
+
+
+def _second_team_key(server: Server) -> str:
+    from pilldrops.server.service.auth import AuthService
+    from pilldrops.server.store.sql import Store, sqlite_url
+    from pilldrops._internal.clock import Clock
+
+    async def make() -> str:
+        store = await Store.open(sqlite_url(server.data_dir / "pilldrops.db"))
+        try:
+            auth = AuthService(store, Clock())
+            team = await auth.create_team(f"other-{time.monotonic_ns()}")
+            return (await auth.create_key(team.id, "b")).secret
+        finally:
+            await store.close()
+
+    return anyio.run(make)
+
+
+def test_idempotent_create_makes_one_sandbox(server: Server, api: httpx.Client) -> None:
+    h = {"Idempotency-Key": f"retry-{time.monotonic_ns()}"}
+    body = {"template": "tiny", "timeout": 120}
+    first, second = api.post("/v1/sandboxes", json=body, headers=h), api.post("/v1/sandboxes", json=body, headers=h)
+    assert first.status_code == 201 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    running = api.get("/v1/sandboxes", params={"state": "running"}).json()["items"]
+    assert [s["id"] for s in running] == [first.json()["id"]]
+    api.delete(f"/v1/sandboxes/{first.json()['id']}")
+
+
+def test_node_enforces_deadline(sdk_env: Server) -> None:
+    sb = Sandbox.create(template="tiny", timeout=2)
+    try:
+        deadline = time.monotonic() + 20
+        while sb.get_info().state == "running" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        info = sb.get_info()
+        assert info.state == "stopped" and info.end_reason == "timeout"
+        assert info.ended_at is not None and info.end_at is not None
+        assert abs((info.ended_at - info.end_at).total_seconds()) < 2
+    finally:
+        sb.kill()
+
+
+def test_set_timeout_extends_life(sdk_env: Server) -> None:
+    with Sandbox.create(template="tiny", timeout=2) as sb:
+        sb.set_timeout(120)
+        time.sleep(3)
+        assert sb.run("echo later").stdout == "later\n"
+
+
+def test_sandbox_outlives_sigkilled_agent_and_is_adopted(tmp_path: Path) -> None:
+    """SIGKILL `pilldrops up`: the sandbox keeps running (not a child of the agent); a restarted `up`
+    on the same data dir adopts it, and it accepts run and upload again."""
+    from tests.e2e.conftest import MATCH
+    import tests.leakcheck as leakcheck
+
+    root = tmp_path / MATCH
+    data, cfg, log = root / "data", root / "cfg", root / "up.log"
+    root.mkdir()
+    before = leakcheck.snapshot([data / "node" / "crun"], match=MATCH)
+    proc, url = start_up(data, cfg, log)
+    key = json.loads((cfg / "pilldrops" / "config.json").read_text())["api_key"]
+    try:
+        sb = Sandbox.create(template="tiny", api_url=url, api_key=key)
+        sb.run("echo 41 > /root/state")
+        pid = int(json.loads((data / "node" / "journal" / f"{sb.id}.json").read_text())["handle"]["pid"])
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(0.5)
+        os.kill(pid, 0)                                           # still alive
+        proc, url2 = start_up(data, cfg, log)
+        again = Sandbox.connect(sb.id, api_url=url2, api_key=key)
+        assert again.run("cat /root/state").stdout == "41\n"
+        again.files.write("/root/after.txt", "yes")
+        assert again.files.read("/root/after.txt") == "yes"
+        again.kill()
+        with pytest.raises(OSError):
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.05)
+    finally:
+        assert stop_up(proc) == 0
+    leakcheck.assert_no_leaks(before, settle=5)
+
+
+def test_bad_requests_are_typed(sdk_env: Server) -> None:
+    with pytest.raises(InvalidRequest) as ei:
+        Sandbox.create(template="tiny", timeout=86_401)
+    assert ei.value.code == "invalid_request" and "86400" in str(ei.value)
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect("sb_missing")
