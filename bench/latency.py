@@ -52,7 +52,7 @@ from pilldrops.node.templates import TemplateStore
 PID = os.getpid()
 RAW_PARENT = f"pilldrops-benchraw{PID}"
 MEMORY_MB = 256
-console = Console(width=150)
+console = Console(width=160)
 
 
 def free_port() -> int:
