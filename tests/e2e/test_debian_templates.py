@@ -1,0 +1,42 @@
+"""The Debian templates the demo uses: `pilldrops template build code-interpreter` (base = debootstrap
+bookworm minbase from this machine's mirror, then Python 3 + pip + numpy as a second layer) into the running
+server's data dir; the node publishes it with its next heartbeat; a sandbox runs Python with its full
+standard library and numpy. About a minute on first build (cached in the session's data dir afterwards)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pilldrops import Sandbox
+from tests.e2e.conftest import Server
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_code_interpreter_template(server: Server, api: httpx.Client) -> None:
+    env = {**os.environ, "XDG_CONFIG_HOME": str(server.config_home)}
+    build = subprocess.run([sys.executable, "-m", "pilldrops", "template", "build", "code-interpreter",
+                            "--data-dir", str(server.data_dir)], capture_output=True, text=True, env=env,
+                           timeout=900)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    names: set[str] = set()
+    while time.monotonic() < deadline:
+        names = {t["name"] for t in api.get("/v1/templates").json()["items"]}
+        if {"base", "code-interpreter"} <= names:
+            break
+        time.sleep(0.5)
+    assert {"base", "code-interpreter", "tiny"} <= names
+    with Sandbox.create(template="code-interpreter", api_url=server.api_url, api_key=server.api_key) as sb:
+        r = sb.run("python -c 'import numpy, secrets, ctypes, sqlite3, json; print(numpy.arange(4).sum())' "
+                   "&& python3 --version && pip --version && pwd")
+        assert r.exit_code == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "6" and lines[1].startswith("Python 3.11") and lines[-1] == "/home/user"
+        assert sb.run("cat /etc/debian_version").stdout.startswith("12")
