@@ -61,6 +61,8 @@ class CrunRuntime:
         self.crun_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.init_path = Path(init_path) if init_path else build_init(self.state_dir)
+        # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
+        self._defaults: dict[str, tuple[dict[str, str], str]] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _dir(self, sandbox_id: str) -> Path:
@@ -103,19 +105,25 @@ class CrunRuntime:
             config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
                                 cgroup_parent=self.cgroup_parent, nofile=_nofile_limit())
             (d / "config.json").write_text(json.dumps(config))
+            pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
-                r = await anyio.run_process(self._cmd("run", "--detach", "--bundle", str(d), spec.id),
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=err, check=False)
+                r = await anyio.run_process(
+                    self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), spec.id),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
             if r.returncode != 0:
                 raise RuntimeFailure(f"crun run {spec.id} failed (exit {r.returncode})",
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
-            st = await self._crun_state(spec.id)
-            pid = int(st["pid"]) if st and st.get("pid") else None
+            # The pid file crun writes saves a `crun state` round trip (~6 ms) on the create path;
+            # the start time read from /proc proves the init is alive and guards against pid reuse.
+            try:
+                pid: int | None = int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                pid = None
             start = procs.start_time(pid) if pid else None
-            if not st or st.get("status") != "running" or start is None:
+            if start is None:
                 raise RuntimeFailure(f"sandbox {spec.id} init is not running after start",
-                                     detail=json.dumps(st) + " " + (d / "crun.err").read_text(errors="replace"))
+                                     detail=f"pid={pid} " + (d / "crun.err").read_text(errors="replace"))
+            self._defaults[spec.id] = self._defaults_from(config)
             ok = True
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                           extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})
@@ -132,7 +140,7 @@ class CrunRuntime:
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
-        base_env, base_cwd = self._process_defaults(d)
+        base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
         args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
         args += [f"--env={k}={v}" for k, v in {**base_env, **env}.items()]
         args.append(f"--cwd={cwd or base_cwd}")
@@ -150,10 +158,14 @@ class CrunRuntime:
         passed explicitly; the exec's ``env``/``cwd`` override them.
         """
         try:
-            proc = json.loads((d / "config.json").read_text())["process"]
-            return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
+            return CrunRuntime._defaults_from(json.loads((d / "config.json").read_text()))
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
+
+    @staticmethod
+    def _defaults_from(config: dict) -> tuple[dict[str, str], str]:  # type: ignore[type-arg]
+        proc = config["process"]
+        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.
@@ -173,6 +185,7 @@ class CrunRuntime:
         return RuntimeState(status="stopped", pid=None, oom_killed=oom)
 
     async def destroy(self, handle: Handle) -> None:
+        self._defaults.pop(handle.id, None)
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 
