@@ -16,6 +16,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   └─ TemplateNotFound  404 template_not_found
     ├─ Conflict              409 conflict
     │   └─ InvalidState      409 invalid_state       (details: from, to)
+    ├─ InsufficientCredits   402 insufficient_credits
     ├─ PayloadTooLarge       413 payload_too_large
     ├─ RateLimited           429 rate_limited        (retryable)
     ├─ ServerError           500 internal            (retryable for idempotent calls)
@@ -112,6 +113,13 @@ class InvalidState(Conflict):
         super().__init__(message, details=details, request_id=request_id)
 
 
+class InsufficientCredits(PillDropsError):
+    """The team's credits are used up; add credits (``pilldrops credits add``) to create sandboxes again."""
+
+    code = "insufficient_credits"
+    status = 402
+
+
 class PayloadTooLarge(PillDropsError):
     code = "payload_too_large"
     status = 413
@@ -166,12 +174,12 @@ class CommandFailed(PillDropsError):
 
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
-    TemplateNotFound, Conflict, InvalidState, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
+    TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
     CapacityUnavailable,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {
-    400: InvalidRequest, 401: AuthenticationError, 403: PermissionDenied, 404: NotFound, 409: Conflict,
+    400: InvalidRequest, 401: AuthenticationError, 402: InsufficientCredits, 403: PermissionDenied, 404: NotFound, 409: Conflict,
     413: PayloadTooLarge, 422: InvalidRequest, 429: RateLimited, 500: ServerError, 502: NodeUnavailable,
     503: CapacityUnavailable,
 }

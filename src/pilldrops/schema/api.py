@@ -46,6 +46,7 @@ class EndReason(str, Enum):
     failed_start = "failed_start"
     evicted = "evicted"
     shutdown = "shutdown"
+    credits_exhausted = "credits_exhausted"
 
 
 def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
@@ -97,6 +98,12 @@ class SandboxInfo(_Response):
     ended_at: datetime | None = None
     end_reason: EndReason | None = None
     error: str | None = None
+    # Usage so far (running) or final (ended): vcpu_s = vcpu x running seconds, gb_s = memory GiB x running
+    # seconds, storage_gb_s accrues only while paused; cost_usd from the deployment's rates.
+    vcpu_s: float = 0.0
+    gb_s: float = 0.0
+    storage_gb_s: float = 0.0
+    cost_usd: float = 0.0
     # Data plane: where the SDK talks to the sandbox directly, and the token it must present there.
     # Only returned by create and connect (never in listings).
     envd_url: str | None = None
@@ -189,3 +196,45 @@ class WhoAmI(_Response):
     team_id: str
     team_name: str
     key_id: str
+
+
+class HistoryRecord(_Response):
+    """One sandbox in the usage history (running ones with their cost so far)."""
+
+    id: str
+    template: str
+    vcpu: float
+    memory_mb: int
+    vcpu_s: float
+    gb_s: float
+    storage_gb_s: float
+    cost_usd: float
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    state: SandboxState
+    end_reason: EndReason | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class HistoryPage(_Response):
+    items: list[HistoryRecord]
+    next_cursor: str | None = None
+
+
+class UsageSummary(_Response):
+    team_id: str
+    since: datetime | None = None
+    until: datetime | None = None
+    sandboxes: int
+    vcpu_s: float
+    gb_s: float
+    storage_gb_s: float
+    cost_usd: float
+    credits_usd: float | None = Field(None, description="remaining balance; null when credits are unlimited")
+    credits_unlimited: bool = False
+
+
+class Rates(_Response):
+    vcpu_s_usd: float
+    gb_s_usd: float
+    storage_gb_month_usd: float
