@@ -12,10 +12,12 @@ from typing import Any
 import anyio
 import httpx
 
+from pilldrops._internal.clock import Clock
 from pilldrops.node.agent import NodeAgent, Settings
 from pilldrops.node.api import create_node_app
 from pilldrops.node.runtime.fake import FakeRuntime
 from pilldrops.server.main import ControlPlane, build_control_plane
+from pilldrops.server.service.billing import BillingSettings
 from pilldrops.server.store.sql import sqlite_url
 
 TOKEN = "test-node-token"
@@ -70,11 +72,13 @@ class Stack:
 
 @asynccontextmanager
 async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
-                templates: tuple[str, ...] = ("tiny",)) -> AsyncIterator[Stack]:
+                templates: tuple[str, ...] = ("tiny",), billing: BillingSettings | None = None,
+                clock: Clock | None = None) -> AsyncIterator[Stack]:
     runtime = FakeRuntime(tmp_path / "fake")
     holder: dict[str, Any] = {}
     node_transport = httpx.ASGITransport(app=_Lazy(holder, "node"))
-    cp = await build_control_plane(sqlite_url(tmp_path / "db.sqlite"), TOKEN, node_transport=node_transport)
+    cp = await build_control_plane(sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
+                                   node_transport=node_transport, billing=billing)
     settings = Settings(name="node-a", public_url="http://node", capacity_vcpu=capacity_vcpu,
                         capacity_memory_mb=capacity_memory_mb, control_plane_url="http://cp", node_token=TOKEN)
     agent = NodeAgent(settings, runtime, FakeTemplates(*templates), tmp_path / "node",
@@ -86,6 +90,7 @@ async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(agent.run)
+            tg.start_soon(cp.run)
             with anyio.fail_after(10):
                 await agent.wait_registered()
             yield Stack(cp, agent, runtime, secret, team_id)

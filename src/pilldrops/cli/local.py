@@ -24,6 +24,34 @@ def _data_dir_option(f: Any) -> Any:
                         help="where the store, templates and sandbox state live")(f)
 
 
+def _billing_options(f: Any) -> Any:
+    opts = [
+        click.option("--unlimited-credits", is_flag=True, envvar="PILLDROPS_UNLIMITED_CREDITS",
+                     help="turn credits off: no balance, never refuse or stop for lack of credits"),
+        click.option("--initial-credits", type=float, default=5.0, show_default=True,
+                     help="USD of credits a new team starts with"),
+        click.option("--credits-grace", type=float, default=60.0, show_default=True,
+                     help="seconds running sandboxes keep going after their team's credits reach zero"),
+        click.option("--rate-vcpu-s", type=float, default=0.0000140, show_default=True, help="USD per vCPU-second"),
+        click.option("--rate-gb-s", type=float, default=0.0000045, show_default=True, help="USD per GB-second"),
+        click.option("--rate-storage-gb-month", type=float, default=0.15, show_default=True,
+                     help="USD per GB-month of paused storage"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _billing(kw: dict[str, Any]) -> Any:
+    from pilldrops.server.domain.billing import Rates
+    from pilldrops.server.service.billing import BillingSettings
+    return BillingSettings(
+        rates=Rates(vcpu_s_usd=kw.pop("rate_vcpu_s"), gb_s_usd=kw.pop("rate_gb_s"),
+                    storage_gb_month_usd=kw.pop("rate_storage_gb_month")),
+        credits_enabled=not kw.pop("unlimited_credits"), initial_credits=kw.pop("initial_credits"),
+        grace_s=kw.pop("credits_grace"))
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -88,19 +116,21 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
               help="comma-separated templates to build on first start")
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
 @click.option("--node-name", default=None, help="name of the embedded node [default: hostname]")
+@_billing_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
-       keep_sandboxes: bool, node_name: str | None, verbose: bool) -> None:
+       keep_sandboxes: bool, node_name: str | None, verbose: bool, **billing: Any) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground."""
     import anyio
     _logging(verbose)
     data_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names)
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name)
+    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing))
 
 
-async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None) -> None:
+async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
+              billing: Any) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -111,7 +141,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
 
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
-    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token)
+    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing)
     cpu, mem = default_capacity()
     node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
                                capacity_vcpu=cpu, capacity_memory_mb=mem, control_plane_url=api_url,
@@ -120,6 +150,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp_served.serve)
+            tg.start_soon(cp.run)
             tg.start_soon(node_served.serve)
             await tg.start(node.agent.run)
             with anyio.fail_after(30):
@@ -161,16 +192,19 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 @click.option("--node-token", envvar="PILLDROPS_NODE_TOKEN", default=None,
               help="token node agents must present [default: generated and kept in the data dir]")
 @_data_dir_option
+@_billing_options
 @click.option("-v", "--verbose", is_flag=True)
-def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, verbose: bool) -> None:
+def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, verbose: bool,
+          **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
     token = _node_token(data_dir, node_token)
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None)
+    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing))
 
 
-async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool) -> None:
+async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool,
+                 billing: Any) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -178,7 +212,7 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
     from pilldrops.server.store.sql import sqlite_url
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token)
+    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing)
     served = Served(cp.app, host, port)
     api_url = f"http://{host}:{port}"
     try:
@@ -189,8 +223,11 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
         _console().print(f"[green]✓[/] control plane at [bold]{api_url}[/]")
         async with anyio.create_task_group() as tg:
             tg.start_soon(served.serve)
+            tg.start_soon(cp.run)
             await wait_for_signal()
             served.stop()
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
     finally:
         await cp.aclose()
 
@@ -273,3 +310,102 @@ def template_build(name: str, data_dir: Path, force: bool) -> None:
         tpl = TemplateStore(data_dir).get(name)
     click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
     sys.stdout.flush()
+
+
+# ---- admin: teams and credits (on the store directly) ----------------------------------------------------
+
+def _db_option(f: Any) -> Any:
+    return click.option("--db", default=None, help="database URL [default: SQLite in the data dir]")(f)
+
+
+def _admin(data_dir: Path, db: str | None, fn: Any) -> Any:
+    import anyio
+
+    from pilldrops._internal.clock import Clock
+    from pilldrops.server.service.auth import AuthService
+    from pilldrops.server.store.sql import Store, sqlite_url
+
+    async def go() -> Any:
+        store = await Store.open(db or sqlite_url(data_dir / "pilldrops.db"))
+        try:
+            return await fn(store, AuthService(store, Clock()))
+        finally:
+            await store.close()
+
+    return anyio.run(go)
+
+
+@click.group()
+def teams() -> None:
+    """Teams (admin, on this deployment's store)."""
+
+
+@teams.command("create")
+@click.argument("name")
+@click.option("--credits", "credits_usd", type=float, default=5.0, show_default=True, help="starting credits, USD")
+@_data_dir_option
+@_db_option
+@click.option("--json", "as_json", is_flag=True)
+def teams_create(name: str, credits_usd: float, data_dir: Path, db: str | None, as_json: bool) -> None:
+    """Create a team with its first API key (printed once)."""
+    import json
+
+    async def fn(store: Any, auth: Any) -> tuple[Any, Any]:
+        if await store.team_by_id_or_name(name):
+            raise click.ClickException(f"a team named {name!r} already exists")
+        team = await auth.create_team(name, credits_usd)
+        return team, await auth.create_key(team.id, "default")
+
+    team, key = _admin(data_dir, db, fn)
+    if as_json:
+        click.echo(json.dumps({"id": team.id, "name": team.name, "credits_usd": team.credits_usd,
+                               "api_key": key.secret}))
+    else:
+        click.echo(f"created team {team.name} ({team.id}) with ${team.credits_usd:.2f} of credits")
+        click.echo(f"export PILLDROPS_API_KEY={key.secret}")
+
+
+@teams.command("list")
+@_data_dir_option
+@_db_option
+@click.option("--json", "as_json", is_flag=True)
+def teams_list(data_dir: Path, db: str | None, as_json: bool) -> None:
+    """List teams with their credit balance."""
+    import json
+
+    async def fn(store: Any, _auth: Any) -> list[Any]:
+        return await store.list_teams()
+
+    rows = [{"id": t.id, "name": t.name, "credits_usd": round(t.credits_usd, 9), "created_at": t.created_at.isoformat()}
+            for t in _admin(data_dir, db, fn)]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    table = Table("ID", "NAME", "CREDITS (USD)", "CREATED")
+    for r in rows:
+        table.add_row(r["id"], r["name"], f"{r['credits_usd']:.6f}", r["created_at"][:19])
+    Console().print(table)
+
+
+@click.group()
+def credits() -> None:
+    """Credits (admin, on this deployment's store)."""
+
+
+@credits.command("add")
+@click.argument("team")
+@click.argument("amount", type=float)
+@_data_dir_option
+@_db_option
+def credits_add(team: str, amount: float, data_dir: Path, db: str | None) -> None:
+    """Add AMOUNT USD (negative to remove) to TEAM (id or name)."""
+    async def fn(store: Any, _auth: Any) -> Any:
+        found = await store.team_by_id_or_name(team)
+        if found is None:
+            raise click.ClickException(f"no team {team!r} (see `pilldrops teams list`)")
+        return await store.add_credits(found.id, amount)
+
+    t = _admin(data_dir, db, fn)
+    click.echo(f"{t.name} ({t.id}): ${t.credits_usd:.6f}")

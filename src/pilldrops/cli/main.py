@@ -77,7 +77,7 @@ def _register() -> None:
         if exc.name not in ("pilldrops.cli.local",):
             raise
         return
-    for name in ("up", "serve", "node"):
+    for name in ("up", "serve", "node", "teams", "credits"):
         command = getattr(local, name, None)
         if isinstance(command, click.Command):
             cli.add_command(command, name=name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -48,17 +49,31 @@ class Templates(Protocol):
     def list(self) -> list[Any]: ...
 
 
+def usage_point(started_mono: float) -> tuple[float, int]:
+    """Cumulative running seconds on the monotonic clock, and the report sequence derived from it
+    (milliseconds), which only grows, even across agent restarts."""
+    run_s = max(0.0, time.monotonic() - started_mono)
+    return run_s, int(run_s * 1000)
+
+
 @dataclass
 class Live:
     spec: NodeSandboxSpec
     target: Target
     started_at: datetime
     end_at: datetime
+    started_mono: float
     ending: bool = False
 
     def status(self) -> NodeSandboxStatus:
+        run_s, seq = usage_point(self.started_mono)
         return NodeSandboxStatus(id=self.spec.id, state=SandboxState.running, pid=self.target.handle.pid,
-                                 started_at=self.started_at, end_at=self.end_at)
+                                 started_at=self.started_at, end_at=self.end_at, run_s=run_s, seq=seq)
+
+    def journal_entry(self) -> Entry:
+        return Entry(id=self.spec.id, phase="running", spec=self.spec.model_dump(mode="json"),
+                     handle=vars(self.target.handle), started_at=self.started_at.isoformat(),
+                     started_mono=self.started_mono)
 
 
 @dataclass
@@ -129,16 +144,21 @@ class NodeAgent:
             spec = NodeSandboxSpec.model_validate(entry.spec)
             state = await self.runtime.state(handle) if entry.phase == "running" else None
             if state is not None and state.status == "running":
-                target = self._target(spec, handle)
-                started = datetime.fromisoformat(entry.started_at) if entry.started_at else self.now()
-                self.live[spec.id] = Live(spec, target, started, spec.end_at)
-                log.info("adopted sandbox %s (pid %s)", spec.id, state.pid)
-                continue
+                try:
+                    target = self._target(spec, handle)
+                except Exception:  # noqa: BLE001 - its template is gone: cannot serve it, so reap below
+                    log.exception("cannot adopt %s", spec.id)
+                else:
+                    started = datetime.fromisoformat(entry.started_at) if entry.started_at else self.now()
+                    self.live[spec.id] = Live(spec, target, started, spec.end_at,
+                                              entry.started_mono or time.monotonic())
+                    log.info("adopted sandbox %s (pid %s)", spec.id, state.pid)
+                    continue
             await self._destroy_quietly(handle)
             self.journal.remove(entry.id)
             reason = EndReason.failed_start if entry.phase == "creating" else (
                 EndReason.oom if state and state.oom_killed else EndReason.exited)
-            self._record_end(spec.id, reason)
+            self._record_end(spec.id, reason, started_mono=entry.started_mono)
         for sid in await self.runtime.list_ids():
             if sid not in known:
                 log.warning("reaping unrecorded sandbox %s", sid)
@@ -170,10 +190,8 @@ class NodeAgent:
             self.journal.remove(spec.id)
             self.stats.failed += 1
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
-        started = self.now()
-        self.journal.write(Entry(id=spec.id, phase="running", spec=spec.model_dump(mode="json"),
-                                 handle=vars(handle), started_at=started.isoformat()))
-        live = Live(spec, self._target(spec, handle), started, spec.end_at)
+        live = Live(spec, self._target(spec, handle), self.now(), spec.end_at, time.monotonic())
+        self.journal.write(live.journal_entry())
         self.live[spec.id] = live
         self.stats.created += 1
         return live.status()
@@ -194,10 +212,8 @@ class NodeAgent:
     def set_deadline(self, sandbox_id: str, end_at: datetime) -> NodeSandboxStatus:
         live = self.get(sandbox_id)
         live.end_at = end_at
-        entry = Entry(id=sandbox_id, phase="running", spec={**live.spec.model_dump(mode="json"),
-                                                          "end_at": end_at.isoformat()},
-                      handle=vars(live.target.handle), started_at=live.started_at.isoformat())
-        self.journal.write(entry)
+        live.spec = live.spec.model_copy(update={"end_at": end_at})   # a restarted agent keeps the deadline
+        self.journal.write(live.journal_entry())
         return live.status()
 
     def statuses(self) -> list[NodeSandboxStatus]:
@@ -234,16 +250,18 @@ class NodeAgent:
         await self._destroy_quietly(live.target.handle)
         self.journal.remove(sandbox_id)
         self.live.pop(sandbox_id, None)
-        status = self._record_end(sandbox_id, reason, started_at=live.started_at)
+        status = self._record_end(sandbox_id, reason, started_at=live.started_at, started_mono=live.started_mono)
         if report:
             await self._report(status)
         return status
 
-    def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None
-                    ) -> NodeSandboxStatus:
+    def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
+                    started_mono: float | None = None) -> NodeSandboxStatus:
+        """The final status, with the final usage point (kept in the outbox until the control plane has it)."""
         state = SandboxState.failed if reason == EndReason.failed_start else SandboxState.stopped
+        run_s, seq = usage_point(started_mono) if started_mono is not None else (None, None)
         status = NodeSandboxStatus(id=sandbox_id, state=state, end_reason=reason, started_at=started_at,
-                                   ended_at=self.now())
+                                   ended_at=self.now(), run_s=run_s, seq=seq)
         self.outbox[sandbox_id] = status
         self.stats.ended[reason.value] = self.stats.ended.get(reason.value, 0) + 1
         return status

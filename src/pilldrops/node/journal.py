@@ -29,6 +29,7 @@ class Entry:
     spec: dict[str, Any]
     handle: dict[str, Any] = field(default_factory=dict)
     started_at: str | None = None
+    started_mono: float | None = None     # CLOCK_MONOTONIC at start: survives agent restarts (not reboots)
 
     def runtime_handle(self) -> Handle:
         return Handle(**self.handle) if self.handle else Handle(id=self.id)

@@ -62,6 +62,10 @@ class NodeSandboxStatus(_Model):
     ended_at: datetime | None = None
     end_reason: EndReason | None = None
     error: str | None = None
+    # Usage: cumulative running seconds on the node's monotonic clock, and a sequence that only grows
+    # (milliseconds of running time), so the control plane bills each report exactly once.
+    run_s: float | None = None
+    seq: int | None = None
 
 
 class NodeDeadline(_Model):

@@ -5,6 +5,7 @@ here; every decision is in ``server.service``."""
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
@@ -14,11 +15,12 @@ from pilldrops import errors
 from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops.schema.api import (
-    CreateSandboxRequest, KeyCreated, SandboxState, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
+    CreateSandboxRequest, HistoryPage, KeyCreated, Rates, SandboxState, UsageSummary, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
     TemplateList, WhoAmI,
 )
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered
 from pilldrops.server.service.auth import AuthService, Principal
+from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.sandboxes import SandboxService
 
@@ -28,6 +30,19 @@ class Services:
     auth: AuthService
     sandboxes: SandboxService
     nodes: NodeService
+    billing: BillingService
+
+
+def _aware(t: datetime | None) -> datetime | None:
+    """Query times without a zone are UTC."""
+    return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
+
+
+def _states(states: list[str] | None) -> list[str]:
+    bad = [s for s in states or [] if s not in SandboxState.__members__]
+    if bad:
+        raise errors.InvalidRequest(f"unknown state {bad[0]!r}", details={"allowed": list(SandboxState.__members__)})
+    return states or []
 
 
 def create_app(services: Services) -> FastAPI:
@@ -69,11 +84,7 @@ def create_app(services: Services) -> FastAPI:
     async def list_sandboxes(request: Request, p: Caller, state: Annotated[list[str] | None, Query()] = None,
                              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                              cursor: str | None = None) -> SandboxList:
-        states = state or []
-        bad = [s for s in states if s not in SandboxState.__members__]
-        if bad:
-            raise errors.InvalidRequest(f"unknown state {bad[0]!r}",
-                                        details={"allowed": list(SandboxState.__members__)})
+        states = _states(state)
         labels = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
         return await sbx.list(p.team_id, states=states, labels=labels, limit=limit, cursor=cursor)
 
@@ -139,6 +150,26 @@ def create_app(services: Services) -> FastAPI:
     @api.get("/sandboxes/{sandbox_id}/files/list", response_class=StreamingResponse)
     async def files_list(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
         return await proxy(request, p, sandbox_id, "files/list")
+
+    # ---- billing --------------------------------------------------------------------------------------
+
+    @api.get("/history", response_model=HistoryPage)
+    async def history(request: Request, p: Caller, since: datetime | None = None, until: datetime | None = None,
+                      state: Annotated[list[str] | None, Query()] = None, template: str | None = None,
+                      limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None) -> HistoryPage:
+        labels = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+        return await services.billing.history(p.team_id, since=_aware(since), until=_aware(until),
+                                              states=_states(state), template=template, labels=labels,
+                                              limit=limit, cursor=cursor)
+
+    @api.get("/usage", response_model=UsageSummary)
+    async def usage(p: Caller, since: datetime | None = None, until: datetime | None = None) -> UsageSummary:
+        return await services.billing.usage(p.team_id, _aware(since), _aware(until))
+
+    @api.get("/rates", response_model=Rates)
+    async def rates(p: Caller) -> Rates:
+        r = services.billing.settings.rates
+        return Rates(vcpu_s_usd=r.vcpu_s_usd, gb_s_usd=r.gb_s_usd, storage_gb_month_usd=r.storage_gb_month_usd)
 
     # ---- keys and templates ---------------------------------------------------------------------------
 

@@ -27,9 +27,10 @@ def key_info(k: ApiKey) -> KeyInfo:
 
 
 class AuthService:
-    def __init__(self, store: Store, clock: Clock) -> None:
+    def __init__(self, store: Store, clock: Clock, initial_credits: float = 5.0) -> None:
         self.store = store
         self.clock = clock
+        self.initial_credits = initial_credits
 
     async def authenticate(self, secret: str | None) -> Principal:
         if not secret:
@@ -43,8 +44,9 @@ class AuthService:
             await self.store.touch_key(key.id, now)
         return Principal(team_id=key.team_id, key_id=key.id)
 
-    async def create_team(self, name: str) -> Team:
-        return await self.store.create_team(name, self.clock.now())
+    async def create_team(self, name: str, credits_usd: float | None = None) -> Team:
+        credits = self.initial_credits if credits_usd is None else credits_usd
+        return await self.store.create_team(name, self.clock.now(), credits)
 
     async def create_key(self, team_id: str, name: str) -> KeyCreated:
         secret = keyrules.generate_key()

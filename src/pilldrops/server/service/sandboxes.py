@@ -23,6 +23,7 @@ from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStat
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.service.billing import BillingService
 from pilldrops.server.store.models import Node, Sandbox
 from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
@@ -38,10 +39,11 @@ def _from(target: SandboxState) -> list[str]:
 
 
 class SandboxService:
-    def __init__(self, store: Store, nodes: NodeClient, clock: Clock) -> None:
+    def __init__(self, store: Store, nodes: NodeClient, clock: Clock, billing: BillingService) -> None:
         self.store = store
         self.nodes = nodes
         self.clock = clock
+        self.billing = billing
         self._place_lock = anyio.Lock()
 
     # ---- views ---------------------------------------------------------------------------------------
@@ -51,12 +53,15 @@ class SandboxService:
         if with_token and row.node_id:
             node = await self.store.get_node(row.node_id)
             envd_url = node.url if node else None
+        vcpu_s, gb_s, storage_gb_s, cost = self.billing.usage_of(row)
         return SandboxInfo(
             id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
             envd_url=envd_url, access_token=row.access_token if with_token else None,
+            vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
+            cost_usd=round(cost, 9),
         )
 
     async def get_row(self, team_id: str, sandbox_id: str) -> Sandbox:
@@ -75,6 +80,7 @@ class SandboxService:
             existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key)
             if existing is not None:
                 return await self._replay(existing, req_hash), False
+        await self.billing.check_can_create(team_id)
         now = self.clock.now()
         row = Sandbox(
             id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
@@ -101,9 +107,9 @@ class SandboxService:
                                             end_reason=EndReason.failed_start.value, error=exc.message,
                                             ended_at=self.clock.now())
             raise
-        updated = await self.store.update_sandbox(
-            row.id, from_states=[S.starting.value], state=S.running.value,
-            started_at=status.started_at or self.clock.now(), end_at=status.end_at or spec.end_at)
+        updated = await self.store.update_sandbox(      # billing starts now, on the control plane's clock
+            row.id, from_states=[S.starting.value], state=S.running.value, started_at=self.clock.now(),
+            end_at=status.end_at or spec.end_at)
         return (updated or await self.get_row(team_id, row.id)), True
 
     async def _place(self, req: CreateSandboxRequest) -> Node:
@@ -173,28 +179,32 @@ class SandboxService:
                                                   end_at=status.end_at or end_at)
         return updated or await self.get_row(team_id, sandbox_id)
 
-    async def kill(self, team_id: str, sandbox_id: str) -> Sandbox:
+    async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> Sandbox:
         row = await self.get_row(team_id, sandbox_id)
         if SandboxState(row.state) in ENDED:
             return row
+        final: NodeSandboxStatus | None = None
         if row.node_id:
             node = await self.node_for(row)
-            await self.nodes.kill(node.url, row.id)
+            final = await self.nodes.kill(node.url, row.id)
+        ended_at = self.billing.end_time(row, final) if final else self.clock.now()
         updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), state=S.stopped.value,
-                                                  end_reason=EndReason.killed.value, ended_at=self.clock.now())
-        return updated or await self.get_row(team_id, sandbox_id)
+                                                  end_reason=reason.value, ended_at=ended_at)
+        if final is not None:
+            await self.billing.commit(final)      # the answer already carries the final cost
+        return await self.get_row(team_id, sandbox_id) if updated or final else row
 
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
-        """A node reported a sandbox ended on its own (deadline, init exit, OOM, teardown)."""
-        if st.state not in ENDED:
-            return
+        """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
         row = await self.store.get_sandbox(st.id)
         if row is None or row.node_id != node_id:
             return
-        await self.store.update_sandbox(
-            st.id, from_states=_from(st.state), state=st.state.value,
-            end_reason=(st.end_reason or EndReason.exited).value, ended_at=st.ended_at or self.clock.now(),
-            error=st.error)
+        if st.state in ENDED:
+            await self.store.update_sandbox(
+                st.id, from_states=_from(st.state), state=st.state.value,
+                end_reason=(st.end_reason or EndReason.exited).value, ended_at=self.billing.end_time(row, st),
+                error=st.error)
+        await self.billing.commit(st)
 
     async def reconcile_node(self, node_id: str, live_ids: set[str]) -> None:
         """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period

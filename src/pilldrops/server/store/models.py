@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -33,6 +33,8 @@ class Team(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    credits_usd: Mapped[float] = mapped_column(Float, default=5.0)
+    credits_exhausted_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class ApiKey(Base):
@@ -82,6 +84,13 @@ class Sandbox(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     end_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # usage committed so far (the ledger's sums), and how far the node's running clock was billed
+    vcpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    gb_s: Mapped[float] = mapped_column(Float, default=0.0)
+    storage_gb_s: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    billed_run_s: Mapped[float] = mapped_column(Float, default=0.0)
+    billed_seq: Mapped[int] = mapped_column(BigInteger, default=0)
 
     __table_args__ = (
         Index("ix_sandboxes_team_created", "team_id", "created_at", "id"),
@@ -98,3 +107,25 @@ class SandboxLabel(Base):
     value: Mapped[str] = mapped_column(Text)
 
     __table_args__ = (Index("ix_labels_key_value", "key", "value"),)
+
+
+class UsageEntry(Base):
+    """One billed interval of one sandbox. The key (sandbox, seq) makes every report count exactly once."""
+
+    __tablename__ = "usage_ledger"
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    team_id: Mapped[str] = mapped_column(String(40))
+    state: Mapped[str] = mapped_column(String(16))
+    vcpu: Mapped[float] = mapped_column(Float)
+    memory_mb: Mapped[int] = mapped_column(Integer)
+    storage_gb: Mapped[float] = mapped_column(Float)
+    from_s: Mapped[float] = mapped_column(Float)
+    to_s: Mapped[float] = mapped_column(Float)
+    vcpu_s: Mapped[float] = mapped_column(Float)
+    gb_s: Mapped[float] = mapped_column(Float)
+    storage_gb_s: Mapped[float] = mapped_column(Float)
+    cost_usd: Mapped[float] = mapped_column(Float)
+    committed_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    __table_args__ = (Index("ix_ledger_team_committed", "team_id", "committed_at"),)

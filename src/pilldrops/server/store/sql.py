@@ -8,7 +8,7 @@ queue for microseconds instead. PostgreSQL uses a normal pool.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 
 from pilldrops._internal.ids import new_id
 from pilldrops.server.domain.states import LIVE
-from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, Team
+from pilldrops.server.domain.billing import Rates, billable, running_usage
+from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, Team, UsageEntry
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -93,8 +94,8 @@ class Store:
 
     # ---- teams and keys -------------------------------------------------------------------------------
 
-    async def create_team(self, name: str, now: datetime) -> Team:
-        team = Team(id=new_id("team"), name=name, created_at=now)
+    async def create_team(self, name: str, now: datetime, credits_usd: float = 5.0) -> Team:
+        team = Team(id=new_id("team"), name=name, created_at=now, credits_usd=credits_usd)
         async with self.session.begin() as s:
             s.add(team)
         return team
@@ -106,6 +107,27 @@ class Store:
     async def get_team(self, team_id: str) -> Team | None:
         async with self.session() as s:
             return await s.get(Team, team_id)
+
+    async def team_by_id_or_name(self, ref: str) -> Team | None:
+        async with self.session() as s:
+            return (await s.scalars(select(Team).where(or_(Team.id == ref, Team.name == ref)))).first()
+
+    async def add_credits(self, team_id: str, amount_usd: float) -> Team | None:
+        async with self.session.begin() as s:
+            team = await s.get(Team, team_id, with_for_update=True)
+            if team is None:
+                return None
+            team.credits_usd += amount_usd
+            if team.credits_usd > 0:
+                team.credits_exhausted_at = None
+            return team
+
+    async def exhausted_teams(self, before: datetime) -> list[Team]:
+        """Teams out of credits since before ``before`` (their grace period is over)."""
+        async with self.session() as s:
+            q = select(Team).where(Team.credits_usd <= 0, Team.credits_exhausted_at.is_not(None),
+                                   Team.credits_exhausted_at <= before)
+            return list((await s.scalars(q)).all())
 
     async def add_key(self, team_id: str, name: str, prefix: str, key_hash: str, now: datetime) -> ApiKey:
         key = ApiKey(id=new_id("key"), team_id=team_id, name=name, prefix=prefix, key_hash=key_hash,
@@ -208,11 +230,18 @@ class Store:
 
     async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
                              labels: dict[str, str] | None = None, limit: int = 100,
-                             cursor: str | None = None) -> Page:
+                             cursor: str | None = None, template: str | None = None,
+                             since: datetime | None = None, until: datetime | None = None) -> Page:
         q = select(Sandbox).where(Sandbox.team_id == team_id)
         states = list(states)
         if states:
             q = q.where(Sandbox.state.in_(states))
+        if template:
+            q = q.where(Sandbox.template == template)
+        if since:
+            q = q.where(Sandbox.created_at >= since)
+        if until:
+            q = q.where(Sandbox.created_at < until)
         for k, v in (labels or {}).items():
             lab = select(SandboxLabel.sandbox_id).where(SandboxLabel.key == k, SandboxLabel.value == v)
             q = q.where(Sandbox.id.in_(lab))
@@ -243,3 +272,56 @@ class Store:
             if res.rowcount == 0:
                 return None
         return await self.get_sandbox(sandbox_id)
+
+    # ---- usage ---------------------------------------------------------------------------------------
+
+    async def commit_usage(self, sandbox_id: str, seq: int, run_s: float, *, now: datetime, rates: Rates,
+                           charge_credits: bool, before_commit: Callable[[], None] | None = None
+                           ) -> UsageEntry | None:
+        """Bill a node's cumulative running seconds for one sandbox, exactly once per (sandbox, seq).
+
+        The ledger row, the sandbox's totals and the team's credits change in one transaction: a crash
+        before the commit leaves nothing, and the node's resend (same or later cumulative value) bills it
+        then; a resend after the commit finds ``seq <= billed_seq`` and adds nothing.
+        """
+        async with self.session.begin() as s:
+            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
+            if sb is None or sb.started_at is None or seq <= sb.billed_seq:
+                return None
+            wall = ((sb.ended_at or now) - sb.started_at).total_seconds()
+            total, delta = billable(run_s, sb.billed_run_s, wall)
+            use = running_usage(sb.vcpu, sb.memory_mb, delta)
+            cost = use.cost(rates)
+            entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
+                               memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
+                               vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s, cost_usd=cost,
+                               committed_at=now)
+            s.add(entry)
+            sb.vcpu_s += use.vcpu_s
+            sb.gb_s += use.gb_s
+            sb.cost_usd += cost
+            sb.billed_run_s = total
+            sb.billed_seq = seq
+            if charge_credits and cost > 0:
+                team = await s.get(Team, sb.team_id, with_for_update=True)
+                if team is not None:
+                    team.credits_usd -= cost
+                    if team.credits_usd <= 0 and team.credits_exhausted_at is None:
+                        team.credits_exhausted_at = now
+            await s.flush()
+            if before_commit is not None:
+                before_commit()
+        return entry
+
+    async def usage_totals(self, team_id: str, since: datetime | None, until: datetime | None
+                           ) -> tuple[int, float, float, float, float]:
+        q = select(func.count(func.distinct(UsageEntry.sandbox_id)), func.sum(UsageEntry.vcpu_s),
+                   func.sum(UsageEntry.gb_s), func.sum(UsageEntry.storage_gb_s),
+                   func.sum(UsageEntry.cost_usd)).where(UsageEntry.team_id == team_id)
+        if since:
+            q = q.where(UsageEntry.committed_at >= since)
+        if until:
+            q = q.where(UsageEntry.committed_at < until)
+        async with self.session() as s:
+            n, v, g, st, c = (await s.execute(q)).one()
+        return int(n or 0), float(v or 0), float(g or 0), float(st or 0), float(c or 0)

@@ -1,0 +1,155 @@
+"""Billing: committing node usage reports, credits, the usage history and period totals.
+
+- Nodes report each sandbox's cumulative running seconds (monotonic) with a sequence number that only
+  grows; ``commit`` turns a report into a ledger row exactly once (see ``Store.commit_usage``).
+- Start and end times come from the control plane's clock; an ended sandbox's ``ended_at`` is its start
+  plus the node's final running seconds (never later than when we learnt of it), so billed running
+  seconds equal the sandbox's lifetime.
+- Credits: a new team starts with ``initial_credits``; at zero creates are refused (402) and, after
+  ``grace_s``, running sandboxes are stopped with ``end_reason = credits_exhausted``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import anyio
+
+from pilldrops import errors
+from pilldrops._internal.clock import Clock
+from pilldrops.schema.api import EndReason, HistoryPage, HistoryRecord, SandboxState, UsageSummary
+from pilldrops.schema.node import NodeSandboxStatus
+from pilldrops.server.domain.billing import Rates, running_usage
+from pilldrops.server.domain.states import LIVE
+from pilldrops.server.store.models import Sandbox
+from pilldrops.server.store.sql import Store
+
+log = logging.getLogger("pilldrops.billing")
+FAULT_ENV = "PILLDROPS_FAULT_CRASH_BEFORE_USAGE_COMMIT"   # test hook: os._exit on the N-th usage commit
+
+
+@dataclass(frozen=True)
+class BillingSettings:
+    rates: Rates = field(default_factory=Rates)
+    credits_enabled: bool = True
+    initial_credits: float = 5.0
+    grace_s: float = 60.0
+    enforce_every_s: float = 1.0
+
+
+def _fault_hook() -> Callable[[], None] | None:
+    """Crash between computing a usage commit and committing it (for the exactly-once test)."""
+    raw = os.environ.get(FAULT_ENV)
+    if not raw:
+        return None
+    remaining = [int(raw)]
+
+    def hook() -> None:
+        remaining[0] -= 1
+        if remaining[0] <= 0:
+            log.error("fault injection: exiting before a usage commit")
+            os._exit(137)
+
+    return hook
+
+
+class BillingService:
+    def __init__(self, store: Store, clock: Clock, settings: BillingSettings | None = None) -> None:
+        self.store = store
+        self.clock = clock
+        self.settings = settings or BillingSettings()
+        self._before_commit = _fault_hook()
+
+    # ---- metering ------------------------------------------------------------------------------------
+
+    def end_time(self, row: Sandbox, st: NodeSandboxStatus) -> datetime:
+        """When an ended sandbox ended, on the control plane's clock: start + the node's running seconds."""
+        now = self.clock.now()
+        if row.started_at is None or st.run_s is None:
+            return now
+        return min(now, row.started_at + timedelta(seconds=max(st.run_s, 0.0)))
+
+    async def commit(self, st: NodeSandboxStatus) -> None:
+        if st.run_s is None or st.seq is None:
+            return
+        await self.store.commit_usage(st.id, st.seq, st.run_s, now=self.clock.now(), rates=self.settings.rates,
+                                      charge_credits=self.settings.credits_enabled,
+                                      before_commit=self._before_commit)
+
+    # ---- credits -------------------------------------------------------------------------------------
+
+    async def check_can_create(self, team_id: str) -> None:
+        if not self.settings.credits_enabled:
+            return
+        team = await self.store.get_team(team_id)
+        if team is not None and team.credits_usd <= 0:
+            raise errors.InsufficientCredits(
+                f"your team has no credits left (balance ${team.credits_usd:.6f}); new sandboxes are refused "
+                "until credits are added (`pilldrops credits add TEAM AMOUNT`)",
+                details={"credits_usd": team.credits_usd})
+
+    async def enforce_credits(self, stop: Callable[[str, str], Awaitable[object]]) -> int:
+        """Stop the running sandboxes of teams whose credits ran out more than ``grace_s`` ago."""
+        if not self.settings.credits_enabled:
+            return 0
+        before = self.clock.now() - timedelta(seconds=self.settings.grace_s)
+        stopped = 0
+        for team in await self.store.exhausted_teams(before):
+            page = await self.store.list_sandboxes(team.id, states=[s.value for s in LIVE], limit=1000)
+            for row in page.items:
+                try:
+                    await stop(team.id, row.id)
+                    stopped += 1
+                except errors.PillDropsError as exc:
+                    log.warning("could not stop %s of exhausted team %s: %s", row.id, team.id, exc)
+        return stopped
+
+    async def run_enforcer(self, stop: Callable[[str, str], Awaitable[object]]) -> None:
+        while True:
+            try:
+                await self.enforce_credits(stop)
+            except Exception:  # noqa: BLE001 - a store outage must not kill the loop (nor reap anything)
+                log.exception("credit enforcement pass failed")
+            await anyio.sleep(self.settings.enforce_every_s)
+
+    # ---- views ---------------------------------------------------------------------------------------
+
+    def usage_of(self, row: Sandbox) -> tuple[float, float, float, float]:
+        """(vcpu_s, gb_s, storage_gb_s, cost_usd): committed for ended sandboxes, accrued so far for live
+        ones (the wall time since start, or what was committed if that is more)."""
+        if SandboxState(row.state) in LIVE and row.started_at is not None:
+            so_far = running_usage(row.vcpu, row.memory_mb, (self.clock.now() - row.started_at).total_seconds())
+            if so_far.vcpu_s > row.vcpu_s:
+                return so_far.vcpu_s, so_far.gb_s, so_far.storage_gb_s, so_far.cost(self.settings.rates)
+        return row.vcpu_s, row.gb_s, row.storage_gb_s, row.cost_usd
+
+    def record(self, row: Sandbox) -> HistoryRecord:
+        vcpu_s, gb_s, storage_gb_s, cost = self.usage_of(row)
+        return HistoryRecord(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
+                             vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
+                             cost_usd=round(cost, 9), started_at=row.started_at, ended_at=row.ended_at,
+                             state=SandboxState(row.state),
+                             end_reason=EndReason(row.end_reason) if row.end_reason else None,
+                             metadata=row.metadata_ or {})
+
+    async def history(self, team_id: str, *, since: datetime | None, until: datetime | None, states: list[str],
+                      template: str | None, labels: dict[str, str], limit: int, cursor: str | None) -> HistoryPage:
+        try:
+            page = await self.store.list_sandboxes(team_id, states=states, labels=labels, limit=limit,
+                                                   cursor=cursor, template=template, since=since, until=until)
+        except ValueError as exc:
+            raise errors.InvalidRequest(str(exc)) from exc
+        return HistoryPage(items=[self.record(r) for r in page.items], next_cursor=page.next_cursor)
+
+    async def usage(self, team_id: str, since: datetime | None, until: datetime | None) -> UsageSummary:
+        n, vcpu_s, gb_s, storage_gb_s, cost = await self.store.usage_totals(team_id, since, until)
+        team = await self.store.get_team(team_id)
+        enabled = self.settings.credits_enabled
+        return UsageSummary(team_id=team_id, since=since, until=until, sandboxes=n, vcpu_s=round(vcpu_s, 6),
+                            gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6), cost_usd=round(cost, 9),
+                            credits_usd=round(team.credits_usd, 9) if enabled and team else None,
+                            credits_unlimited=not enabled)
