@@ -36,6 +36,8 @@ def _billing_options(f: Any) -> Any:
         click.option("--rate-gb-s", type=float, default=0.0000045, show_default=True, help="USD per GB-second"),
         click.option("--rate-storage-gb-month", type=float, default=0.15, show_default=True,
                      help="USD per GB-month of paused storage"),
+        click.option("--heartbeat-interval", type=float, default=5.0, show_default=True,
+                     help="seconds between node heartbeats (which carry usage reports)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -126,11 +128,13 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     data_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names)
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing))
+    heartbeat = billing.pop("heartbeat_interval")
+    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing),
+              heartbeat)
 
 
 async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
-              billing: Any) -> None:
+              billing: Any, heartbeat: float) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -141,7 +145,8 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
 
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
-    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing)
+    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing,
+                                   heartbeat_interval=heartbeat)
     cpu, mem = default_capacity()
     node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
                                capacity_vcpu=cpu, capacity_memory_mb=mem, control_plane_url=api_url,
@@ -200,11 +205,12 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     import anyio
     _logging(verbose)
     token = _node_token(data_dir, node_token)
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing))
+    heartbeat = billing.pop("heartbeat_interval")
+    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing), heartbeat)
 
 
 async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool,
-                 billing: Any) -> None:
+                 billing: Any, heartbeat: float) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -212,7 +218,8 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
     from pilldrops.server.store.sql import sqlite_url
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing)
+    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing,
+                                   heartbeat_interval=heartbeat)
     served = Served(cp.app, host, port)
     api_url = f"http://{host}:{port}"
     try:

@@ -13,7 +13,7 @@ from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
-from pilldrops.server.service.nodes import NodeService
+from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.sql import Store
 
@@ -38,7 +38,8 @@ class ControlPlane:
 
 async def build_control_plane(db_url: str, node_token: str, clock: Clock | None = None, *,
                               node_transport: httpx.AsyncBaseTransport | None = None,
-                              billing: BillingSettings | None = None) -> ControlPlane:
+                              billing: BillingSettings | None = None,
+                              heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -46,5 +47,6 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     billing_service = BillingService(store, clock, billing)
     sandboxes = SandboxService(store, node_client, clock, billing_service)
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
-                        nodes=NodeService(store, sandboxes, clock, node_token), billing=billing_service)
+                        nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval),
+                        billing=billing_service)
     return ControlPlane(create_app(services), services, store, node_client)

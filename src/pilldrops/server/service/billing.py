@@ -131,7 +131,7 @@ class BillingService:
         vcpu_s, gb_s, storage_gb_s, cost = self.usage_of(row)
         return HistoryRecord(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                              vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
-                             cost_usd=round(cost, 9), started_at=row.started_at, ended_at=row.ended_at,
+                             cost_usd=round(cost, 12), started_at=row.started_at, ended_at=row.ended_at,
                              state=SandboxState(row.state),
                              end_reason=EndReason(row.end_reason) if row.end_reason else None,
                              metadata=row.metadata_ or {})
@@ -150,6 +150,6 @@ class BillingService:
         team = await self.store.get_team(team_id)
         enabled = self.settings.credits_enabled
         return UsageSummary(team_id=team_id, since=since, until=until, sandboxes=n, vcpu_s=round(vcpu_s, 6),
-                            gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6), cost_usd=round(cost, 9),
-                            credits_usd=round(team.credits_usd, 9) if enabled and team else None,
+                            gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6), cost_usd=round(cost, 12),
+                            credits_usd=round(team.credits_usd, 12) if enabled and team else None,
                             credits_unlimited=not enabled)

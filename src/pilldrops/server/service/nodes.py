@@ -14,11 +14,13 @@ HEARTBEAT_INTERVAL_S = 5.0
 
 
 class NodeService:
-    def __init__(self, store: Store, sandboxes: SandboxService, clock: Clock, node_token: str) -> None:
+    def __init__(self, store: Store, sandboxes: SandboxService, clock: Clock, node_token: str,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> None:
         self.store = store
         self.sandboxes = sandboxes
         self.clock = clock
         self._token = node_token
+        self.heartbeat_interval = heartbeat_interval
 
     def check_token(self, presented: str | None) -> None:
         if not presented or not same(presented, self._token):
@@ -30,7 +32,7 @@ class NodeService:
             capacity_memory_mb=req.capacity_memory_mb,
             templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now())
         await self._absorb(node.id, req.sandboxes)
-        return NodeRegistered(node_id=node.id, heartbeat_interval=HEARTBEAT_INTERVAL_S)
+        return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval)
 
     async def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> None:
         node = await self.store.heartbeat(node_id, [t.model_dump(mode="json") for t in hb.templates],

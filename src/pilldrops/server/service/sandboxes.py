@@ -61,7 +61,7 @@ class SandboxService:
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
             envd_url=envd_url, access_token=row.access_token if with_token else None,
             vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
-            cost_usd=round(cost, 9),
+            cost_usd=round(cost, 12),
         )
 
     async def get_row(self, team_id: str, sandbox_id: str) -> Sandbox:
