@@ -8,6 +8,7 @@ Example::
         sb.upload("./env", "/env")
         r = sb.run("python /env/episode.py")
         reward = float(r.stdout)
+    cost = sb.info.cost_usd     # the episode's final cost, from the kill on leaving the block
 
 ``AsyncSandbox`` is the asyncio twin (``async with await AsyncSandbox.create(...) as sb:``).
 Every error is a :class:`PillDropsError`; see :mod:`pilldrops.errors` for the tree.
@@ -19,6 +20,7 @@ from pilldrops.errors import (
     CommandFailed,
     Conflict,
     FileNotFound,
+    InsufficientCredits,
     InvalidRequest,
     InvalidState,
     NodeUnavailable,
@@ -33,7 +35,7 @@ from pilldrops.errors import (
     TemplateNotFound,
     TransportError,
 )
-from pilldrops.schema.api import FileInfo, SandboxInfo, SandboxState
+from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._base import RunResult
 from pilldrops.sdk._sync.sandbox import Sandbox
@@ -48,6 +50,8 @@ __all__ = [
     "Conflict",
     "FileInfo",
     "FileNotFound",
+    "HistoryRecord",
+    "InsufficientCredits",
     "InvalidRequest",
     "InvalidState",
     "NodeUnavailable",
@@ -65,5 +69,6 @@ __all__ = [
     "ServerError",
     "TemplateNotFound",
     "TransportError",
+    "UsageSummary",
     "__version__",
 ]

@@ -1,6 +1,7 @@
 """``pilldrops``: the command line.
 
-Client commands (``sandbox``, ``keys``, ``template list``) talk to a control plane through the SDK.
+Client commands (``sandbox``, ``keys``, ``template list``, ``history``, ``usage``) talk to a control plane
+through the SDK.
 The local commands (``up``, ``serve``, ``node``, ``template build``) live in :mod:`pilldrops.cli.local`
 and need the server extras. A :class:`PillDropsError` prints ``Error: <message> (<code>)`` in red and
 exits 1; usage errors exit 2; ``--debug`` adds the traceback.
@@ -64,6 +65,7 @@ def cli(ctx: click.Context, api_url: str | None, api_key: str | None, debug: boo
 
 
 def _register() -> None:
+    from pilldrops.cli.billing import history, usage
     from pilldrops.cli.keys import keys
     from pilldrops.cli.sandbox import sandbox
     from pilldrops.cli.templates import template
@@ -71,6 +73,8 @@ def _register() -> None:
     cli.add_command(sandbox)
     cli.add_command(keys)
     cli.add_command(template)
+    cli.add_command(history)
+    cli.add_command(usage)
     try:
         from pilldrops.cli import local
     except ImportError as exc:  # only a missing module is tolerated; a broken one must be loud

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -99,6 +100,53 @@ def list_params(state: str | list[str] | None, metadata: dict[str, str] | None, 
     if cursor:
         params.append(("cursor", cursor))
     return params
+
+
+def iso_param(value: datetime | date | str | None, what: str) -> str | None:
+    """A time query parameter as ISO 8601 UTC (``...Z``); a naive datetime or a date is taken as UTC.
+
+    A string must parse as ISO 8601 (``2025-01-31``, ``2025-01-31T12:00``, ``...+02:00``, ``...Z``);
+    otherwise it is an :class:`InvalidRequest` before any I/O.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise InvalidRequest(f"{what} must be an ISO 8601 date or time, got {value!r}") from None
+    if not isinstance(value, datetime):
+        value = datetime(value.year, value.month, value.day)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def period_params(since: datetime | date | str | None,
+                  until: datetime | date | str | None) -> list[tuple[str, str]]:
+    """``since``/``until`` query parameters of ``GET /v1/history`` and ``GET /v1/usage`` (omitted when None)."""
+    params: list[tuple[str, str]] = []
+    for name, value in (("since", since), ("until", until)):
+        iso = iso_param(value, name)
+        if iso is not None:
+            params.append((name, iso))
+    return params
+
+
+def history_params(since: datetime | date | str | None, until: datetime | date | str | None,
+                   state: str | list[str] | None, template: str | None, metadata: dict[str, str] | None,
+                   limit: int, cursor: str | None) -> list[tuple[str, str]]:
+    """Query parameters of ``GET /v1/history`` (``state`` repeats, metadata is ``metadata.<k>=<v>``)."""
+    params = period_params(since, until)
+    if template:
+        params.append(("template", template))
+    return params + list_params(state, metadata, limit, cursor)
+
+
+def check_limit(limit: int | None, what: str = "limit") -> None:
+    """A client-side cap on returned records must be a positive integer (or None for no cap)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InvalidRequest(f"{what} must be a positive integer, got {limit!r}")
 
 
 def new_idempotency_key() -> str:

@@ -11,11 +11,17 @@ Example::
         assert float(sb.run("python /env/episode.py").stdout) == 0.75
 
 It implements the REST contract of ``docs/api.md`` (sandboxes, run as NDJSON, archive, files, keys,
-templates, whoami) with a tiny simulated shell: ``echo [-n]``, ``printf``, ``cat``, ``exit N``, ``true``,
+templates, whoami, history, usage, rates, credits) with a tiny simulated shell: ``echo [-n]``, ``printf``, ``cat``, ``exit N``, ``true``,
 ``false``, ``pwd``, ``ls``, ``mkdir -p``, ``printenv``, ``sleep N`` (honours the run ``timeout``), joined
 by ``;``, ``&&`` or ``||``, with ``>&2`` and ``> file``. Register your own commands with
 :meth:`FakeControlPlane.on_command`; inject failures with :meth:`FakeControlPlane.fail_next`.
 Thread-safe; the same handler serves sync and async clients.
+
+Usage accrues deterministically on the fake clock (:meth:`FakeControlPlane.advance`): a sandbox's running
+seconds are ``(ended_at or now, capped at end_at) - started_at``; ``vcpu_s``, ``gb_s`` and ``cost_usd``
+follow from ``vcpu``, ``memory_mb`` and :attr:`FakeControlPlane.rates` (``storage_gb_s`` stays whatever a
+test set, as the fake has no pause). The team starts with ``credits_usd`` (default $5.00, None for
+unlimited); when the balance reaches zero, create answers 402 ``insufficient_credits``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pilldrops.errors import (
     AuthenticationError,
     Conflict,
     FileNotFound,
+    InsufficientCredits,
     InvalidRequest,
     InvalidState,
     NotFound,
@@ -54,17 +61,24 @@ from pilldrops.schema.api import (
     CreateSandboxRequest,
     EndReason,
     FileInfo,
+    HistoryRecord,
     KeyCreated,
     KeyCreateRequest,
     KeyInfo,
+    Rates,
     RunRequest,
     SandboxInfo,
     SandboxState,
     SetTimeoutRequest,
     TemplateInfo,
+    UsageSummary,
 )
 
 __all__ = ["CommandContext", "FakeControlPlane", "FakeResult", "FakeSandbox"]
+
+#: Default rates of docs/api.md; a month of storage is 30 days here.
+DEFAULT_RATES = Rates(vcpu_s_usd=0.0000140, gb_s_usd=0.0000045, storage_gb_month_usd=0.15)
+SECONDS_PER_MONTH = 30 * 86_400
 
 
 @dataclass
@@ -184,13 +198,15 @@ class FakeControlPlane:
     with an access token, so the SDK's direct data-plane path is exercised; ``False`` omits it so the SDK
     uses the control plane's proxied routes. ``chunk_size`` splits command output into stream chunks of
     that many bytes (small values exercise multi-byte UTF-8 characters split across chunks).
+    ``credits_usd`` is the team's starting credit (None: unlimited); ``rates`` price the usage.
     """
 
     api_url = "http://pilldrops.test"
     node_url = "http://node-1.pilldrops.test"
 
     def __init__(self, *, api_key: str = "pd_test_key", data_plane: bool = True, chunk_size: int = 4096,
-                 templates: tuple[str, ...] = ("base", "code-interpreter")) -> None:
+                 templates: tuple[str, ...] = ("base", "code-interpreter"),
+                 credits_usd: float | None = 5.0, rates: Rates | None = None) -> None:
         self.api_key = api_key
         self.data_plane = data_plane
         self.chunk_size = chunk_size
@@ -199,6 +215,8 @@ class FakeControlPlane:
         self.templates = {name: TemplateInfo(name=name, description=f"fake {name}", nodes=["node_fake"])
                           for name in templates}
         self.team_id = "team_test"
+        self.credits_usd = credits_usd
+        self.rates = rates if rates is not None else DEFAULT_RATES
         self._now = datetime(2025, 1, 1, tzinfo=UTC)
         self._keys: dict[str, KeyInfo] = {}
         self._secrets: dict[str, str] = {}
@@ -250,6 +268,13 @@ class FakeControlPlane:
         """Move the fake clock (``created_at``, ``end_at``...) forward."""
         with self._lock:
             self._now += timedelta(seconds=seconds)
+
+    def balance_usd(self) -> float | None:
+        """Credits left: ``credits_usd`` minus the cost of every sandbox so far (None when unlimited)."""
+        with self._lock:
+            if self.credits_usd is None:
+                return None
+            return self.credits_usd - sum(self._accrue(sb).cost_usd for sb in self.sandboxes.values())
 
     # ------------------------------------------------------------------------------------ plumbing
 
@@ -331,8 +356,25 @@ class FakeControlPlane:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found")
         return sb
 
-    def _public(self, sb: FakeSandbox, *, with_token: bool) -> dict[str, Any]:
+    def _accrue(self, sb: FakeSandbox) -> SandboxInfo:
+        """Bring ``sb.info``'s usage fields up to the fake clock (a pure function of it: idempotent)."""
         info = sb.info
+        if info.started_at is None:
+            return info
+        end = info.ended_at or self._now
+        if info.end_at is not None:
+            end = min(end, info.end_at)
+        running_s = max(0.0, (end - info.started_at).total_seconds())
+        vcpu_s = info.vcpu * running_s
+        gb_s = info.memory_mb / 1024 * running_s
+        r = self.rates
+        cost = (vcpu_s * r.vcpu_s_usd + gb_s * r.gb_s_usd
+                + info.storage_gb_s * r.storage_gb_month_usd / SECONDS_PER_MONTH)
+        sb.info = info.model_copy(update={"vcpu_s": vcpu_s, "gb_s": gb_s, "cost_usd": cost})
+        return sb.info
+
+    def _public(self, sb: FakeSandbox, *, with_token: bool) -> dict[str, Any]:
+        info = self._accrue(sb)
         if with_token:
             info = info.model_copy(update={"access_token": sb.access_token,
                                            "envd_url": self.node_url if self.data_plane else None})
@@ -403,6 +445,12 @@ class FakeControlPlane:
             return httpx.Response(200, json=key.model_dump(mode="json"))
         if path == "/v1/templates" and method == "GET":
             return httpx.Response(200, json={"items": [t.model_dump(mode="json") for t in self.templates.values()]})
+        if path == "/v1/history" and method == "GET":
+            return self._history(params)
+        if path == "/v1/usage" and method == "GET":
+            return self._usage(query)
+        if path == "/v1/rates" and method == "GET":
+            return httpx.Response(200, json=self.rates.model_dump(mode="json"))
         if path == "/v1/whoami" and method == "GET":
             key = self._auth_control(request)
             return httpx.Response(200, json={"team_id": self.team_id, "team_name": "test", "key_id": key.id})
@@ -419,6 +467,9 @@ class FakeControlPlane:
             return httpx.Response(200, json=self._public(self.sandboxes[sandbox_id], with_token=True))
         if req.template not in self.templates:
             raise TemplateNotFound(f"template {req.template!r} not found")
+        balance = self.balance_usd()
+        if balance is not None and balance <= 0:
+            raise InsufficientCredits(f"team {self.team_id} has no credits left (balance ${balance:.2f})")
         sandbox_id = f"sb_{secrets.token_hex(8)}"
         self._now += timedelta(milliseconds=1)  # keep created_at strictly increasing for ordering
         info = SandboxInfo(id=sandbox_id, template=req.template, state=SandboxState.running, vcpu=req.vcpu,
@@ -435,19 +486,67 @@ class FakeControlPlane:
     def _list(self, params: list[tuple[str, str]]) -> httpx.Response:
         states = {v for k, v in params if k == "state"}
         meta = {k[len("metadata."):]: v for k, v in params if k.startswith("metadata.")}
-        query = dict(params)
+        rows = sorted(self.sandboxes.values(), key=lambda s: s.seq, reverse=True)
+        rows = [s for s in rows if (not states or s.info.state.value in states)
+                and all(s.info.metadata.get(k) == v for k, v in meta.items())]
+        page, nxt = self._page(rows, dict(params))
+        return httpx.Response(200, json={"items": [self._public(s, with_token=False) for s in page],
+                                         "next_cursor": nxt})
+
+    @staticmethod
+    def _page(rows: list[FakeSandbox], query: dict[str, str]) -> tuple[list[FakeSandbox], str | None]:
         try:
             limit = max(1, min(int(query.get("limit", "100")), 1000))
             offset = int(query.get("cursor", "0") or 0)
         except ValueError:
             raise InvalidRequest("bad limit or cursor") from None
-        rows = sorted(self.sandboxes.values(), key=lambda s: s.seq, reverse=True)
-        rows = [s for s in rows if (not states or s.info.state.value in states)
-                and all(s.info.metadata.get(k) == v for k, v in meta.items())]
-        page = rows[offset:offset + limit]
         nxt = str(offset + limit) if offset + limit < len(rows) else None
-        return httpx.Response(200, json={"items": [self._public(s, with_token=False) for s in page],
-                                         "next_cursor": nxt})
+        return rows[offset:offset + limit], nxt
+
+    @staticmethod
+    def _time_param(query: dict[str, str], name: str) -> datetime | None:
+        raw = query.get(name)
+        if not raw:
+            return None
+        try:
+            value = datetime.fromisoformat(raw)
+        except ValueError:
+            raise InvalidRequest(f"{name} must be an ISO 8601 date or time, got {raw!r}") from None
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+    def _period(self, query: dict[str, str]) -> tuple[datetime | None, datetime | None, list[FakeSandbox]]:
+        """``since``/``until`` and the sandboxes created in ``[since, until)``, newest first."""
+        since, until = self._time_param(query, "since"), self._time_param(query, "until")
+        rows = sorted(self.sandboxes.values(), key=lambda s: s.seq, reverse=True)
+        rows = [s for s in rows if (since is None or s.info.created_at >= since)
+                and (until is None or s.info.created_at < until)]
+        return since, until, rows
+
+    def _history(self, params: list[tuple[str, str]]) -> httpx.Response:
+        query = dict(params)
+        states = {v for k, v in params if k == "state"}
+        meta = {k[len("metadata."):]: v for k, v in params if k.startswith("metadata.")}
+        template = query.get("template")
+        _, _, rows = self._period(query)
+        rows = [s for s in rows if (not states or s.info.state.value in states)
+                and (not template or s.info.template == template)
+                and all(s.info.metadata.get(k) == v for k, v in meta.items())]
+        page, nxt = self._page(rows, query)
+        fields = set(HistoryRecord.model_fields)
+        items = [HistoryRecord(**self._accrue(s).model_dump(include=fields)).model_dump(mode="json")
+                 for s in page]
+        return httpx.Response(200, json={"items": items, "next_cursor": nxt})
+
+    def _usage(self, query: dict[str, str]) -> httpx.Response:
+        since, until, rows = self._period(query)
+        infos = [self._accrue(s) for s in rows]
+        balance = self.balance_usd()
+        summary = UsageSummary(
+            team_id=self.team_id, since=since, until=until, sandboxes=len(infos),
+            vcpu_s=sum(i.vcpu_s for i in infos), gb_s=sum(i.gb_s for i in infos),
+            storage_gb_s=sum(i.storage_gb_s for i in infos), cost_usd=sum(i.cost_usd for i in infos),
+            credits_usd=None if balance is None else max(balance, 0.0), credits_unlimited=balance is None)
+        return httpx.Response(200, json=summary.model_dump(mode="json"))
 
     # ------------------------------------------------------------------------------------ data plane
 

@@ -132,7 +132,7 @@ def test_templates(fake: FakeControlPlane) -> None:
 def test_help_hides_test_hooks_and_lists_commands() -> None:
     out = CliRunner().invoke(cli, ["--help"]).output
     assert "transport" not in out.lower()
-    for name in ("sandbox", "keys", "template"):
+    for name in ("sandbox", "keys", "template", "history", "usage"):
         assert name in out
     sub = CliRunner().invoke(cli, ["sandbox", "--help"]).output
     for name in ("create", "list", "get", "exec", "upload", "download", "kill"):
@@ -146,3 +146,108 @@ def test_main_exit_codes(fake: FakeControlPlane, capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as usage:
         main(["sandbox", "get"])
     assert usage.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- billing
+
+
+def _three_sandboxes(fake: FakeControlPlane) -> list[str]:
+    ids = [run("sandbox", "create", "--template", t, "--vcpu", "2", "--memory-mb", "1024", "-m", f"i={i}")
+           .output.strip() for i, t in enumerate(("base", "code-interpreter", "base"))]
+    fake.advance(10)
+    run("sandbox", "kill", ids[0])
+    return ids
+
+
+def test_history_json_is_an_array_of_records(fake: FakeControlPlane) -> None:
+    ids = _three_sandboxes(fake)
+    records = json.loads(run("history", "--json").output)
+    assert isinstance(records, list) and [r["id"] for r in records] == ids[::-1]
+    oldest = records[-1]
+    assert set(oldest) >= {"id", "template", "vcpu", "memory_mb", "vcpu_s", "gb_s", "storage_gb_s", "cost_usd",
+                           "started_at", "ended_at", "state", "end_reason", "metadata"}
+    assert (oldest["state"], oldest["end_reason"], oldest["metadata"]) == ("stopped", "killed", {"i": "0"})
+    assert oldest["vcpu_s"] == pytest.approx(20, abs=0.01) and oldest["gb_s"] == pytest.approx(10, abs=0.01)
+    assert oldest["cost_usd"] == pytest.approx(20 * 0.000014 + 10 * 0.0000045, rel=1e-3)
+    assert all(isinstance(r["cost_usd"], float) and r["cost_usd"] > 0 for r in records)
+
+
+def test_history_filters(fake: FakeControlPlane) -> None:
+    ids = _three_sandboxes(fake)
+
+    def listed(*args: str) -> list[str]:
+        res = run("history", "--json", *args)
+        assert res.exit_code == 0, res.output
+        return [r["id"] for r in json.loads(res.output)]
+
+    assert listed("--state", "running") == [ids[2], ids[1]]
+    assert listed("--state", "stopped", "--state", "running") == ids[::-1]
+    assert listed("--template", "code-interpreter") == [ids[1]]
+    assert listed("--metadata", "i=2") == [ids[2]]
+    assert listed("--limit", "1") == [ids[2]]
+    created = fake.sandboxes[ids[1]].info.created_at.isoformat()
+    assert listed("--since", created) == [ids[2], ids[1]]
+    assert listed("--until", created) == [ids[0]]
+    assert listed("--since", "2100-01-01") == []
+    sent = [r.url.params["since"] for r in fake.requests_to("GET", "/v1/history") if "since" in r.url.params]
+    assert sent and all(v.endswith("Z") for v in sent)  # sent as UTC
+
+
+def test_history_table_has_a_total_line(fake: FakeControlPlane) -> None:
+    ids = _three_sandboxes(fake)
+    res = run("history", env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    for sid in ids:
+        assert sid in res.output
+    for header in ("TEMPLATE", "VCPU_S", "GB_S", "COST_USD", "END_REASON", "killed", "running"):
+        assert header in res.output
+    total = [line for line in res.output.splitlines() if line.startswith("TOTAL")]
+    records = json.loads(run("history", "--json").output)
+    cost = sum(r["cost_usd"] for r in records)
+    expected = (f"TOTAL  3 sandboxes  vcpu_s {sum(r['vcpu_s'] for r in records):.1f}"
+                f"  gb_s {sum(r['gb_s'] for r in records):.1f}  storage_gb_s 0.0  cost_usd {cost:.6f}")
+    assert total == [expected]
+    empty = run("history", "--since", "2100-01-01")
+    assert "no sandboxes" in empty.output and "TOTAL" not in empty.output
+
+
+def test_history_usage_errors_exit_2(fake: FakeControlPlane) -> None:
+    for args in (["history", "--since", "yesterday"], ["history", "--limit", "0"], ["history", "-m", "x"],
+                 ["usage", "--until", "soon"]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2, args
+    assert fake.requests_to("GET", "/v1/(history|usage)") == []
+
+
+def test_usage(fake: FakeControlPlane) -> None:
+    _three_sandboxes(fake)
+    summary = json.loads(run("usage", "--json").output)
+    assert summary["team_id"] == fake.team_id and summary["sandboxes"] == 3
+    assert summary["vcpu_s"] == pytest.approx(60, abs=0.01)
+    assert summary["credits_usd"] == pytest.approx(5.0 - summary["cost_usd"]) and not summary["credits_unlimited"]
+    table = run("usage").output
+    assert "all time" in table and f"{summary['cost_usd']:.6f}" in table
+    assert f"{summary['credits_usd']:.6f}" in table
+    later = json.loads(run("usage", "--json", "--since", "2100-01-01T00:00:00Z").output)
+    assert later["sandboxes"] == 0 and later["since"].startswith("2100-01-01")
+    assert "since 2100-01-01 00:00" in run("usage", "--since", "2100-01-01").output
+
+
+def test_usage_unlimited_credits(fake: FakeControlPlane) -> None:
+    fake.credits_usd = None
+    assert json.loads(run("usage", "--json").output)["credits_usd"] is None
+    line = [ln for ln in run("usage").output.splitlines() if "credits_usd" in ln]
+    assert len(line) == 1 and "unlimited" in line[0]
+
+
+def test_sandbox_get_shows_usage_and_credits_errors_are_reported(fake: FakeControlPlane) -> None:
+    sid = run("sandbox", "create").output.strip()
+    fake.advance(60)
+    got = json.loads(run("sandbox", "get", sid, "--json").output)
+    assert got["vcpu_s"] == pytest.approx(60) and got["cost_usd"] > 0
+    table = run("sandbox", "get", sid).output
+    for name in ("vcpu_s", "gb_s", "storage_gb_s", "cost_usd"):
+        assert name in table
+    fake.credits_usd = 0.0
+    res = CliRunner().invoke(cli, ["sandbox", "create"])
+    assert res.exit_code == 1 and "insufficient_credits" in res.stderr

@@ -242,3 +242,25 @@ def test_64_threads_share_one_client() -> None:
     assert all(s.info.state.value == "stopped" for s in fake.sandboxes.values())
     pool = sync_client._CLIENTS.get(sync_client.APIClient.from_options(**opts).config)
     assert id(pool) in clients
+
+
+def test_iso_param_is_utc_with_z() -> None:
+    from datetime import UTC, date, datetime, timedelta, timezone
+
+    assert _base.iso_param(None, "since") is None
+    assert _base.iso_param(datetime(2025, 1, 2, 3, 4, 5), "since") == "2025-01-02T03:04:05Z"  # naive = UTC
+    plus2 = datetime(2025, 1, 2, 3, 0, tzinfo=timezone(timedelta(hours=2)))
+    assert _base.iso_param(plus2, "since") == "2025-01-02T01:00:00Z"
+    assert _base.iso_param(date(2025, 1, 2), "since") == "2025-01-02T00:00:00Z"
+    assert _base.iso_param("2025-01-02", "since") == "2025-01-02T00:00:00Z"
+    assert _base.iso_param("2025-01-02T03:04:05.5Z", "since") == "2025-01-02T03:04:05.500000Z"
+    assert _base.iso_param(datetime(2025, 1, 2, tzinfo=UTC), "until") == "2025-01-02T00:00:00Z"
+    with pytest.raises(InvalidRequest, match="until"):
+        _base.iso_param("next week", "until")
+
+
+def test_history_params() -> None:
+    params = _base.history_params("2025-01-01", None, ["running", "paused"], "base", {"run": "7"}, 50, "c1")
+    assert params == [("since", "2025-01-01T00:00:00Z"), ("template", "base"), ("state", "running"),
+                      ("state", "paused"), ("metadata.run", "7"), ("limit", "50"), ("cursor", "c1")]
+    assert _base.history_params(None, None, None, None, None, 100, None) == [("limit", "100")]

@@ -21,6 +21,7 @@ def test_every_code_maps_to_its_class(cls: type[errors.PillDropsError]) -> None:
 
 
 @pytest.mark.parametrize("status,cls", [(400, errors.InvalidRequest), (401, errors.AuthenticationError),
+                                        (402, errors.InsufficientCredits),
                                         (403, errors.PermissionDenied), (404, errors.NotFound),
                                         (409, errors.Conflict), (413, errors.PayloadTooLarge),
                                         (422, errors.InvalidRequest), (429, errors.RateLimited),
@@ -47,3 +48,10 @@ def test_json_without_error_envelope() -> None:
 def test_sandbox_not_found_is_a_not_found() -> None:
     exc = error_from_response(_resp(404, json={"error": {"code": "sandbox_not_found", "message": "gone"}}))
     assert isinstance(exc, errors.SandboxNotFound) and isinstance(exc, errors.NotFound)
+
+
+def test_insufficient_credits_is_402_and_not_retryable() -> None:
+    body = {"error": {"code": "insufficient_credits", "message": "no credits left"}}
+    exc = error_from_response(_resp(402, json=body))
+    assert type(exc) is errors.InsufficientCredits and exc.status == 402 and not exc.retryable
+    assert str(exc) == "no credits left"

@@ -9,6 +9,7 @@ import builtins
 import logging
 import os
 from collections.abc import Callable
+from datetime import date, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -18,11 +19,14 @@ from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
     CreateSandboxRequest,
+    HistoryPage,
+    HistoryRecord,
     RunRequest,
     SandboxInfo,
     SandboxList,
     SandboxState,
     SetTimeoutRequest,
+    UsageSummary,
 )
 from pilldrops.sdk._async.client import AsyncAPIClient
 from pilldrops.sdk._async.files import AsyncFiles
@@ -34,13 +38,16 @@ from pilldrops.sdk._base import (
     Target,
     aiter_file,
     build_model,
+    check_limit,
     data_target,
     download_tempfile,
     extract_download,
+    history_params,
     list_params,
     new_idempotency_key,
     pack_upload,
     parse_model,
+    period_params,
     sandbox_path,
     stream_timeout,
 )
@@ -58,6 +65,11 @@ class AsyncSandbox:
             await sb.upload("./env", "/env")
             r = await sb.run("python /env/episode.py")
             reward = float(r.stdout)
+        cost = sb.info.cost_usd  # final: the kill on leaving the block fetched the final usage
+
+    ``sb.info`` is the last known :class:`SandboxInfo`, usage included (``vcpu_s``, ``gb_s``,
+    ``storage_gb_s``, ``cost_usd``); :meth:`kill` (and so leaving the ``async with`` block) stores the
+    final record, so the episode's final cost needs no further call.
 
     Every method may raise a :class:`pilldrops.PillDropsError` subclass; no ``httpx`` exception escapes.
     Safe to share across tasks; all sandboxes of one (api_url, api_key) share one connection pool per
@@ -76,6 +88,14 @@ class AsyncSandbox:
     def id(self) -> str:
         """The sandbox id (``sb_...``)."""
         return self.info.id
+
+    @property
+    def cost_usd(self) -> float:
+        """The last known cost in USD (no request): the final cost once :meth:`kill` ran or the block exited.
+
+        Use :meth:`cost` for the cost so far of a running sandbox.
+        """
+        return self.info.cost_usd
 
     def _data_target(self) -> Target:
         return data_target(self.info, self._client.config)
@@ -103,6 +123,7 @@ class AsyncSandbox:
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
         so a retry never makes a second sandbox. ``transport`` is an optional ``httpx`` transport (tests).
+        Raises :class:`InsufficientCredits` when the team's credits are used up.
         """
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
                            timeout=timeout, metadata=metadata or {}, envs=envs or {})
@@ -149,6 +170,60 @@ class AsyncSandbox:
             cursor = page.next_cursor
 
     @classmethod
+    async def history(cls, *, since: datetime | date | str | None = None,
+                      until: datetime | date | str | None = None,
+                      state: str | SandboxState | builtins.list[str | SandboxState] | None = None,
+                      template: str | None = None, metadata: dict[str, str] | None = None,
+                      limit: int | None = None, api_key: str | None = None, api_url: str | None = None,
+                      request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S, transport: Any = None,
+                      page_size: int = 100) -> builtins.list[HistoryRecord]:
+        """The team's sandboxes with their usage and cost, newest first, following every page.
+
+        ``since``/``until`` (datetimes, dates or ISO 8601 strings; naive means UTC) select sandboxes
+        created in ``[since, until)``; ``state`` is one state or several; ``metadata`` keeps records having
+        every pair; ``limit`` caps how many records are returned (default: all). Running sandboxes carry
+        their cost so far.
+
+        Example::
+
+            records = await AsyncSandbox.history(since="2025-01-01", metadata={"run": "ppo-7"})
+            total = sum(r.cost_usd for r in records)
+        """
+        check_limit(limit)
+        check_limit(page_size, "page_size")
+        client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        states: Any = [state] if isinstance(state, (str, SandboxState)) else state
+        items: builtins.list[HistoryRecord] = []
+        cursor: str | None = None
+        while True:
+            size = page_size if limit is None else min(page_size, limit - len(items))
+            resp = await client.request("GET", "/v1/history", idempotent=True,
+                                        params=history_params(since, until, states, template, metadata,
+                                                              size, cursor))
+            page = parse_model(HistoryPage, resp)
+            items.extend(page.items)
+            if limit is not None and len(items) >= limit:
+                return items[:limit]
+            if not page.items or not page.next_cursor or page.next_cursor == cursor:
+                return items
+            cursor = page.next_cursor
+
+    @classmethod
+    async def usage(cls, *, since: datetime | date | str | None = None,
+                    until: datetime | date | str | None = None, api_key: str | None = None,
+                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                    transport: Any = None) -> UsageSummary:
+        """The team's usage totals over ``[since, until)`` (default: all time) and its credit balance.
+
+        ``credits_usd`` is None when the deployment does not limit credits (``credits_unlimited``).
+        """
+        client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        resp = await client.request("GET", "/v1/usage", params=period_params(since, until), idempotent=True)
+        return parse_model(UsageSummary, resp)
+
+    @classmethod
     async def get_info_by_id(cls, sandbox_id: str, *, api_key: str | None = None,
                              api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                              transport: Any = None) -> SandboxInfo:
@@ -175,6 +250,14 @@ class AsyncSandbox:
 
     refresh = get_info
 
+    async def cost(self) -> float:
+        """The cost in USD so far (final once ended), fetched now; also refreshes :attr:`info`.
+
+        After :meth:`kill` or the end of the ``async with`` block, :attr:`cost_usd` already holds the
+        final cost without another request.
+        """
+        return (await self.get_info()).cost_usd
+
     async def is_running(self) -> bool:
         """Whether the sandbox is in state ``running`` right now (False once it is gone)."""
         try:
@@ -191,7 +274,11 @@ class AsyncSandbox:
         return self._update(parse_model(SandboxInfo, resp))
 
     async def kill(self) -> SandboxInfo:
-        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``)."""
+        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``).
+
+        The final record (final ``vcpu_s``, ``gb_s``, ``storage_gb_s``, ``cost_usd``) is stored in
+        :attr:`info`.
+        """
         resp = await self._client.request("DELETE", sandbox_path(self.id), idempotent=True)
         return self._update(parse_model(SandboxInfo, resp))
 

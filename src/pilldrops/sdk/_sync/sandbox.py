@@ -10,6 +10,7 @@ import builtins
 import logging
 import os
 from collections.abc import Callable
+from datetime import date, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -19,11 +20,14 @@ from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
     CreateSandboxRequest,
+    HistoryPage,
+    HistoryRecord,
     RunRequest,
     SandboxInfo,
     SandboxList,
     SandboxState,
     SetTimeoutRequest,
+    UsageSummary,
 )
 from pilldrops.sdk._sync.client import APIClient
 from pilldrops.sdk._sync.files import Files
@@ -35,13 +39,16 @@ from pilldrops.sdk._base import (
     Target,
     iter_file,
     build_model,
+    check_limit,
     data_target,
     download_tempfile,
     extract_download,
+    history_params,
     list_params,
     new_idempotency_key,
     pack_upload,
     parse_model,
+    period_params,
     sandbox_path,
     stream_timeout,
 )
@@ -59,6 +66,11 @@ class Sandbox:
             sb.upload("./env", "/env")
             r = sb.run("python /env/episode.py")
             reward = float(r.stdout)
+        cost = sb.info.cost_usd  # final: the kill on leaving the block fetched the final usage
+
+    ``sb.info`` is the last known :class:`SandboxInfo`, usage included (``vcpu_s``, ``gb_s``,
+    ``storage_gb_s``, ``cost_usd``); :meth:`kill` (and so leaving the ``with`` block) stores the
+    final record, so the episode's final cost needs no further call.
 
     Every method may raise a :class:`pilldrops.PillDropsError` subclass; no ``httpx`` exception escapes.
     Safe to share across tasks; all sandboxes of one (api_url, api_key) share one connection pool per
@@ -77,6 +89,14 @@ class Sandbox:
     def id(self) -> str:
         """The sandbox id (``sb_...``)."""
         return self.info.id
+
+    @property
+    def cost_usd(self) -> float:
+        """The last known cost in USD (no request): the final cost once :meth:`kill` ran or the block exited.
+
+        Use :meth:`cost` for the cost so far of a running sandbox.
+        """
+        return self.info.cost_usd
 
     def _data_target(self) -> Target:
         return data_target(self.info, self._client.config)
@@ -104,6 +124,7 @@ class Sandbox:
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
         so a retry never makes a second sandbox. ``transport`` is an optional ``httpx`` transport (tests).
+        Raises :class:`InsufficientCredits` when the team's credits are used up.
         """
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
                            timeout=timeout, metadata=metadata or {}, envs=envs or {})
@@ -150,6 +171,60 @@ class Sandbox:
             cursor = page.next_cursor
 
     @classmethod
+    def history(cls, *, since: datetime | date | str | None = None,
+                      until: datetime | date | str | None = None,
+                      state: str | SandboxState | builtins.list[str | SandboxState] | None = None,
+                      template: str | None = None, metadata: dict[str, str] | None = None,
+                      limit: int | None = None, api_key: str | None = None, api_url: str | None = None,
+                      request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S, transport: Any = None,
+                      page_size: int = 100) -> builtins.list[HistoryRecord]:
+        """The team's sandboxes with their usage and cost, newest first, following every page.
+
+        ``since``/``until`` (datetimes, dates or ISO 8601 strings; naive means UTC) select sandboxes
+        created in ``[since, until)``; ``state`` is one state or several; ``metadata`` keeps records having
+        every pair; ``limit`` caps how many records are returned (default: all). Running sandboxes carry
+        their cost so far.
+
+        Example::
+
+            records = Sandbox.history(since="2025-01-01", metadata={"run": "ppo-7"})
+            total = sum(r.cost_usd for r in records)
+        """
+        check_limit(limit)
+        check_limit(page_size, "page_size")
+        client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        states: Any = [state] if isinstance(state, (str, SandboxState)) else state
+        items: builtins.list[HistoryRecord] = []
+        cursor: str | None = None
+        while True:
+            size = page_size if limit is None else min(page_size, limit - len(items))
+            resp = client.request("GET", "/v1/history", idempotent=True,
+                                        params=history_params(since, until, states, template, metadata,
+                                                              size, cursor))
+            page = parse_model(HistoryPage, resp)
+            items.extend(page.items)
+            if limit is not None and len(items) >= limit:
+                return items[:limit]
+            if not page.items or not page.next_cursor or page.next_cursor == cursor:
+                return items
+            cursor = page.next_cursor
+
+    @classmethod
+    def usage(cls, *, since: datetime | date | str | None = None,
+                    until: datetime | date | str | None = None, api_key: str | None = None,
+                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                    transport: Any = None) -> UsageSummary:
+        """The team's usage totals over ``[since, until)`` (default: all time) and its credit balance.
+
+        ``credits_usd`` is None when the deployment does not limit credits (``credits_unlimited``).
+        """
+        client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        resp = client.request("GET", "/v1/usage", params=period_params(since, until), idempotent=True)
+        return parse_model(UsageSummary, resp)
+
+    @classmethod
     def get_info_by_id(cls, sandbox_id: str, *, api_key: str | None = None,
                              api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                              transport: Any = None) -> SandboxInfo:
@@ -176,6 +251,14 @@ class Sandbox:
 
     refresh = get_info
 
+    def cost(self) -> float:
+        """The cost in USD so far (final once ended), fetched now; also refreshes :attr:`info`.
+
+        After :meth:`kill` or the end of the ``with`` block, :attr:`cost_usd` already holds the
+        final cost without another request.
+        """
+        return (self.get_info()).cost_usd
+
     def is_running(self) -> bool:
         """Whether the sandbox is in state ``running`` right now (False once it is gone)."""
         try:
@@ -192,7 +275,11 @@ class Sandbox:
         return self._update(parse_model(SandboxInfo, resp))
 
     def kill(self) -> SandboxInfo:
-        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``)."""
+        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``).
+
+        The final record (final ``vcpu_s``, ``gb_s``, ``storage_gb_s``, ``cost_usd``) is stored in
+        :attr:`info`.
+        """
         resp = self._client.request("DELETE", sandbox_path(self.id), idempotent=True)
         return self._update(parse_model(SandboxInfo, resp))
 
