@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -64,6 +65,7 @@ class Live:
     end_at: datetime
     started_mono: float
     ending: bool = False
+    end_scheduled: bool = False
 
     def status(self) -> NodeSandboxStatus:
         run_s, seq = usage_point(self.started_mono)
@@ -98,6 +100,8 @@ class Stats:
 class NodeAgent:
     def __init__(self, settings: Settings, runtime: Runtime, templates: Templates, state_dir: Path,
                  *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow) -> None:
+        if not settings.node_token:
+            raise ValueError("a node agent needs a non-empty node token")
         self.settings = settings
         self.runtime = runtime
         self.templates = templates
@@ -108,10 +112,11 @@ class NodeAgent:
         self.node_id: str | None = None
         self.stats = Stats()
         self._create_slots = anyio.Semaphore(settings.create_concurrency)
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0),
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0),
                                                headers={"Authorization": f"Bearer {settings.node_token}"})
         self._registered = anyio.Event()
         self._tpl_cache: dict[str, Any] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -119,6 +124,7 @@ class NodeAgent:
         """Recover, then enforce deadlines, watch sandboxes and talk to the control plane until cancelled."""
         await self._recover()
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             tg.start_soon(self._deadline_loop)
             tg.start_soon(self._monitor_loop)
             if self.settings.control_plane_url:
@@ -131,8 +137,8 @@ class NodeAgent:
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
                     for sid in list(self.live):
-                        tg.start_soon(self._end, sid, EndReason.shutdown)
-                await self._flush_outbox()
+                        tg.start_soon(functools.partial(self._end, sid, EndReason.shutdown, report=False))
+                await self._flush_outbox()     # reported here, in order, not by tasks about to be cancelled
         await self._http.aclose()
 
     async def _recover(self) -> None:
@@ -251,8 +257,8 @@ class NodeAgent:
         self.journal.remove(sandbox_id)
         self.live.pop(sandbox_id, None)
         status = self._record_end(sandbox_id, reason, started_at=live.started_at, started_mono=live.started_mono)
-        if report:
-            await self._report(status)
+        if report and self._tg is not None:
+            self._tg.start_soon(self._report, status)   # never hold up teardown behind the control plane
         return status
 
     def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
@@ -274,13 +280,19 @@ class NodeAgent:
 
     # ---- background loops ----------------------------------------------------------------------------
 
+    def _schedule_end(self, live: Live, reason: EndReason) -> None:
+        if not live.end_scheduled and not live.ending and self._tg is not None:
+            live.end_scheduled = True
+            self._tg.start_soon(self._end, live.spec.id, reason)
+
     async def _deadline_loop(self) -> None:
+        """Each expired sandbox is torn down in its own task: deadlines hold even when many expire at once."""
         while True:
             now = self.now()
             for sid, live in list(self.live.items()):
-                if live.end_at <= now and not live.ending:
+                if live.end_at <= now:
                     log.info("sandbox %s reached its deadline", sid)
-                    await self._end(sid, EndReason.timeout)
+                    self._schedule_end(live, EndReason.timeout)
             await anyio.sleep(DEADLINE_TICK_S)
 
     async def _monitor_loop(self) -> None:
@@ -294,8 +306,8 @@ class NodeAgent:
                 except Exception:  # noqa: BLE001
                     log.exception("state of %s", sid)
                     continue
-                if state.status != "running" and not live.ending:
-                    await self._end(sid, EndReason.oom if state.oom_killed else EndReason.exited)
+                if state.status != "running":
+                    self._schedule_end(live, EndReason.oom if state.oom_killed else EndReason.exited)
 
     async def _control_plane_loop(self) -> None:
         delay = 0.2
@@ -321,12 +333,15 @@ class NodeAgent:
 
     async def _register(self) -> float:
         url = f"{self.settings.control_plane_url}/internal/v1/nodes/register"
-        resp = await self._http.post(url, content=self._register_body().model_dump_json(),
+        body = self._register_body()
+        resp = await self._http.post(url, content=body.model_dump_json(),
                                      headers={"content-type": "application/json"})
         resp.raise_for_status()
         reg = NodeRegistered.model_validate(resp.json())
         self.node_id = reg.node_id
-        self.outbox.clear()
+        for st in body.sandboxes:           # only what was sent: ends recorded meanwhile stay queued
+            if st.state != SandboxState.running and self.outbox.get(st.id) == st:
+                del self.outbox[st.id]
         self._registered.set()
         log.info("registered with the control plane as %s", reg.node_id)
         return reg.heartbeat_interval

@@ -39,7 +39,9 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:
-        return {"ok": True, "node_id": agent.node_id, "sandboxes": len(agent.live)}
+        st = agent.stats
+        return {"ok": True, "node_id": agent.node_id, "sandboxes": len(agent.live), "created": st.created,
+                "failed_starts": st.failed, "ended": st.ended}
 
     node = APIRouter(prefix="/node/v1", dependencies=[Depends(node_auth)])
 

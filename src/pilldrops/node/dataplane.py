@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import base64
-import math
 import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator
@@ -21,7 +20,7 @@ import anyio
 
 from pilldrops import errors
 from pilldrops.node.archive import sanitize
-from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime
+from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime, RuntimeFailure
 from pilldrops.schema.api import FileInfo, RunEvent, RunRequest
 
 TIMEOUT_EXIT_CODE = 124
@@ -81,9 +80,14 @@ class DataPlane:
         self.runtime = runtime
 
     async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
-                    cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None) -> ExecProcess:
-        return await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
-                                       stdin=stdin)
+                    cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None,
+                    timeout: float | None = None, output_cap: int | None = None) -> ExecProcess:
+        try:
+            return await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
+                                           stdin=stdin, timeout=timeout, output_cap=output_cap)
+        except RuntimeFailure as exc:   # e.g. its init just died and the monitor has not noticed yet
+            raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
+                                      current="stopped", target="running") from exc
 
     async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,
                   limit: int = MAX_READ_BYTES) -> tuple[bytes, bytes, int]:
@@ -101,39 +105,24 @@ class DataPlane:
         if req.cwd is not None:
             _check_path(req.cwd)
         started = time.monotonic()
+        # The runtime enforces the timeout and the output cap itself, so neither depends on how fast
+        # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
-                                stdin=req.stdin.encode() if req.stdin is not None else None)
-        return self._stream(proc, req, started)
+                                stdin=req.stdin.encode() if req.stdin is not None else None,
+                                timeout=req.timeout, output_cap=req.max_output_bytes)
+        return self._stream(proc, started)
 
-    async def _stream(self, proc: ExecProcess, req: RunRequest, started: float) -> AsyncIterator[bytes]:
-        deadline = started + req.timeout if req.timeout else math.inf
-        used = {"stdout": 0, "stderr": 0}
-        truncated = timed_out = finished = False
+    async def _stream(self, proc: ExecProcess, started: float) -> AsyncIterator[bytes]:
+        finished = False
         try:
             yield _line(RunEvent(type="start", pid=proc.pid))
-            while True:
-                chunk = None
-                with anyio.move_on_after(deadline - time.monotonic()) as scope:
-                    chunk = await proc.read()
-                if scope.cancelled_caught:
-                    timed_out = True
-                    await _kill_quietly(proc)
-                    break
-                if chunk is None:
-                    break
-                stream, data = chunk
-                room = req.max_output_bytes - used[stream]
-                if len(data) > room:
-                    truncated = True
-                    data = data[:max(room, 0)]
-                if data:
-                    used[stream] += len(data)
-                    yield _line(RunEvent(type=stream, data=base64.b64encode(data).decode()))
+            while (chunk := await proc.read()) is not None:
+                yield _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
             code = await proc.wait()
             finished = True
-            yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if timed_out else code,
-                                 duration=round(time.monotonic() - started, 6), truncated=truncated,
-                                 timed_out=timed_out))
+            yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
+                                 duration=round(time.monotonic() - started, 6), truncated=proc.truncated,
+                                 timed_out=proc.timed_out))
         finally:
             if not finished:      # the client went away or the stream failed: never leave the command
                 await _kill_quietly(proc)
@@ -233,7 +222,10 @@ class DataPlane:
             raise errors.ServerError(f"stat of {path} failed: {err.decode(errors='replace').strip()}")
         items = []
         for line in out.decode(errors="replace").splitlines():
-            kind, size, mode, mtime, name = line.split("|", 4)
+            parts = line.split("|", 4)
+            if len(parts) != 5 or not parts[1].isdigit():
+                continue          # a name with a newline in it: not representable in this listing
+            kind, size, mode, mtime, name = parts
             ftype = ("file" if kind.startswith("regular") else "dir" if kind == "directory"
                      else "symlink" if kind == "symbolic link" else "other")
             full = name.replace("//", "/")

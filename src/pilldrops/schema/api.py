@@ -49,6 +49,20 @@ class EndReason(str, Enum):
     credits_exhausted = "credits_exhausted"
 
 
+def _no_nul(v: str, what: str) -> str:
+    if "\0" in v:
+        raise ValueError(f"{what} must not contain NUL bytes")
+    return v
+
+
+def _check_env(v: dict[str, str]) -> dict[str, str]:
+    for k, val in v.items():
+        if not k or "=" in k or "\0" in k:
+            raise ValueError(f"invalid environment variable name {k!r}")
+        _no_nul(val, f"environment variable {k}")
+    return v
+
+
 def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
     if len(v) > max_items:
         raise ValueError(f"at most {max_items} {what} entries")
@@ -77,10 +91,7 @@ class CreateSandboxRequest(_Request):
     @field_validator("envs")
     @classmethod
     def _envs(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
-            if "=" in k or "\0" in k:
-                raise ValueError(f"invalid environment variable name {k!r}")
-        return _check_string_map(v, "envs", max_items=1024)
+        return _check_string_map(_check_env(v), "envs", max_items=1024)
 
 
 class SandboxInfo(_Response):
@@ -135,7 +146,19 @@ class RunRequest(_Request):
             raise ValueError("argv must not be empty")
         if isinstance(v, str) and not v.strip():
             raise ValueError("command must not be empty")
+        for part in [v] if isinstance(v, str) else v:
+            _no_nul(part, "the command")
         return v
+
+    @field_validator("envs")
+    @classmethod
+    def _envs(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        return None if v is None else _no_nul(v, "cwd")
 
 
 class RunEvent(_Response):

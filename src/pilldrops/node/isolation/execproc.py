@@ -2,15 +2,17 @@
 
 Used by the crun runtime (the subprocess is ``crun exec``) and by the fake runtime (the command itself).
 Output is read by two OS threads (blocking reads of <= 64 KiB) that push ``(stream, bytes)`` into ONE
-unbounded anyio memory object stream through the event loop token, so chunks keep arrival order, the
-command never blocks on an unread pipe, and no task group has to outlive ``exec()``. A third thread
-feeds stdin (bytes, or an async iterable pulled through the loop) and a fourth waits for the exit.
+small bounded anyio memory object stream through the event loop token, so chunks keep arrival order and no
+task group has to outlive ``exec()``. The bound is backpressure: a slow reader slows the command down
+instead of growing the agent's memory. Past ``output_cap`` bytes of a stream the threads keep reading and
+drop the rest (``truncated``), so a command never blocks on output nobody will read. A third thread feeds
+stdin (bytes, or an async iterable pulled through the loop) and a fourth waits for the exit; a timer
+thread enforces ``timeout`` (kills the tree, sets ``timed_out``) whether or not anyone is reading.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import subprocess
@@ -28,6 +30,7 @@ from pilldrops.node.isolation import procs
 from pilldrops.node.runtime.base import StreamName
 
 CHUNK = 64 * 1024
+QUEUE_CHUNKS = 16        # at most ~1 MiB of output waits in the agent per command
 
 
 async def _next_chunk(it: AsyncIterator[bytes]) -> bytes | None:
@@ -46,12 +49,16 @@ class PipeExec:
 
     def __init__(self, argv: list[str], *, stdin: AsyncIterable[bytes] | bytes | None,
                  env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 pid_file: Path | None = None) -> None:
+                 pid_file: Path | None = None, timeout: float | None = None,
+                 output_cap: int | None = None) -> None:
         self._pid_file = pid_file
         self._token = anyio.lowlevel.current_token()
-        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](math.inf)
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](QUEUE_CHUNKS)
         self._done = anyio.Event()
         self._killed = False
+        self._cap = output_cap
+        self.truncated = False
+        self.timed_out = False
         self._popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
@@ -64,17 +71,32 @@ class PipeExec:
         if stdin is not None:
             src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
             threading.Thread(target=self._feed, args=(src,), daemon=True).start()
+        self._timer: threading.Timer | None = None
+        if timeout is not None:
+            self._timer = threading.Timer(timeout, self._on_timeout)
+            self._timer.daemon = True
+            self._timer.start()
         threading.Thread(target=self._wait_exit, daemon=True).start()
 
     # -- threads ---------------------------------------------------------------------------------
     def _pump(self, name: StreamName, pipe, send) -> None:  # type: ignore[no-untyped-def]
         fd = pipe.fileno()
+        used = 0
         try:
             while True:
                 data = os.read(fd, CHUNK)
                 if not data:
                     break
-                anyio.from_thread.run_sync(send.send_nowait, (name, data), token=self._token)
+                if self._cap is not None:
+                    room = self._cap - used
+                    if len(data) > room:
+                        self.truncated = True
+                        data = data[:max(room, 0)]
+                        if not data:
+                            continue          # keep draining the pipe, drop the bytes
+                    used += len(data)
+                # blocks while the queue is full (backpressure); fails once the reader closed it
+                anyio.from_thread.run(send.send, (name, data), token=self._token)
         except Exception:  # noqa: BLE001, S110 - loop gone or receiver closed: stop reading
             pass
         finally:
@@ -98,8 +120,16 @@ class PipeExec:
             with contextlib.suppress(OSError):
                 pipe.close()
 
+    def _on_timeout(self) -> None:
+        if self._popen.poll() is None:
+            self.timed_out = True
+            self._killed = True
+            self._kill_sync()
+
     def _wait_exit(self) -> None:
         self._popen.wait()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
         with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
@@ -152,9 +182,11 @@ class PipeExec:
             os.killpg(self._popen.pid, signal.SIGKILL)
 
     async def kill(self) -> None:
+        """Kill the command's tree and stop reading its output (idempotent)."""
         if not self._killed:
             self._killed = True
             await anyio.to_thread.run_sync(self._kill_sync, abandon_on_cancel=True)
+        self._recv.close()         # unblocks reader threads waiting on a full queue
         await self._done.wait()
 
     async def __aenter__(self) -> Self:

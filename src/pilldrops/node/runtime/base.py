@@ -66,6 +66,8 @@ StreamName = Literal["stdout", "stderr"]
 
 class ExecProcess(Protocol):
     pid: int | None
+    timed_out: bool     # the exec's timeout fired and killed the tree
+    truncated: bool     # output past output_cap was dropped
 
     async def read(self) -> tuple[StreamName, bytes] | None:
         """Next output chunk from either stream, or None once both are at EOF."""
@@ -83,7 +85,10 @@ class Runtime(Protocol):
     async def create(self, spec: SandboxSpec) -> Handle: ...
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
-                   stdin: AsyncIterable[bytes] | bytes | None = None) -> ExecProcess: ...
+                   stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
+                   output_cap: int | None = None) -> ExecProcess:
+        """``timeout`` kills the tree after that many seconds even if nobody reads; ``output_cap`` bounds
+        each stream (the rest is read and dropped)."""
 
     async def state(self, handle: Handle) -> RuntimeState: ...
 

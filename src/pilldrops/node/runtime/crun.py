@@ -133,7 +133,8 @@ class CrunRuntime:
                     await self._teardown(spec.id)
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
-                   stdin: AsyncIterable[bytes] | bytes | None = None) -> PipeExec:
+                   stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
+                   output_cap: int | None = None) -> PipeExec:
         if not argv:
             raise RuntimeFailure("exec needs a non-empty argv")
         d = self._dir(handle.id)
@@ -146,7 +147,8 @@ class CrunRuntime:
         args.append(f"--cwd={cwd or base_cwd}")
         args += [f"--pid-file={pid_file}", handle.id, *argv]
         try:
-            return PipeExec(self._cmd(*args), stdin=stdin, pid_file=pid_file)
+            return PipeExec(self._cmd(*args), stdin=stdin, pid_file=pid_file, timeout=timeout,
+                            output_cap=output_cap)
         except OSError as e:
             raise RuntimeFailure(f"cannot start crun exec in {handle.id}", detail=str(e)) from e
 

@@ -72,7 +72,8 @@ class FakeRuntime:
         return box
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
-                   stdin: AsyncIterable[bytes] | bytes | None = None) -> PipeExec:
+                   stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
+                   output_cap: int | None = None) -> PipeExec:
         box = self._box(handle)
         if box.status != "running":
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
@@ -85,7 +86,8 @@ class FakeRuntime:
         full_env.update(box.spec.envs)
         full_env.update(env)
         try:
-            proc = PipeExec(list(argv), stdin=stdin, env=full_env, cwd=workdir)
+            proc = PipeExec(list(argv), stdin=stdin, env=full_env, cwd=workdir, timeout=timeout,
+                            output_cap=output_cap)
         except OSError as e:           # like crun exec: the runtime reports, the command exits 127
             raise RuntimeFailure(f"cannot exec {argv[0]!r}", detail=str(e)) from e
         self._execs.setdefault(handle.id, []).append(proc)

@@ -35,6 +35,9 @@ class NodeClient:
             resp = await self._http.request(method, url, **kw)
         except httpx.HTTPError as exc:
             raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
+        if resp.status_code in (401, 403):
+            raise errors.NodeUnavailable(f"node at {url} refused the node token (HTTP {resp.status_code}); "
+                                         "check the node's --node-token")
         if resp.status_code >= 400:
             try:
                 body = resp.json()

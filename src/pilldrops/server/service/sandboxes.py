@@ -10,6 +10,7 @@ Ordering rules kept here:
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 from datetime import timedelta
 
@@ -28,7 +29,7 @@ from pilldrops.server.store.models import Node, Sandbox
 from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
 S = SandboxState
-_LIVE = [s.value for s in LIVE]
+log = logging.getLogger("pilldrops.sandboxes")
 _REPLAY_WAIT_S = 60.0
 NODE_READY_WINDOW = timedelta(seconds=30)
 
@@ -93,23 +94,34 @@ class SandboxService:
             row.node_id = node.id
             try:
                 await self.store.insert_sandbox(row)
+                duplicate = False
             except DuplicateIdempotencyKey:
-                existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
-                assert existing is not None
-                return await self._replay(existing, req_hash), False
+                duplicate = True
+        if duplicate:   # a concurrent request with the same key won the insert: replay it (outside the lock)
+            existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
+            assert existing is not None
+            return await self._replay(existing, req_hash), False
         spec = NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=req.timeout), envs=row.envs,
                                access_token=row.access_token, team_id=team_id)
         try:
             status = await self.nodes.create(node.url, spec)
         except errors.PillDropsError as exc:
+            # the key is released so that a retry makes a fresh attempt instead of replaying a failure
             await self.store.update_sandbox(row.id, from_states=[S.starting.value], state=S.failed.value,
                                             end_reason=EndReason.failed_start.value, error=exc.message,
-                                            ended_at=self.clock.now())
+                                            ended_at=self.clock.now(), idempotency_key=None)
             raise
         updated = await self.store.update_sandbox(      # billing starts now, on the control plane's clock
             row.id, from_states=[S.starting.value], state=S.running.value, started_at=self.clock.now(),
             end_at=status.end_at or spec.end_at)
+        if updated is None:
+            # killed while it was starting: the node did not know it yet, so stop it there now
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.nodes.kill(node.url, row.id)
+                except errors.PillDropsError as exc:
+                    log.warning("could not stop %s, killed while starting: %s", row.id, exc)
         return (updated or await self.get_row(team_id, row.id)), True
 
     async def _place(self, req: CreateSandboxRequest) -> Node:
@@ -135,6 +147,8 @@ class SandboxService:
         return next(n for n in nodes if n.id == result.node_id)
 
     async def _replay(self, row: Sandbox, req_hash: str) -> Sandbox:
+        if row.state == S.failed.value and row.idempotency_key is None:
+            raise errors.ServerError(f"sandbox failed to start: {row.error}")
         if row.request_hash != req_hash:
             raise errors.Conflict("Idempotency-Key was already used with a different request body",
                                   details={"sandbox_id": row.id})
@@ -181,7 +195,7 @@ class SandboxService:
 
     async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> Sandbox:
         row = await self.get_row(team_id, sandbox_id)
-        if SandboxState(row.state) in ENDED:
+        if row.state in (S.stopped.value, S.failed.value):
             return row
         final: NodeSandboxStatus | None = None
         if row.node_id:
@@ -217,8 +231,4 @@ class SandboxService:
                                             end_reason=EndReason.node_lost.value, ended_at=self.clock.now(),
                                             error="the node no longer has this sandbox")
 
-    async def live_on(self, node_id: str) -> list[str]:
-        return [r.id for r in await self.store.live_sandboxes_on(node_id)]
 
-
-__all__ = ["SandboxService", "_LIVE"]

@@ -61,9 +61,12 @@ def _encode_cursor(row: Sandbox) -> str:
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         at, sid = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
-        return datetime.fromisoformat(at), sid
+        when = datetime.fromisoformat(at)
     except Exception as exc:  # noqa: BLE001 - any garbage is a bad cursor
         raise ValueError("invalid cursor") from exc
+    if when.tzinfo is None:
+        raise ValueError("invalid cursor")
+    return when, sid
 
 
 class Store:
