@@ -299,3 +299,13 @@ def test_bad_requests_are_typed(sdk_env: Server) -> None:
     assert ei.value.code == "invalid_request" and "86400" in str(ei.value)
     with pytest.raises(SandboxNotFound):
         Sandbox.connect("sb_missing")
+
+
+def test_run_returns_when_the_command_exits_even_with_a_background_child(sdk_env: Server) -> None:
+    """`server &` keeps the pipes open; run still returns when the shell exits, and the child lives on."""
+    with Sandbox.create(template="tiny") as sb:
+        t0 = time.monotonic()
+        r = sb.run("sleep 300 & echo launched")
+        assert (r.exit_code, r.stdout, r.timed_out) == (0, "launched\n", False)
+        assert time.monotonic() - t0 < 5
+        assert "sleep 300" in sb.run("ps -o args").stdout

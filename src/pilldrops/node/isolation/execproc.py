@@ -1,9 +1,11 @@
 """A host subprocess exposed as an ``ExecProcess`` (runtime/base.py): chunks, exit code, tree kill.
 
 Used by the crun runtime (the subprocess is ``crun exec``) and by the fake runtime (the command itself).
-Output is read by two OS threads (blocking reads of <= 64 KiB) that push ``(stream, bytes)`` into ONE
-small bounded anyio memory object stream through the event loop token, so chunks keep arrival order and no
-task group has to outlive ``exec()``. The bound is backpressure: a slow reader slows the command down
+Output is read by one OS thread (a selector over both pipes, reads of <= 64 KiB) that pushes
+``(stream, bytes)`` into ONE small bounded anyio memory object stream through the event loop token, so
+chunks keep arrival order and no task group has to outlive ``exec()``. Once the command itself has exited,
+the thread drains what is left and stops after ``DRAIN_GRACE`` seconds of silence, even if a background
+child (``server &``) still holds the pipes open: ``run`` returns when the command exits, as a shell would. The bound is backpressure: a slow reader slows the command down
 instead of growing the agent's memory. Past ``output_cap`` bytes of a stream the threads keep reading and
 drop the rest (``truncated``), so a command never blocks on output nobody will read. A third thread feeds
 stdin (bytes, or an async iterable pulled through the loop) and a fourth waits for the exit; a timer
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import subprocess
 import threading
@@ -31,6 +34,7 @@ from pilldrops.node.runtime.base import StreamName
 
 CHUNK = 64 * 1024
 QUEUE_CHUNKS = 16        # at most ~1 MiB of output waits in the agent per command
+DRAIN_GRACE = 0.1        # after the command exits, stop reading after this much silence
 
 
 async def _next_chunk(it: AsyncIterator[bytes]) -> bytes | None:
@@ -65,9 +69,9 @@ class PipeExec:
             start_new_session=True, close_fds=True)
         self._pid: int | None = None if pid_file is not None else self._popen.pid
         assert self._popen.stdout is not None and self._popen.stderr is not None
-        for name, pipe in (("stdout", self._popen.stdout), ("stderr", self._popen.stderr)):
-            threading.Thread(target=self._pump, args=(name, pipe, self._send.clone()), daemon=True).start()
-        self._send.close()
+        self._exited = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._pump, daemon=True).start()
         if stdin is not None:
             src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
             threading.Thread(target=self._feed, args=(src,), daemon=True).start()
@@ -79,30 +83,49 @@ class PipeExec:
         threading.Thread(target=self._wait_exit, daemon=True).start()
 
     # -- threads ---------------------------------------------------------------------------------
-    def _pump(self, name: StreamName, pipe, send) -> None:  # type: ignore[no-untyped-def]
-        fd = pipe.fileno()
-        used = 0
+    def _pump(self) -> None:
+        assert self._popen.stdout is not None and self._popen.stderr is not None
+        pipes = {self._popen.stdout.fileno(): ("stdout", self._popen.stdout),
+                 self._popen.stderr.fileno(): ("stderr", self._popen.stderr)}
+        used = {"stdout": 0, "stderr": 0}
+        sel = selectors.DefaultSelector()
+        for fd in pipes:
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
-            while True:
-                data = os.read(fd, CHUNK)
-                if not data:
-                    break
-                if self._cap is not None:
-                    room = self._cap - used
-                    if len(data) > room:
-                        self.truncated = True
-                        data = data[:max(room, 0)]
-                        if not data:
-                            continue          # keep draining the pipe, drop the bytes
-                    used += len(data)
-                # blocks while the queue is full (backpressure); fails once the reader closed it
-                anyio.from_thread.run(send.send, (name, data), token=self._token)
+            while pipes:
+                ready = sel.select(DRAIN_GRACE if self._exited.is_set() else None)
+                if not ready:
+                    break                 # the command exited and its pipes stayed quiet: done
+                for key, _ in ready:
+                    if key.fd == self._wake_r:
+                        sel.unregister(self._wake_r)     # exit noticed; from now on selects time out
+                        continue
+                    name, pipe = pipes[key.fd]
+                    data = os.read(key.fd, CHUNK)
+                    if not data:
+                        sel.unregister(key.fd)
+                        del pipes[key.fd]
+                        continue
+                    if self._cap is not None:
+                        room = self._cap - used[name]
+                        if len(data) > room:
+                            self.truncated = True
+                            data = data[:max(room, 0)]
+                            if not data:
+                                continue  # keep draining the pipe, drop the bytes
+                        used[name] += len(data)
+                    # blocks while the queue is full (backpressure); fails once the reader closed it
+                    anyio.from_thread.run(self._send.send, (name, data), token=self._token)
         except Exception:  # noqa: BLE001, S110 - loop gone or receiver closed: stop reading
             pass
         finally:
-            pipe.close()
+            sel.close()
+            for stream in (self._popen.stdout, self._popen.stderr):
+                stream.close()
+            os.close(self._wake_r)
             with contextlib.suppress(Exception):
-                anyio.from_thread.run_sync(send.close, token=self._token)
+                anyio.from_thread.run_sync(self._send.close, token=self._token)
 
     def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
         pipe = self._popen.stdin
@@ -130,6 +153,10 @@ class PipeExec:
         self._popen.wait()
         if self._timer is not None:
             self._timer.cancel()
+        self._exited.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+            os.close(self._wake_w)
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
         with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
