@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -309,3 +310,40 @@ def test_run_returns_when_the_command_exits_even_with_a_background_child(sdk_env
         assert (r.exit_code, r.stdout, r.timed_out) == (0, "launched\n", False)
         assert time.monotonic() - t0 < 5
         assert "sleep 300" in sb.run("ps -o args").stdout
+
+
+def test_custom_template_from_the_user_config_dir(server: Server, tmp_path: Path) -> None:
+    """A spec in ~/.config/pilldrops/templates (here: the server's XDG_CONFIG_HOME), built with
+    `pilldrops template build`, is usable right away: the node announces it within about a second."""
+    spec_dir = server.config_home / "pilldrops" / "templates"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    name = f"myenv{os.getpid()}"
+    (spec_dir / "episode.sh").write_text("echo $GREETING $(cat /env/answer)\n")
+    (spec_dir / f"{name}.toml").write_text(f'''
+name = "{name}"
+description = "tiny + an environment baked in"
+from = "tiny"
+workdir = "/env"
+[env]
+GREETING = "hello-from-template"
+[[steps]]
+run = "mkdir -p /env && echo 42 > /env/answer"
+[[steps]]
+copy = {{ src = "episode.sh", dest = "/env/episode.sh" }}
+''')
+    env = {**os.environ, "XDG_CONFIG_HOME": str(server.config_home)}
+    out = subprocess.run([sys.executable, "-m", "pilldrops", "template", "build", name, "--data-dir",
+                          str(server.data_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sb = Sandbox.create(template=name, api_url=server.api_url, api_key=server.api_key)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with sb:
+        r = sb.run("sh episode.sh")
+        assert r.stdout == "hello-from-template 42\n", r.stderr

@@ -54,6 +54,12 @@ def _billing(kw: dict[str, Any]) -> Any:
         grace_s=kw.pop("credits_grace"))
 
 
+def _templates_dir_option(f: Any) -> Any:
+    return click.option("--templates-dir", "templates_dirs", multiple=True, type=click.Path(path_type=Path),
+                        help="extra directory of template specs (*.toml); ~/.config/pilldrops/templates is "
+                             "always read")(f)
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -64,10 +70,10 @@ def _console() -> Any:
     return Console(stderr=True)
 
 
-def build_templates(data_dir: Path, names: list[str]) -> None:
+def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...] = ()) -> None:
     """Build (or find cached) templates, with a live progress line per template."""
-    from pilldrops.node.templates import TemplateStore
-    store = TemplateStore(data_dir)
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs
+    store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     console = _console()
     for name in names:
         try:
@@ -118,27 +124,35 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
               help="comma-separated templates to build on first start")
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
 @click.option("--node-name", default=None, help="name of the embedded node [default: hostname]")
+@click.option("--capacity-vcpu", type=float, default=None,
+              help="vCPU the node offers to the scheduler [default: cores × 64, sandbox CPU limits are caps]")
+@click.option("--capacity-memory-mb", type=int, default=None, help="MiB the node offers [default: RAM × 32]")
+@_templates_dir_option
 @_billing_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
-       keep_sandboxes: bool, node_name: str | None, verbose: bool, **billing: Any) -> None:
+       keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
+       templates_dirs: tuple[Path, ...], verbose: bool, **billing: Any) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground."""
     import anyio
+
+    from pilldrops.node.agent import default_capacity
     _logging(verbose)
     data_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in template_names.split(",") if n.strip()]
-    build_templates(data_dir, names)
+    build_templates(data_dir, names, templates_dirs)
     heartbeat = billing.pop("heartbeat_interval")
+    cpu, mem = default_capacity()
     anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing),
-              heartbeat)
+              heartbeat, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
 
 
 async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
-              billing: Any, heartbeat: float) -> None:
+              billing: Any, heartbeat: float, capacity: tuple[float, int], templates_dirs: tuple[Path, ...]) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
-    from pilldrops.node.agent import Settings, default_capacity
+    from pilldrops.node.agent import Settings
     from pilldrops.node.main import build_node, default_node_name
     from pilldrops.server.main import build_control_plane
     from pilldrops.server.store.sql import sqlite_url
@@ -147,10 +161,9 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
     api_url = f"http://{host}:{port}"
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing,
                                    heartbeat_interval=heartbeat)
-    cpu, mem = default_capacity()
     node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
-                               capacity_vcpu=cpu, capacity_memory_mb=mem, control_plane_url=api_url,
-                               node_token=token, keep_on_exit=keep), data_dir)
+                               capacity_vcpu=capacity[0], capacity_memory_mb=capacity[1], control_plane_url=api_url,
+                               node_token=token, keep_on_exit=keep), data_dir, templates_dirs)
     cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
     try:
         async with anyio.create_task_group() as tg:
@@ -253,11 +266,12 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
 @click.option("--capacity-memory-mb", type=int, default=None, help="MiB offered [default: RAM × 32]")
 @_data_dir_option
 @click.option("--templates", "template_names", default="", help="comma-separated templates to build first")
+@_templates_dir_option
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
 @click.option("-v", "--verbose", is_flag=True)
 def node(control_plane: str, node_token: str, host: str, port: int, public_url: str | None, name: str | None,
          capacity_vcpu: float | None, capacity_memory_mb: int | None, data_dir: Path, template_names: str,
-         keep_sandboxes: bool, verbose: bool) -> None:
+         templates_dirs: tuple[Path, ...], keep_sandboxes: bool, verbose: bool) -> None:
     """Run a node agent on this host (root) that registers with a control plane."""
     import anyio
 
@@ -265,22 +279,22 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     from pilldrops.node.main import default_node_name
     _logging(verbose)
     data_dir.mkdir(parents=True, exist_ok=True)
-    build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()])
+    build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()], templates_dirs)
     cpu, mem = default_capacity()
     settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
                         keep_on_exit=keep_sandboxes)
-    anyio.run(_node, settings, host, port, data_dir)
+    anyio.run(_node, settings, host, port, data_dir, templates_dirs)
 
 
-async def _node(settings: Any, host: str, port: int, data_dir: Path) -> None:
+async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_dirs: tuple[Path, ...]) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
     from pilldrops.node.main import build_node
 
-    node = build_node(settings, data_dir)
+    node = build_node(settings, data_dir, templates_dirs)
     served = Served(node.app, host, port)
     async with anyio.create_task_group() as tg:
         tg.start_soon(served.serve)
@@ -300,21 +314,25 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path) -> None:
 @click.argument("name")
 @_data_dir_option
 @click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
-def template_build(name: str, data_dir: Path, force: bool) -> None:
-    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine."""
-    from pilldrops.node.templates import TemplateStore
+@_templates_dir_option
+def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...]) -> None:
+    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine.
+
+    Specs are TOML files: the packaged ones, ~/.config/pilldrops/templates/*.toml and --templates-dir.
+    A running node announces a newly built template within about a second."""
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
+    store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     if force:
-        store = TemplateStore(data_dir)
         t0 = time.monotonic()
         with _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),
                               force=True)
         _console().print(f"[green]✓[/] {name} rebuilt in {time.monotonic() - t0:.0f}s")
     else:
-        build_templates(data_dir, [name])
-        tpl = TemplateStore(data_dir).get(name)
+        build_templates(data_dir, [name], templates_dirs)
+        tpl = store.get(name)
     click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
     sys.stdout.flush()
 

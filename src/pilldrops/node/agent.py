@@ -117,6 +117,7 @@ class NodeAgent:
         self._registered = anyio.Event()
         self._tpl_cache: dict[str, Any] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._wake_heartbeat = anyio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -127,6 +128,7 @@ class NodeAgent:
             self._tg = tg
             tg.start_soon(self._deadline_loop)
             tg.start_soon(self._monitor_loop)
+            tg.start_soon(self._template_watch)
             if self.settings.control_plane_url:
                 tg.start_soon(self._control_plane_loop)
             task_status.started()
@@ -309,6 +311,17 @@ class NodeAgent:
                 if state.status != "running":
                     self._schedule_end(live, EndReason.oom if state.oom_killed else EndReason.exited)
 
+    async def _template_watch(self) -> None:
+        """A template built while we run is announced at once (not at the next regular heartbeat)."""
+        sig = getattr(self.templates, "signature", lambda: ())
+        last = sig()
+        while True:
+            await anyio.sleep(1.0)
+            now = sig()
+            if now != last:
+                last = now
+                self._wake_heartbeat.set()
+
     async def _control_plane_loop(self) -> None:
         delay = 0.2
         interval = 5.0
@@ -319,7 +332,9 @@ class NodeAgent:
                     delay = 0.2
                 else:
                     await self._heartbeat()
-                await anyio.sleep(interval)
+                with anyio.move_on_after(interval):
+                    await self._wake_heartbeat.wait()
+                self._wake_heartbeat = anyio.Event()
             except Exception as exc:  # noqa: BLE001 - the control plane may be down; keep trying
                 log.warning("control plane unreachable: %s", exc)
                 await anyio.sleep(delay)

@@ -15,7 +15,7 @@ from pilldrops.node.agent import NodeAgent, Settings
 from pilldrops.node.api import create_node_app
 from pilldrops.node.isolation.host import prepare_host
 from pilldrops.node.runtime.crun import CrunRuntime
-from pilldrops.node.templates import TemplateStore
+from pilldrops.node.templates import TemplateStore, default_spec_dirs
 
 
 @dataclass
@@ -35,11 +35,11 @@ def default_node_name() -> str:
     return re.sub(r"[^a-z0-9-]", "-", socket.gethostname().lower())[:40] or "node"
 
 
-def build_node(settings: Settings, data_dir: Path) -> Node:
+def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, ...] = ()) -> Node:
     if os.geteuid() != 0:
         raise PermissionError("the node agent needs root (cgroups, mounts, namespaces): run it as root")
     prepare_host()
-    templates = TemplateStore(data_dir)
+    templates = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     safe = re.sub(r"[^a-zA-Z0-9_-]", "-", settings.name)[:40]
     runtime = CrunRuntime(data_dir / "node", name=safe)
     agent = NodeAgent(settings, runtime, templates, data_dir / "node")

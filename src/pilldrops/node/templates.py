@@ -301,6 +301,18 @@ def _build_debootstrap(layer: Path, progress: Progress | None) -> None:
                 shutil.rmtree(p)
 
 
+def user_spec_dir() -> Path:
+    """Where users put their own template specs: ``~/.config/pilldrops/templates/*.toml``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "pilldrops" / "templates"
+
+
+def default_spec_dirs(extra: Sequence[Path] = ()) -> list[Path]:
+    """The packaged specs, then the user's, then any given (later ones override same-named specs)."""
+    env = [Path(p) for p in os.environ.get("PILLDROPS_TEMPLATES_DIR", "").split(":") if p]
+    return [SPEC_DIR, user_spec_dir(), *env, *(Path(p) for p in extra)]
+
+
 # -- the store ---------------------------------------------------------------------------------------
 class TemplateStore:
     """Specs from ``spec_dirs`` (later dirs override earlier; default: the packaged templates), built
@@ -310,7 +322,14 @@ class TemplateStore:
     def __init__(self, data_dir: Path, *, spec_dirs: Sequence[Path] | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.root = self.data_dir / "templates"
-        self.spec_dirs = [Path(p) for p in (spec_dirs if spec_dirs is not None else [SPEC_DIR])]
+        self.spec_dirs = [Path(p) for p in (spec_dirs if spec_dirs is not None else default_spec_dirs())]
+
+    def signature(self) -> tuple[tuple[str, float], ...]:
+        """Cheap fingerprint of the built templates (changes when a template is built or rebuilt)."""
+        try:
+            return tuple(sorted((p.name, p.stat().st_mtime) for p in self.root.iterdir() if p.is_dir()))
+        except OSError:
+            return ()
 
     # specs
     def specs(self) -> dict[str, TemplateSpec]:
