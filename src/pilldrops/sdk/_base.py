@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -629,6 +629,62 @@ class AsyncShield:
 
     def __exit__(self, *exc: object) -> bool | None:
         return self._scope.__exit__(*exc)  # type: ignore[arg-type]
+
+
+class Cleanup:
+    """Runs cleanup inline. Twin of :class:`AsyncCleanup` (sync code cannot be cancelled mid-call)."""
+
+    @staticmethod
+    def run(fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+
+class AsyncCleanup:
+    """Runs cleanup (the kill on leaving ``async with``) to completion even when the caller is cancelled.
+
+    Under trio (or anyio cancel scopes), an anyio shield suffices. Native asyncio cancellation
+    (``task.cancel()``, e.g. twice by ``asyncio.run`` on Ctrl-C, or by ``gather``) goes through an anyio
+    shield, so on asyncio the cleanup runs as its own task that the caller waits for with
+    ``asyncio.shield`` in a loop that swallows cancellations until the cleanup is done; then the
+    cancellation is re-raised. If the cleanup task itself is cancelled (``asyncio.run`` cancels every
+    task on shutdown), it is started again, up to :attr:`MAX_RESTARTS` times: cleanups must be idempotent.
+    """
+
+    MAX_RESTARTS = 3
+
+    @staticmethod
+    async def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        try:
+            loop = asyncio.get_running_loop()
+            current = asyncio.current_task()
+        except RuntimeError:
+            loop = current = None
+        with anyio.CancelScope(shield=True):
+            if loop is None or current is None:  # trio: the anyio shield is enough
+                return await fn(*args)
+            base = current.cancelling()
+            task = loop.create_task(fn(*args))
+            restarts = 0
+            cancelled: BaseException | None = None
+            while True:
+                if task.cancelled():  # the cleanup itself was cancelled: run it again
+                    if restarts >= AsyncCleanup.MAX_RESTARTS:
+                        raise cancelled or asyncio.CancelledError()
+                    restarts += 1
+                    task = loop.create_task(fn(*args))
+                try:
+                    result = await asyncio.shield(task)
+                    break
+                except asyncio.CancelledError as exc:
+                    if current.cancelling() > base and cancelled is None:
+                        cancelled = exc  # the caller was cancelled: finish the cleanup, then re-raise
+                except BaseException:
+                    if cancelled is not None:
+                        raise cancelled from None
+                    raise
+        if cancelled is not None:
+            raise cancelled
+        return result
 
 
 class Blocking:

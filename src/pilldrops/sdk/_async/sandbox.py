@@ -32,7 +32,7 @@ from pilldrops.sdk._async.client import AsyncAPIClient
 from pilldrops.sdk._async.files import AsyncFiles
 from pilldrops.sdk._base import (
     AsyncBlocking,
-    AsyncShield,
+    AsyncCleanup,
     RunDecoder,
     RunResult,
     Target,
@@ -287,17 +287,19 @@ class AsyncSandbox:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        # Always kill, even when the body raised or was cancelled; a failing kill never hides the body's
-        # exception (it is logged instead).
-        with AsyncShield():
-            try:
-                await self.kill()
-            except SandboxNotFound:
-                pass
-            except PillDropsError:
-                if exc_type is None:
-                    raise
-                logger.warning("could not kill sandbox %s after an error in its block", self.id, exc_info=True)
+        # Always kill, even when the body raised or was cancelled (again, while killing: see AsyncCleanup);
+        # a failing kill never hides the body's exception (it is logged instead).
+        await AsyncCleanup.run(self._kill_on_exit, exc_type)
+
+    async def _kill_on_exit(self, exc_type: type[BaseException] | None) -> None:
+        try:
+            await self.kill()
+        except SandboxNotFound:
+            pass
+        except PillDropsError:
+            if exc_type is None:
+                raise
+            logger.warning("could not kill sandbox %s after an error in its block", self.id, exc_info=True)
 
     # ------------------------------------------------------------------------------------ commands
 

@@ -33,7 +33,7 @@ from pilldrops.sdk._sync.client import APIClient
 from pilldrops.sdk._sync.files import Files
 from pilldrops.sdk._base import (
     Blocking,
-    Shield,
+    Cleanup,
     RunDecoder,
     RunResult,
     Target,
@@ -288,17 +288,19 @@ class Sandbox:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        # Always kill, even when the body raised or was cancelled; a failing kill never hides the body's
-        # exception (it is logged instead).
-        with Shield():
-            try:
-                self.kill()
-            except SandboxNotFound:
-                pass
-            except PillDropsError:
-                if exc_type is None:
-                    raise
-                logger.warning("could not kill sandbox %s after an error in its block", self.id, exc_info=True)
+        # Always kill, even when the body raised or was cancelled (again, while killing: see Cleanup);
+        # a failing kill never hides the body's exception (it is logged instead).
+        Cleanup.run(self._kill_on_exit, exc_type)
+
+    def _kill_on_exit(self, exc_type: type[BaseException] | None) -> None:
+        try:
+            self.kill()
+        except SandboxNotFound:
+            pass
+        except PillDropsError:
+            if exc_type is None:
+                raise
+            logger.warning("could not kill sandbox %s after an error in its block", self.id, exc_info=True)
 
     # ------------------------------------------------------------------------------------ commands
 
