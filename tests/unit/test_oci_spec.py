@@ -79,7 +79,7 @@ def test_paths_and_mounts() -> None:
     c = build()
     assert c["linux"]["maskedPaths"] == ["/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
                                          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
-                                         "/sys/firmware", "/proc/scsi"]
+                                         "/sys/firmware", "/proc/scsi", "/sys/devices/virtual/powercap"]
     assert c["linux"]["readonlyPaths"] == ["/proc/asound", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
                                            "/proc/sysrq-trigger"]
     m = {x["destination"]: x for x in c["mounts"]}

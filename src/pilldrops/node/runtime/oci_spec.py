@@ -27,7 +27,7 @@ CAPABILITIES = [
 
 MASKED_PATHS = [
     "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
-    "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
+    "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi", "/sys/devices/virtual/powercap",
 ]
 READONLY_PATHS = ["/proc/asound", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
@@ -39,6 +39,7 @@ DENIED_SYSCALLS = [
     "finit_module", "delete_module", "mount", "umount2", "move_mount", "open_tree", "fsopen", "fsmount",
     "fspick", "pivot_root", "swapon", "swapoff", "reboot", "acct", "settimeofday", "clock_settime",
     "clock_adjtime", "adjtimex", "perf_event_open", "userfaultfd", "unshare", "setns",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
     "open_by_handle_at", "name_to_handle_at", "quotactl", "iopl", "ioperm", "lookup_dcookie",
     "process_vm_readv", "process_vm_writev", "kcmp", "syslog", "vm86", "vm86old", "uselib", "nfsservctl",
 ]

@@ -3,10 +3,11 @@ proxy of the data plane for clients that cannot reach nodes. Only parsing, auth 
 here; every decision is in ``server.service``."""
 
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Any
+
+import anyio
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -31,6 +32,22 @@ class Services:
     sandboxes: SandboxService
     nodes: NodeService
     billing: BillingService
+
+
+class _Relay(StreamingResponse):
+    """Streams a node's answer through; the upstream response is closed whatever happens, including a
+    client that goes away before the body starts (the generator's own ``finally`` would never run)."""
+
+    def __init__(self, upstream: Any, cm: Any, **kw: Any) -> None:
+        super().__init__(upstream.aiter_raw(), **kw)
+        self._cm = cm
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cm.__aexit__(None, None, None)
 
 
 def _aware(t: datetime | None) -> datetime | None:
@@ -116,16 +133,8 @@ def create_app(services: Services) -> FastAPI:
         cm = sbx.nodes.proxy(request.method, f"{node.url}/v1/sandboxes/{sandbox_id}/{tail}", headers=headers,
                              params=request.query_params, body=body)
         resp = await cm.__aenter__()
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:
-                await cm.__aexit__(None, None, None)
-
-        keep = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "x-request-id")}
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=keep)
+        keep = {k: v for k, v in resp.headers.items() if k.lower() == "content-type"}
+        return _Relay(resp, cm, status_code=resp.status_code, headers=keep)
 
     @api.post("/sandboxes/{sandbox_id}/run", response_class=StreamingResponse)
     async def run(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:

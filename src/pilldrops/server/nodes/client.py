@@ -69,7 +69,7 @@ class NodeClient:
                     body: AsyncIterator[bytes] | None) -> AsyncIterator[httpx.Response]:
         """Forward a data-plane request to the node and yield the streamed answer (not yet read)."""
         req = self._http.build_request(method, url, headers=headers, params=params, content=body,
-                                       timeout=httpx.Timeout(None, connect=5.0))
+                                       timeout=httpx.Timeout(None, connect=5.0, pool=30.0))
         try:
             resp = await self._http.send(req, stream=True)
         except httpx.HTTPError as exc:

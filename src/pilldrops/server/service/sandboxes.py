@@ -190,7 +190,7 @@ class SandboxService:
         node = await self.node_for(row)
         status = await self.nodes.set_deadline(node.url, row.id, NodeDeadline(end_at=end_at))
         updated = await self.store.update_sandbox(row.id, from_states=[S.running.value],
-                                                  end_at=status.end_at or end_at)
+                                                  end_at=status.end_at or end_at, timeout=timeout)
         return updated or await self.get_row(team_id, sandbox_id)
 
     async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> Sandbox:
