@@ -278,6 +278,59 @@ def backoff_delay(attempt: int, retry_after: float | None = None, *, base: float
     return delay * (0.5 + 0.5 * (rng or random).random())
 
 
+CAPACITY_BACKOFF_BASE_S = 0.5
+CAPACITY_BACKOFF_CAP_S = 10.0
+
+
+def is_capacity_error(exc: PillDropsError) -> bool:
+    """No room right now (503 ``capacity_unavailable`` or 429 ``rate_limited``): worth waiting for."""
+    return exc.code == "capacity_unavailable" or exc.status == 429
+
+
+def check_capacity_wait(capacity_wait: float) -> float:
+    """``capacity_wait`` must be a finite number of seconds >= 0."""
+    if isinstance(capacity_wait, bool) or not isinstance(capacity_wait, (int, float)) \
+            or not 0 <= capacity_wait < float("inf"):
+        raise InvalidRequest(f"capacity_wait must be a number of seconds >= 0, got {capacity_wait!r}")
+    return float(capacity_wait)
+
+
+class RetryPolicy:
+    """Decides, failure after failure of one logical request, whether to send it again and after how long.
+
+    Ordinary failures follow :func:`should_retry` for at most ``max_retries`` retries with
+    :func:`backoff_delay`. With a ``capacity_wait`` (a create), capacity failures (see
+    :func:`is_capacity_error`) of an idempotent request are instead retried with backoff (``Retry-After``
+    honoured) for as long as the delays slept for them add up to at most ``capacity_wait`` seconds (the
+    last delay is shortened to fit; 0 never waits). With ``capacity_wait=None`` they are ordinary failures.
+    """
+
+    def __init__(self, max_retries: int, *, idempotent: bool, capacity_wait: float | None = None) -> None:
+        self.max_retries = max_retries
+        self.idempotent = idempotent
+        self.capacity_wait = capacity_wait
+        self.retries = 0
+        self.capacity_retries = 0
+        self.capacity_waited = 0.0
+
+    def next_delay(self, exc: PillDropsError, retry_after: float | None) -> float | None:
+        """Seconds to wait before the next attempt, or None to give up (raise ``exc``)."""
+        if self.capacity_wait is not None and self.idempotent and is_capacity_error(exc):
+            remaining = self.capacity_wait - self.capacity_waited
+            if remaining <= 0:
+                return None
+            delay = min(remaining, backoff_delay(self.capacity_retries, retry_after,
+                                                 base=CAPACITY_BACKOFF_BASE_S, cap=CAPACITY_BACKOFF_CAP_S))
+            self.capacity_retries += 1
+            self.capacity_waited += delay
+            return delay
+        if self.retries >= self.max_retries or not should_retry(exc, idempotent=self.idempotent):
+            return None
+        delay = backoff_delay(self.retries, retry_after)
+        self.retries += 1
+        return delay
+
+
 # ---------------------------------------------------------------------------------------------- run
 
 

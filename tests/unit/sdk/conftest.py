@@ -24,17 +24,18 @@ def _isolated_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
 
 @pytest.fixture(autouse=True)
 def delays(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """No real sleeping between retries; the backoff each retry asked for is recorded."""
-    asked: list[float] = []
-    for mod in (async_client, sync_client):
-        real = mod.backoff_delay
+    """No real sleeping between retries; the delay each retry would have slept is recorded."""
+    slept: list[float] = []
 
-        def fake_delay(attempt: int, retry_after: float | None = None, _real: Any = real) -> float:
-            asked.append(_real(attempt, retry_after))
-            return 0.0
+    async def fake_async_sleep(seconds: float) -> None:
+        slept.append(seconds)
 
-        monkeypatch.setattr(mod, "backoff_delay", fake_delay)
-    yield asked
+    def fake_sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(async_client, "_sleep", fake_async_sleep)
+    monkeypatch.setattr(sync_client, "_sleep", fake_sleep)
+    yield slept
 
 
 @pytest.fixture

@@ -17,13 +17,12 @@ from pilldrops.errors import PillDropsError
 from pilldrops.sdk import _config
 from pilldrops.sdk._base import (
     ClientCache,
+    RetryPolicy,
     Target,
-    backoff_delay,
     control_target,
     error_from_response,
     map_transport_errors,
     parse_retry_after,
-    should_retry,
 )
 from pilldrops.sdk._config import ClientConfig
 
@@ -31,12 +30,15 @@ _CLIENTS = ClientCache(httpx.Client)
 
 Content = bytes | Callable[[], Any] | None
 
+_sleep = time.sleep  # the wait between attempts (tests replace it)
+
 
 class APIClient:
     """Sends requests for one (api_url, api_key) over a process-wide shared connection pool.
 
     Retries idempotent calls on transport errors and 429/500/502/503 with exponential backoff and jitter
-    (honouring ``Retry-After``); never lets an ``httpx`` exception escape.
+    (honouring ``Retry-After``); with ``capacity_wait`` it retries capacity errors for up to that many
+    seconds of waiting instead (see :class:`RetryPolicy`); never lets an ``httpx`` exception escape.
     """
 
     def __init__(self, config: ClientConfig, http: httpx.Client | None = None) -> None:
@@ -64,13 +66,17 @@ class APIClient:
 
     def request(self, method: str, path: str, *, idempotent: bool, target: Target | None = None,
                       params: Any = None, json: Any = None, content: Content = None,
-                      headers: dict[str, str] | None = None, timeout: Any = None) -> httpx.Response:
+                      headers: dict[str, str] | None = None, timeout: Any = None,
+                      capacity_wait: float | None = None) -> httpx.Response:
         """Send one logical request (retried as allowed) and return the 2xx response, body read.
 
         ``content`` may be a callable returning a fresh body per attempt (a streamed upload).
+        With ``capacity_wait`` (seconds), 503 ``capacity_unavailable`` / 429 answers of an idempotent
+        request are retried for up to that much waiting in total (0: not at all) instead of the usual
+        ``max_retries``.
         """
         target = target if target is not None else self.control
-        attempt = 0
+        policy = RetryPolicy(self.config.max_retries, idempotent=idempotent, capacity_wait=capacity_wait)
         while True:
             retry_after: float | None = None
             try:
@@ -83,11 +89,10 @@ class APIClient:
                     raise error_from_response(response)
                 return response
             except PillDropsError as exc:
-                if attempt >= self.config.max_retries or not should_retry(exc, idempotent=idempotent):
+                delay = policy.next_delay(exc, retry_after)
+                if delay is None:
                     raise
-                delay = backoff_delay(attempt, retry_after)
-            time.sleep(delay)
-            attempt += 1
+            _sleep(delay)
 
     @contextmanager
     def stream(self, method: str, path: str, *, idempotent: bool, target: Target | None = None,
@@ -99,7 +104,7 @@ class APIClient:
         Only opening the stream is retried; transport errors while reading are mapped too.
         """
         target = target if target is not None else self.control
-        attempt = 0
+        policy = RetryPolicy(self.config.max_retries, idempotent=idempotent)
         while True:
             retry_after: float | None = None
             try:
@@ -117,11 +122,10 @@ class APIClient:
                     raise error_from_response(response)
                 break
             except PillDropsError as exc:
-                if attempt >= self.config.max_retries or not should_retry(exc, idempotent=idempotent):
+                delay = policy.next_delay(exc, retry_after)
+                if delay is None:
                     raise
-                delay = backoff_delay(attempt, retry_after)
-            time.sleep(delay)
-            attempt += 1
+            _sleep(delay)
         try:
             with map_transport_errors():
                 yield response

@@ -39,6 +39,7 @@ from pilldrops.sdk._base import (
     Target,
     iter_file,
     build_model,
+    check_capacity_wait,
     check_limit,
     data_target,
     download_tempfile,
@@ -116,7 +117,7 @@ class Sandbox:
                      timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
                      envs: dict[str, str] | None = None, api_key: str | None = None,
                      api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
-                     transport: Any = None) -> Sandbox:
+                     transport: Any = None, capacity_wait: float = 120.0) -> Sandbox:
         """Create a sandbox and return it running.
 
         ``vcpu`` is in cores, ``memory_mb`` in MiB, ``timeout`` in seconds until the sandbox is killed
@@ -124,14 +125,20 @@ class Sandbox:
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
         so a retry never makes a second sandbox. ``transport`` is an optional ``httpx`` transport (tests).
+
+        When the deployment is full (:class:`CapacityUnavailable`) or rate limits (:class:`RateLimited`),
+        the create waits and retries with backoff, honouring ``Retry-After``, for up to ``capacity_wait``
+        seconds of waiting in total (default 120; 0 fails on the first such answer), then raises it.
         Raises :class:`InsufficientCredits` when the team's credits are used up.
         """
+        capacity_wait = check_capacity_wait(capacity_wait)
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
                            timeout=timeout, metadata=metadata or {}, envs=envs or {})
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         resp = client.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"),
-                                    headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True)
+                                    headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
+                                    capacity_wait=capacity_wait)
         return cls(parse_model(SandboxInfo, resp), client=client)
 
     @classmethod

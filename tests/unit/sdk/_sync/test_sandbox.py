@@ -19,6 +19,7 @@ from pilldrops import (
     FileNotFound,
     InvalidRequest,
     InvalidState,
+    PillDropsError,
     RequestTimeout,
     SandboxNotFound,
     SandboxState,
@@ -106,6 +107,61 @@ def test_retry_honours_retry_after(fake: FakeControlPlane, opts: dict[str, Any],
     fake.fail_next("POST", r"^/v1/sandboxes$", status=429, retry_after=2)
     Sandbox.create(**opts)
     assert delays == [2.0]
+
+
+def test_create_waits_for_capacity_with_one_idempotency_key(fake: FakeControlPlane, opts: dict[str, Any],
+                                                                  delays: list[float]) -> None:
+    # A burst: far more capacity refusals than the ordinary 3 retries; Retry-After is honoured.
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=503, code="capacity_unavailable", times=10,
+                   retry_after=5)
+    sb = Sandbox.create(**opts)
+    attempts = fake.requests_to("POST", "/v1/sandboxes")
+    assert len(attempts) == 11 and delays == [5.0] * 10
+    assert len({r.headers["idempotency-key"] for r in attempts}) == 1
+    assert list(fake.sandboxes) == [sb.id]
+
+
+def test_create_capacity_wait_bounds_the_total_wait(fake: FakeControlPlane, opts: dict[str, Any],
+                                                          delays: list[float]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=503, code="capacity_unavailable", times=1000,
+                   retry_after=4)
+    with pytest.raises(CapacityUnavailable):
+        Sandbox.create(capacity_wait=10, **opts)
+    assert delays == [4.0, 4.0, 2.0]  # the last wait is cut to fit; then one last try
+    assert len(fake.requests_to("POST", "/v1/sandboxes")) == 4
+    assert not fake.sandboxes
+
+
+def test_create_backs_off_on_rate_limits_without_retry_after(fake: FakeControlPlane, opts: dict[str, Any],
+                                                                   delays: list[float]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=429, times=8)
+    Sandbox.create(**opts)
+    assert len(delays) == 8 and all(0 < d <= 10 for d in delays)
+    assert max(delays) > 4  # exponential, beyond the ordinary cap
+
+
+def test_create_capacity_wait_zero_fails_fast(fake: FakeControlPlane, opts: dict[str, Any],
+                                                    delays: list[float]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=503, code="capacity_unavailable", times=1000)
+    with pytest.raises(CapacityUnavailable):
+        Sandbox.create(capacity_wait=0, **opts)
+    assert len(fake.requests_to("POST", "/v1/sandboxes")) == 1 and delays == []
+    with pytest.raises(InvalidRequest, match="capacity_wait"):
+        Sandbox.create(capacity_wait=-1, **opts)
+
+
+def test_other_calls_keep_the_ordinary_retry_policy_on_capacity_errors(
+        fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    fake.fail_next("GET", SB, status=503, code="capacity_unavailable", times=100)
+    with pytest.raises(CapacityUnavailable):
+        sb.get_info()
+    assert len(fake.requests_to("GET", SB)) == 4  # 1 try + 3 retries
+    # a plain 503 without the capacity code on create is an ordinary failure too
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=503, code="internal", times=100)
+    with pytest.raises(PillDropsError):
+        Sandbox.create(**opts)
+    assert len(fake.requests_to("POST", "/v1/sandboxes")) == 1 + 4
 
 
 def test_idempotent_calls_retry_and_give_up(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
