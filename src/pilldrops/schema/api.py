@@ -118,7 +118,7 @@ class SandboxInfo(_Response):
     # Data plane: where the SDK talks to the sandbox directly, and the token it must present there.
     # Only returned by create and connect (never in listings).
     envd_url: str | None = None
-    access_token: str | None = None
+    access_token: str | None = Field(default=None, repr=False)  # a secret: never in repr()/str()
 
 
 class SandboxList(_Response):

@@ -56,6 +56,17 @@ async def test_data_plane_is_direct_with_access_token(fake: FakeControlPlane, op
 
 
 @pytest.mark.anyio
+async def test_reprs_never_show_the_access_token(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = await AsyncSandbox.create(**opts)
+    token = fake.sandboxes[sb.id].access_token
+    assert sb.info.access_token == token
+    for text in (repr(sb), str(sb), repr(sb.info), str(sb.info), f"{sb.info!r}", repr([sb.info])):
+        assert token not in text and "access_token" not in text
+    assert sb.id in repr(sb.info)
+    assert sb.info.model_dump()["access_token"] == token  # still there for the SDK itself
+
+
+@pytest.mark.anyio
 async def test_data_plane_falls_back_to_control_plane_proxy(opts: dict[str, Any]) -> None:
     fake = FakeControlPlane(data_plane=False)
     sb = await AsyncSandbox.create(**fake.client_options())

@@ -54,6 +54,16 @@ def test_data_plane_is_direct_with_access_token(fake: FakeControlPlane, opts: di
     assert "authorization" not in req.headers  # the API key never goes to a node
 
 
+def test_reprs_never_show_the_access_token(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    token = fake.sandboxes[sb.id].access_token
+    assert sb.info.access_token == token
+    for text in (repr(sb), str(sb), repr(sb.info), str(sb.info), f"{sb.info!r}", repr([sb.info])):
+        assert token not in text and "access_token" not in text
+    assert sb.id in repr(sb.info)
+    assert sb.info.model_dump()["access_token"] == token  # still there for the SDK itself
+
+
 def test_data_plane_falls_back_to_control_plane_proxy(opts: dict[str, Any]) -> None:
     fake = FakeControlPlane(data_plane=False)
     sb = Sandbox.create(**fake.client_options())
