@@ -197,39 +197,46 @@ class DataPlane:
 
     async def write_file(self, t: Target, path: str, body: AsyncIterable[bytes]) -> FileInfo:
         _check_path(path)
-        _, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1"', path, stdin=body)
+        # one exec writes and stats (a second crun exec would cost ~7 ms more per write)
+        out, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1" && stat -c "$2" "$1"', path,
+                                        _STAT_FORMAT, stdin=body)
         if code != 0:
             raise errors.InvalidRequest(f"writing {path} failed: {err.decode(errors='replace').strip()}")
-        infos = await self._stat(t, path, listing=False)
-        return infos[0]
+        return _parse_stat(out)[0]
 
     async def list_dir(self, t: Target, path: str) -> list[FileInfo]:
         _check_path(path)
         return await self._stat(t, path, listing=True)
 
     async def _stat(self, t: Target, path: str, *, listing: bool) -> list[FileInfo]:
-        fmt = "%F|%s|%a|%Y|%n"
         if listing:
             script = ('[ -d "$1" ] || exit 44; for f in "$1"/* "$1"/.[!.]* "$1"/..?*; do '
                       '[ -e "$f" ] || [ -L "$f" ] || continue; stat -c "$2" "$f"; done')
         else:
             script = '[ -e "$1" ] || [ -L "$1" ] || exit 44; stat -c "$2" "$1"'
-        out, err, code = await self._sh(t, script, path, fmt)
+        out, err, code = await self._sh(t, script, path, _STAT_FORMAT)
         if code == _NOT_FOUND:
             raise errors.FileNotFound(f"{path} is not a directory in the sandbox" if listing
                                       else f"{path} does not exist in the sandbox")
         if code != 0:
             raise errors.ServerError(f"stat of {path} failed: {err.decode(errors='replace').strip()}")
-        items = []
-        for line in out.decode(errors="replace").splitlines():
-            parts = line.split("|", 4)
-            if len(parts) != 5 or not parts[1].isdigit():
-                continue          # a name with a newline in it: not representable in this listing
-            kind, size, mode, mtime, name = parts
-            ftype = ("file" if kind.startswith("regular") else "dir" if kind == "directory"
-                     else "symlink" if kind == "symbolic link" else "other")
-            full = name.replace("//", "/")
-            items.append(FileInfo(name=full.rsplit("/", 1)[-1], path=full, type=ftype, size=int(size),
-                                  mode=int(mode, 8), mtime=float(mtime)))
-        return items
+        return _parse_stat(out)
+
+
+_STAT_FORMAT = "%F|%s|%a|%Y|%n"
+
+
+def _parse_stat(out: bytes) -> list[FileInfo]:
+    items = []
+    for line in out.decode(errors="replace").splitlines():
+        parts = line.split("|", 4)
+        if len(parts) != 5 or not parts[1].isdigit():
+            continue          # a name with a newline in it: not representable in this listing
+        kind, size, mode, mtime, name = parts
+        ftype = ("file" if kind.startswith("regular") else "dir" if kind == "directory"
+                 else "symlink" if kind == "symbolic link" else "other")
+        full = name.replace("//", "/")
+        items.append(FileInfo(name=full.rsplit("/", 1)[-1], path=full, type=ftype, size=int(size),
+                              mode=int(mode, 8), mtime=float(mtime)))
+    return items
 
