@@ -42,7 +42,7 @@ from pilldrops.errors import (
     TransportError,
     from_wire,
 )
-from pilldrops.schema.api import DEFAULT_OUTPUT_CAP, RunEvent, SandboxInfo
+from pilldrops.schema.api import DEFAULT_OUTPUT_CAP, RunEvent, SandboxInfo, SandboxState
 from pilldrops.sdk._config import MAX_CONNECTIONS, MAX_KEEPALIVE_CONNECTIONS, ClientConfig
 
 try:  # pragma: no cover - trivial
@@ -89,12 +89,34 @@ def sandbox_path(sandbox_id: str, suffix: str = "") -> str:
     return f"/v1/sandboxes/{quote(sandbox_id, safe='')}{suffix}"
 
 
+def check_remote_path(path: str, what: str = "path") -> str:
+    """A path inside the sandbox must be absolute; anything else is an :class:`InvalidRequest` before any I/O."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidRequest(f"{what} {path!r} is not absolute: paths inside the sandbox must be absolute "
+                             f"(start with '/'), e.g. {posixpath.join('/home/user', str(path or 'file'))!r}")
+    return path
+
+
+STATE_VALUES = tuple(s.value for s in SandboxState)
+
+
+def state_values(state: str | list[str] | None) -> list[str]:
+    """One state or several as their wire values; an unknown one is an :class:`InvalidRequest` naming the valid ones."""
+    states = [state] if isinstance(state, str) else list(state or [])
+    out = []
+    for s in states:
+        value = getattr(s, "value", s)
+        if value not in STATE_VALUES:
+            raise InvalidRequest(f"unknown sandbox state {value!r}; valid states: {', '.join(STATE_VALUES)}")
+        out.append(value)
+    return out
+
+
 def list_params(state: str | list[str] | None, metadata: dict[str, str] | None, limit: int,
                 cursor: str | None) -> list[tuple[str, str]]:
     """Query parameters of ``GET /v1/sandboxes`` (``state`` repeats, metadata is ``metadata.<k>=<v>``)."""
     params: list[tuple[str, str]] = []
-    states = [state] if isinstance(state, str) else list(state or [])
-    params += [("state", getattr(s, "value", s)) for s in states]
+    params += [("state", s) for s in state_values(state)]
     params += [(f"metadata.{k}", v) for k, v in (metadata or {}).items()]
     params.append(("limit", str(limit)))
     if cursor:
@@ -181,16 +203,24 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 @contextmanager
-def map_transport_errors() -> Iterator[None]:
-    """Translate every ``httpx`` exception into a PillDrops error (the one place this happens)."""
+def map_transport_errors(url: str | httpx.URL | None = None) -> Iterator[None]:
+    """Translate every ``httpx`` exception into a PillDrops error (the one place this happens).
+
+    ``url`` (the request's URL; its query is left out) is named in the message.
+    """
+    where = f" {str(url).split('?', 1)[0]}" if url else ""
     try:
         yield
     except httpx.TimeoutException as exc:
-        raise RequestTimeout(f"request timed out: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+        what = f"request to{where}" if where else "request"
+        raise RequestTimeout(f"{what} timed out: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
     except httpx.TransportError as exc:
-        raise TransportError(f"could not reach PillDrops: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+        at = f" at{where}" if where else ""
+        raise TransportError(f"could not reach PillDrops{at}: {exc.__class__.__name__}: {exc}".rstrip(": ")) \
+            from exc
     except httpx.HTTPError as exc:  # stream/decoding errors and the like: still "no usable response"
-        raise TransportError(f"HTTP error: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
+        at = f" from{where}" if where else ""
+        raise TransportError(f"HTTP error{at}: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
     except httpx.InvalidURL as exc:
         raise InvalidRequest(f"invalid URL: {exc}") from exc
 

@@ -79,6 +79,18 @@ def test_map_transport_errors() -> None:
     with pytest.raises(ValueError):  # non-httpx errors pass untouched
         with _base.map_transport_errors():
             raise ValueError("mine")
+    with pytest.raises(TransportError, match=r"at http://h:1/v1/x: ConnectError: refused$"):
+        with _base.map_transport_errors("http://h:1/v1/x?path=/secret"):
+            raise httpx.ConnectError("refused")
+    with pytest.raises(RequestTimeout, match="request to http://h:1/v1/x timed out"):
+        with _base.map_transport_errors("http://h:1/v1/x"):
+            raise httpx.ReadTimeout("slow")
+
+
+def test_check_remote_path() -> None:
+    assert _base.check_remote_path("/a/b") == "/a/b"
+    with pytest.raises(InvalidRequest, match=r"remote path 'a/b' is not absolute.*must be absolute"):
+        _base.check_remote_path("a/b", "remote path")
 
 
 # ---------------------------------------------------------------------------------------------- run

@@ -76,11 +76,12 @@ class APIClient:
         ``max_retries``.
         """
         target = target if target is not None else self.control
+        url = target.url(path)
         policy = RetryPolicy(self.config.max_retries, idempotent=idempotent, capacity_wait=capacity_wait)
         while True:
             retry_after: float | None = None
             try:
-                with map_transport_errors():
+                with map_transport_errors(url):
                     request = self._build(method, target, path, params=params, json=json, content=content,
                                           headers=headers, timeout=timeout)
                     response = self._http.send(request)
@@ -104,17 +105,18 @@ class APIClient:
         Only opening the stream is retried; transport errors while reading are mapped too.
         """
         target = target if target is not None else self.control
+        url = target.url(path)
         policy = RetryPolicy(self.config.max_retries, idempotent=idempotent)
         while True:
             retry_after: float | None = None
             try:
-                with map_transport_errors():
+                with map_transport_errors(url):
                     request = self._build(method, target, path, params=params, json=json, content=content,
                                           headers=headers, timeout=timeout)
                     response = self._http.send(request, stream=True)
                 if response.status_code >= 400:
                     try:
-                        with map_transport_errors():
+                        with map_transport_errors(url):
                             response.read()
                     finally:
                         response.close()
@@ -127,8 +129,8 @@ class APIClient:
                     raise
             _sleep(delay)
         try:
-            with map_transport_errors():
+            with map_transport_errors(url):
                 yield response
         finally:
-            with map_transport_errors():
+            with map_transport_errors(url):
                 response.close()

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from pilldrops.errors import FileNotFound
 from pilldrops.schema.api import FileInfo
-from pilldrops.sdk._base import parse_model, sandbox_path
+from pilldrops.sdk._base import check_remote_path, parse_model, sandbox_path
 
 if TYPE_CHECKING:
     from pilldrops.sdk._sync.sandbox import Sandbox
@@ -26,6 +26,8 @@ class _FileList(BaseModel):
 
 class Files:
     """File access for one sandbox (``sb.files``). Paths are absolute paths inside the sandbox.
+
+    A relative path is an :class:`InvalidRequest` before any request.
 
     Example::
 
@@ -41,6 +43,7 @@ class Files:
 
     def read_bytes(self, path: str) -> bytes:
         """The file's raw bytes. Raises :class:`FileNotFound`."""
+        check_remote_path(path)
         sb = self._sandbox
         resp = sb._client.request("GET", self._path("/files"), target=sb._data_target(),
                                         params={"path": path}, idempotent=True)
@@ -52,6 +55,7 @@ class Files:
 
     def write(self, path: str, data: str | bytes) -> FileInfo:
         """Create or replace the file with ``data`` (text is UTF-8 encoded); parent dirs are created."""
+        check_remote_path(path)
         body = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         sb = self._sandbox
         resp = sb._client.request("PUT", self._path("/files"), target=sb._data_target(),
@@ -62,6 +66,7 @@ class Files:
 
     def list(self, path: str) -> builtins.list[FileInfo]:
         """Entries of the directory ``path``. Raises :class:`FileNotFound`."""
+        check_remote_path(path)
         sb = self._sandbox
         resp = sb._client.request("GET", self._path("/files/list"), target=sb._data_target(),
                                         params={"path": path}, idempotent=True)
@@ -69,12 +74,12 @@ class Files:
 
     def exists(self, path: str) -> bool:
         """Whether a file, directory or symlink exists at ``path``."""
-        norm = posixpath.normpath(path)
+        norm = posixpath.normpath(check_remote_path(path))
         parent, name = posixpath.dirname(norm), posixpath.basename(norm)
         if not name:  # "/" always exists
             return True
         try:
-            items = self.list(parent or ".")
+            items = self.list(parent or "/")
         except FileNotFound:
             return False
         return any(item.name == name for item in items)

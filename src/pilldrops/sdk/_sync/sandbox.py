@@ -41,6 +41,7 @@ from pilldrops.sdk._base import (
     build_model,
     check_capacity_wait,
     check_limit,
+    check_remote_path,
     data_target,
     download_tempfile,
     extract_download,
@@ -353,7 +354,9 @@ class Sandbox:
         ``upload("./env", "/env")`` makes ``/env`` hold the directory's contents;
         ``upload("./a.txt", "/x/b.txt")`` writes the file at ``/x/b.txt`` (``"/x/"`` keeps the name
         ``a.txt``). Symlinks are copied as symlinks. Parents are created. Not retried once sent.
+        ``remote`` must be absolute (else :class:`InvalidRequest`, before any request).
         """
+        check_remote_path(remote, "remote path")
         plan = Blocking.run(pack_upload, local, remote)
         try:
             self._client.request(
@@ -368,8 +371,10 @@ class Sandbox:
         """Copy a file or directory out of the sandbox so that ``local`` becomes it; returns its path.
 
         Extraction is safe (no absolute names, ``../`` or links out). If ``local`` is an existing
-        directory, a directory is merged into it and a file lands inside it. Raises :class:`FileNotFound`.
+        directory, a directory is merged into it and a file lands inside it. Raises :class:`FileNotFound`,
+        or :class:`InvalidRequest` (before any request) when ``remote`` is not absolute.
         """
+        check_remote_path(remote, "remote path")
         tmp_path, f = download_tempfile(local)
         try:
             with f:

@@ -67,6 +67,51 @@ async def test_reprs_never_show_the_access_token(fake: FakeControlPlane, opts: d
 
 
 @pytest.mark.anyio
+async def test_relative_remote_paths_are_refused_before_any_request(fake: FakeControlPlane, opts: dict[str, Any],
+                                                                    tmp_path: Path) -> None:
+    sb = await AsyncSandbox.create(**opts)
+    (tmp_path / "f").write_text("x")
+    before = len(fake.requests)
+    calls = [
+        ("env/f", lambda: sb.upload(tmp_path / "f", "env/f")),
+        ("out.txt", lambda: sb.download("out.txt", tmp_path / "out")),
+        ("notes.txt", lambda: sb.files.read("notes.txt")),
+        ("./notes.txt", lambda: sb.files.read_bytes("./notes.txt")),
+        ("tmp/x", lambda: sb.files.write("tmp/x", "hi")),
+        ("home", lambda: sb.files.list("home")),
+        ("x/y", lambda: sb.files.exists("x/y")),
+        ("", lambda: sb.files.list("")),
+    ]
+    for path, call in calls:
+        with pytest.raises(InvalidRequest, match="must be absolute") as info:
+            await call()
+        assert repr(path) in str(info.value)
+    assert len(fake.requests) == before
+    assert await sb.files.exists("/home/user")
+
+
+@pytest.mark.anyio
+async def test_transport_errors_name_the_url(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", exc=httpx.ConnectError("connection refused"), times=4)
+    with pytest.raises(TransportError) as info:
+        await AsyncSandbox.create(**opts)
+    assert f"{fake.api_url}/v1/sandboxes" in str(info.value) and "connection refused" in str(info.value)
+    sb = await AsyncSandbox.create(**opts)
+    fake.fail_next("POST", SB + "/run", exc=httpx.ConnectError("no route to host"), times=4)
+    with pytest.raises(TransportError, match=f"{fake.node_url}/v1/sandboxes/{sb.id}/run"):
+        await sb.run("true")
+
+
+@pytest.mark.anyio
+async def test_unknown_state_lists_the_valid_ones(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest, match="'bogus'.*running.*stopped"):
+        await AsyncSandbox.list(state="bogus", **opts)
+    with pytest.raises(InvalidRequest, match="valid states"):
+        await AsyncSandbox.history(state=["running", "nope"], **opts)
+    assert not fake.requests
+
+
+@pytest.mark.anyio
 async def test_data_plane_falls_back_to_control_plane_proxy(opts: dict[str, Any]) -> None:
     fake = FakeControlPlane(data_plane=False)
     sb = await AsyncSandbox.create(**fake.client_options())
