@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
-from pilldrops.schema.api import HistoryRecord, UsageSummary
+from pilldrops.schema.api import HistoryRecord, SandboxState, UsageSummary
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
@@ -64,7 +64,9 @@ def total_line(records: list[HistoryRecord]) -> str:
 
 @click.command("history")
 @_period_options
-@click.option("--state", "states", multiple=True, help="Only these states (repeatable), e.g. stopped.")
+@click.option("--state", "states", multiple=True, type=click.Choice([s.value for s in SandboxState],
+                                                                   case_sensitive=False),
+              help="Only these states (repeatable), e.g. stopped.")
 @click.option("--template", default=None, help="Only sandboxes of this template.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Only with this metadata (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N sandboxes (newest).")

@@ -30,11 +30,15 @@ def keys() -> None:
 
 
 @keys.command("create")
-@click.option("--name", default="default", show_default=True, help="A label for the key.")
+@click.argument("name", required=False)
+@click.option("--name", "name_opt", default=None, help="A label for the key (same as NAME)  [default: default]")
 @click.option("--json", "as_json", is_flag=True, help="Print the record (with the secret) as JSON.")
 @pass_state
-def create(state: CliState, name: str, as_json: bool) -> None:
-    """Create a key and print its secret (shown only once)."""
+def create(state: CliState, name: str | None, name_opt: str | None, as_json: bool) -> None:
+    """Create a key labelled NAME (default: default) and print its secret (shown only once)."""
+    if name is not None and name_opt is not None and name != name_opt:
+        raise click.UsageError(f"two names given: {name!r} and --name {name_opt!r}")
+    name = name if name is not None else name_opt if name_opt is not None else "default"
     body = build_model(KeyCreateRequest, name=name)
     key = parse_model(KeyCreated, _client(state).request("POST", "/v1/keys", json=body.model_dump(mode="json"),
                                                          idempotent=False))

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import click
 
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
-from pilldrops.schema.api import DEFAULT_TIMEOUT_S, SandboxInfo
+from pilldrops.schema.api import DEFAULT_TIMEOUT_S, SandboxInfo, SandboxState
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
+
+#: States a sandbox can be killed in: what ``list`` shows by default and ``kill --all`` kills.
+LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxState.paused.value]
+#: ``--state`` values; a wrong one is a usage error listing these.
+STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
+KILL_WORKERS = 16
 
 
 def _rows(items: list[SandboxInfo]) -> list[list[object]]:
@@ -51,18 +58,24 @@ def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout:
 
 
 @sandbox.command("list")
-@click.option("--state", "states", multiple=True, help="Only these states (repeatable), e.g. running.")
+@click.option("--state", "states", multiple=True, type=STATE_CHOICE,
+              help="Only these states (repeatable), e.g. stopped. Default: live ones (running, starting, paused).")
+@click.option("--all", "all_", is_flag=True, help="Every state, ended sandboxes included.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Only with this metadata.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @pass_state
-def list_(state: CliState, states: tuple[str, ...], metadata: tuple[str, ...], as_json: bool) -> None:
-    """List sandboxes, newest first."""
-    items = Sandbox.list(state=list(states) or None, metadata=_output.parse_pairs(metadata, "--metadata"),
+def list_(state: CliState, states: tuple[str, ...], all_: bool, metadata: tuple[str, ...], as_json: bool) -> None:
+    """List sandboxes, newest first: live ones unless --all or --state."""
+    if all_ and states:
+        raise click.UsageError("--all and --state are exclusive: --state already picks the states")
+    wanted = list(states) or (None if all_ else LIVE_STATES)
+    items = Sandbox.list(state=wanted, metadata=_output.parse_pairs(metadata, "--metadata"),
                          **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(items))
     else:
-        _output.print_table(_COLUMNS, _rows(items), empty="no sandboxes")
+        _output.print_table(_COLUMNS, _rows(items),
+                            empty="no sandboxes" if all_ or states else "no live sandboxes (--all shows ended ones)")
 
 
 @sandbox.command("get")
@@ -85,15 +98,19 @@ def get(state: CliState, sandbox_id: str, as_json: bool) -> None:
 @click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
 @click.option("--cwd", default=None, help="Working directory inside the sandbox.")
 @click.option("--env", "-e", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable).")
+@click.option("--no-stdin", is_flag=True, help="Do not pass this command's stdin through (when not a TTY).")
 @pass_state
 @click.pass_context
 def exec_(ctx: click.Context, state: CliState, sandbox_id: str, cmd: tuple[str, ...], timeout: float | None,
-          cwd: str | None, env: tuple[str, ...]) -> None:
+          cwd: str | None, env: tuple[str, ...], no_stdin: bool) -> None:
     """Run a command and stream its output; exit with its exit code.
 
     One argument is a shell command line (`-- 'ls | wc -l'`); several are an argv run without a shell
-    (`-- python -c 'print(1)'`).
+    (`-- python -c 'print(1)'`). When stdin is not a terminal it is read to the end and fed to the command
+    (`echo hi | pilldrops sandbox exec ID -- cat`); --no-stdin turns that off. A command that hits
+    --timeout is killed and exits with 124.
     """
+    stdin = None if no_stdin else _piped_stdin()
     sb = Sandbox.connect(sandbox_id, **state.sdk_options())
 
     def out(text: str) -> None:
@@ -105,11 +122,27 @@ def exec_(ctx: click.Context, state: CliState, sandbox_id: str, cmd: tuple[str, 
         sys.stderr.flush()
 
     command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
-    result = sb.run(command, timeout=timeout, cwd=cwd, envs=_output.parse_pairs(env, "--env"),
+    result = sb.run(command, timeout=timeout, cwd=cwd, envs=_output.parse_pairs(env, "--env"), stdin=stdin,
                     on_stdout=out, on_stderr=err)
+    if result.timed_out:
+        after = timeout if timeout is not None else result.duration
+        _output.err_console.print(f"[yellow]command timed out after {after:g} s[/yellow]")
     if result.truncated:
         _output.err_console.print("[yellow]warning: output was truncated[/yellow]")
     ctx.exit(result.exit_code)
+
+
+def _piped_stdin() -> str | None:
+    """This process's stdin, read to the end, when it is a pipe or a file (not a terminal); else None."""
+    stream = sys.stdin
+    try:
+        if stream is None or stream.isatty():
+            return None
+        raw = getattr(stream, "buffer", None)
+        data = raw.read().decode("utf-8", errors="replace") if raw is not None else stream.read()
+    except (OSError, ValueError):  # closed or unreadable: nothing to pass
+        return None
+    return data or None
 
 
 @sandbox.command("upload")
@@ -137,10 +170,32 @@ def download(state: CliState, sandbox_id: str, remote: str, local: str) -> None:
 
 
 @sandbox.command("kill")
-@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Kill every live sandbox of the team.")
+@click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE",
+              help="Kill every live sandbox with this metadata (repeatable: all pairs must match).")
 @pass_state
-def kill(state: CliState, sandbox_ids: tuple[str, ...]) -> None:
-    """Kill sandboxes (idempotent)."""
-    for sandbox_id in sandbox_ids:
-        info = Sandbox.kill_by_id(sandbox_id, **state.sdk_options())
+def kill(state: CliState, sandbox_ids: tuple[str, ...], all_: bool, metadata: tuple[str, ...]) -> None:
+    """Kill sandboxes by id, or all live ones (--all), or all live ones matching --metadata (idempotent).
+
+    Prints `killed <id>` for each.
+    """
+    if sandbox_ids and (all_ or metadata):
+        raise click.UsageError("give sandbox ids, or --all / --metadata, not both")
+    if not sandbox_ids and not (all_ or metadata):
+        raise click.UsageError("give sandbox ids to kill, or --all, or --metadata KEY=VALUE")
+    if not sandbox_ids:
+        pairs = _output.parse_pairs(metadata, "--metadata")
+        live = Sandbox.list(state=LIVE_STATES, metadata=pairs or None, **state.sdk_options())
+        sandbox_ids = tuple(s.id for s in live)
+        if not sandbox_ids:
+            _output.err_console.print("[dim]no live sandboxes" + (" match" if pairs else "") + "[/dim]")
+            return
+    options = state.sdk_options()
+    if len(sandbox_ids) == 1:
+        killed = [Sandbox.kill_by_id(sandbox_ids[0], **options)]
+    else:
+        with ThreadPoolExecutor(max_workers=min(KILL_WORKERS, len(sandbox_ids))) as pool:
+            killed = list(pool.map(lambda sid: Sandbox.kill_by_id(sid, **options), sandbox_ids))
+    for info in killed:
         click.echo(f"killed {info.id}")

@@ -53,14 +53,20 @@ def test_create_json(fake: FakeControlPlane) -> None:
 def test_list_json_and_table(fake: FakeControlPlane) -> None:
     ids = [run("sandbox", "create", "-m", f"i={i}").output.strip() for i in range(3)]
     run("sandbox", "kill", ids[0])
-    listed = json.loads(run("sandbox", "list", "--json").output)
-    assert isinstance(listed, list) and [s["id"] for s in listed] == ids[::-1]
+    listed = json.loads(run("sandbox", "list", "--json").output)  # live ones only by default
+    assert isinstance(listed, list) and [s["id"] for s in listed] == ids[:0:-1]
+    everything = json.loads(run("sandbox", "list", "--all", "--json").output)
+    assert [s["id"] for s in everything] == ids[::-1]
     running = json.loads(run("sandbox", "list", "--state", "running", "--json").output)
     assert {s["id"] for s in running} == set(ids[1:])
+    stopped = json.loads(run("sandbox", "list", "--state", "stopped", "--json").output)
+    assert [s["id"] for s in stopped] == [ids[0]]
     one = json.loads(run("sandbox", "list", "-m", "i=2", "--json").output)
     assert [s["id"] for s in one] == [ids[2]]
     table = run("sandbox", "list").output
-    assert all(i in table for i in ids) and "STATE" in table
+    assert all(i in table for i in ids[1:]) and ids[0] not in table and "STATE" in table
+    table = run("sandbox", "list", "--all").output
+    assert all(i in table for i in ids)
     assert json.loads(run("sandbox", "list", "--state", "paused", "--json").output) == []
 
 
@@ -113,6 +119,10 @@ def test_global_options_override_env(fake: FakeControlPlane) -> None:
 def test_keys(fake: FakeControlPlane) -> None:
     created = json.loads(run("keys", "create", "--name", "ci", "--json").output)
     assert created["name"] == "ci" and created["secret"]
+    positional = json.loads(run("keys", "create", "trainer", "--json").output)
+    assert positional["name"] == "trainer"
+    assert json.loads(run("keys", "create", "--json").output)["name"] == "default"
+    assert CliRunner().invoke(cli, ["keys", "create", "a", "--name", "b"]).exit_code == 2
     plain = run("keys", "create")
     assert plain.exit_code == 0 and plain.stdout.strip().startswith("pd_")
     listed = json.loads(run("keys", "list", "--json").output)
@@ -251,3 +261,48 @@ def test_sandbox_get_shows_usage_and_credits_errors_are_reported(fake: FakeContr
     fake.credits_usd = 0.0
     res = CliRunner().invoke(cli, ["sandbox", "create"])
     assert res.exit_code == 1 and "insufficient_credits" in res.stderr
+
+
+def test_list_and_history_unknown_state_lists_the_valid_ones(fake: FakeControlPlane) -> None:
+    for args in (["sandbox", "list", "--state", "bogus"], ["history", "--state", "bogus"]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2
+        assert "bogus" in res.stderr and all(s in res.stderr for s in ("running", "paused", "stopped"))
+    assert CliRunner().invoke(cli, ["sandbox", "list", "--all", "--state", "running"]).exit_code == 2
+    assert run("sandbox", "list", "--state", "RUNNING").exit_code == 0
+
+
+def test_exec_passes_piped_stdin_through(fake: FakeControlPlane) -> None:
+    sid = run("sandbox", "create").output.strip()
+    res = CliRunner().invoke(cli, ["sandbox", "exec", sid, "--", "cat"], input="hi\nthere\n")
+    assert res.exit_code == 0 and res.stdout == "hi\nthere\n"
+    res = CliRunner().invoke(cli, ["sandbox", "exec", sid, "--no-stdin", "--", "cat"], input="hi\n")
+    assert res.exit_code == 0 and res.stdout == ""
+    res = CliRunner().invoke(cli, ["sandbox", "exec", sid, "--", "echo", "no input"])
+    assert res.exit_code == 0 and res.stdout == "no input\n"
+
+
+def test_exec_reports_a_timeout(fake: FakeControlPlane) -> None:
+    sid = run("sandbox", "create").output.strip()
+    res = CliRunner().invoke(cli, ["sandbox", "exec", sid, "--timeout", "1.5", "--", "sleep 5"])
+    assert res.exit_code == 124 and "command timed out after 1.5 s" in res.stderr
+
+
+def test_kill_all_and_by_metadata(fake: FakeControlPlane) -> None:
+    a = [run("sandbox", "create", "-m", "run=a").output.strip() for _ in range(3)]
+    b = [run("sandbox", "create", "-m", "run=b", "-m", "x=1").output.strip() for _ in range(2)]
+    res = run("sandbox", "kill", "-m", "run=a")
+    assert res.exit_code == 0 and sorted(res.output.split()) == sorted(["killed"] * 3 + a)
+    assert all(fake.sandboxes[i].info.state.value == "stopped" for i in a)
+    assert all(fake.sandboxes[i].info.state.value == "running" for i in b)
+    res = run("sandbox", "kill", "-m", "run=b", "-m", "x=2")
+    assert res.exit_code == 0 and res.stdout == "" and "no live sandboxes match" in res.stderr
+    c = run("sandbox", "create").output.strip()
+    res = run("sandbox", "kill", "--all")
+    assert res.exit_code == 0 and sorted(res.stdout.split()) == sorted(["killed"] * 3 + b + [c])
+    assert all(sb.info.state.value == "stopped" for sb in fake.sandboxes.values())
+    assert not fake.requests_to("DELETE", f"/v1/sandboxes/{a[0]}")[1:]  # ended ones are left alone
+    res = run("sandbox", "kill", "--all")
+    assert res.exit_code == 0 and "no live sandboxes" in res.stderr
+    assert CliRunner().invoke(cli, ["sandbox", "kill"]).exit_code == 2
+    assert CliRunner().invoke(cli, ["sandbox", "kill", c, "--all"]).exit_code == 2
