@@ -24,7 +24,7 @@ def _data_dir_option(f: Any) -> Any:
                         help="where the store, templates and sandbox state live")(f)
 
 
-def _billing_options(f: Any) -> Any:
+def _control_plane_options(f: Any) -> Any:
     opts = [
         click.option("--unlimited-credits", is_flag=True, envvar="PILLDROPS_UNLIMITED_CREDITS",
                      help="turn credits off: no balance, never refuse or stop for lack of credits"),
@@ -38,10 +38,19 @@ def _billing_options(f: Any) -> Any:
                      help="USD per GB-month of paused storage"),
         click.option("--heartbeat-interval", type=float, default=5.0, show_default=True,
                      help="seconds between node heartbeats (which carry usage reports)"),
+        click.option("--unreachable-after", type=float, default=None,
+                     help="seconds without a heartbeat before a node is unreachable [default: 3 heartbeats]"),
+        click.option("--lost-after", type=float, default=300.0, show_default=True,
+                     help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
+    return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
+            "lost_after": kw.pop("lost_after")}
 
 
 def _billing(kw: dict[str, Any]) -> Any:
@@ -128,7 +137,7 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
               help="vCPU the node offers to the scheduler [default: cores × 64, sandbox CPU limits are caps]")
 @click.option("--capacity-memory-mb", type=int, default=None, help="MiB the node offers [default: RAM × 32]")
 @_templates_dir_option
-@_billing_options
+@_control_plane_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
        keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
@@ -141,14 +150,15 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     data_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
-    heartbeat = billing.pop("heartbeat_interval")
+    liveness = _liveness(billing)
     cpu, mem = default_capacity()
     anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing),
-              heartbeat, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
+              liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
 
 
 async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
-              billing: Any, heartbeat: float, capacity: tuple[float, int], templates_dirs: tuple[Path, ...]) -> None:
+              billing: Any, liveness: dict[str, Any], capacity: tuple[float, int],
+              templates_dirs: tuple[Path, ...]) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -159,8 +169,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
 
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
-    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing,
-                                   heartbeat_interval=heartbeat)
+    cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
     node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
                                capacity_vcpu=capacity[0], capacity_memory_mb=capacity[1], control_plane_url=api_url,
                                node_token=token, keep_on_exit=keep), data_dir, templates_dirs)
@@ -210,7 +219,7 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 @click.option("--node-token", envvar="PILLDROPS_NODE_TOKEN", default=None,
               help="token node agents must present [default: generated and kept in the data dir]")
 @_data_dir_option
-@_billing_options
+@_control_plane_options
 @click.option("-v", "--verbose", is_flag=True)
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, verbose: bool,
           **billing: Any) -> None:
@@ -218,12 +227,12 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     import anyio
     _logging(verbose)
     token = _node_token(data_dir, node_token)
-    heartbeat = billing.pop("heartbeat_interval")
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing), heartbeat)
+    liveness = _liveness(billing)
+    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing), liveness)
 
 
 async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool,
-                 billing: Any, heartbeat: float) -> None:
+                 billing: Any, liveness: dict[str, Any]) -> None:
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
@@ -231,8 +240,7 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
     from pilldrops.server.store.sql import sqlite_url
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing,
-                                   heartbeat_interval=heartbeat)
+    cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
     served = Served(cp.app, host, port)
     api_url = f"http://{host}:{port}"
     try:

@@ -261,3 +261,24 @@ class Rates(_Response):
     vcpu_s_usd: float
     gb_s_usd: float
     storage_gb_month_usd: float
+
+
+class NodeInfo(_Response):
+    """A node as the operator sees it (admin only)."""
+
+    id: str
+    name: str
+    url: str
+    state: str = Field(..., description="ready | unreachable")
+    draining: bool
+    capacity_vcpu: float
+    capacity_memory_mb: int
+    used_vcpu: float
+    used_memory_mb: int
+    sandboxes: int
+    templates: list[str] = Field(default_factory=list)
+    last_heartbeat_at: datetime
+
+
+class NodeList(_Response):
+    items: list[NodeInfo]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from fastapi import FastAPI
 
@@ -26,10 +27,12 @@ class ControlPlane:
     node_client: NodeClient
 
     async def run(self) -> None:
-        """Background duties of a control-plane process (credit enforcement) until cancelled."""
+        """Background duties of a control-plane process (credit enforcement, node liveness) until cancelled."""
         sbx = self.services.sandboxes
-        await self.services.billing.run_enforcer(
-            lambda team_id, sid: sbx.kill(team_id, sid, EndReason.credits_exhausted))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.services.billing.run_enforcer,
+                          lambda team_id, sid: sbx.kill(team_id, sid, EndReason.credits_exhausted))
+            tg.start_soon(self.services.nodes.run_liveness)
 
     async def aclose(self) -> None:
         await self.node_client.aclose()
@@ -39,7 +42,8 @@ class ControlPlane:
 async def build_control_plane(db_url: str, node_token: str, clock: Clock | None = None, *,
                               node_transport: httpx.AsyncBaseTransport | None = None,
                               billing: BillingSettings | None = None,
-                              heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> ControlPlane:
+                              heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+                              lost_after: float = 300.0, unreachable_after: float | None = None) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -47,6 +51,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     billing_service = BillingService(store, clock, billing)
     sandboxes = SandboxService(store, node_client, clock, billing_service)
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
-                        nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval),
+                        nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
+                                          unreachable_after=unreachable_after, lost_after=lost_after),
                         billing=billing_service)
     return ControlPlane(create_app(services), services, store, node_client)

@@ -16,7 +16,7 @@ from pilldrops import errors
 from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops.schema.api import (
-    CreateSandboxRequest, HistoryPage, KeyCreated, Rates, SandboxState, UsageSummary, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
+    CreateSandboxRequest, HistoryPage, KeyCreated, NodeInfo, NodeList, Rates, SandboxState, UsageSummary, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
     TemplateList, WhoAmI,
 )
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered
@@ -193,6 +193,23 @@ def create_app(services: Services) -> FastAPI:
     @api.delete("/keys/{key_id}", response_model=KeyInfo)
     async def revoke_key(key_id: str, p: Caller) -> KeyInfo:
         return await services.auth.revoke_key(p.team_id, key_id)
+
+    # ---- nodes (admin) ---------------------------------------------------------------------------------
+
+    @api.get("/nodes", response_model=NodeList)
+    async def list_nodes(p: Caller) -> NodeList:
+        p.require_admin()
+        return NodeList(items=await services.nodes.list())
+
+    @api.post("/nodes/{node_id}/drain", response_model=NodeInfo)
+    async def drain(node_id: str, p: Caller) -> NodeInfo:
+        p.require_admin()
+        return await services.nodes.set_draining(node_id, True)
+
+    @api.post("/nodes/{node_id}/undrain", response_model=NodeInfo)
+    async def undrain(node_id: str, p: Caller) -> NodeInfo:
+        p.require_admin()
+        return await services.nodes.set_draining(node_id, False)
 
     @api.get("/templates", response_model=TemplateList)
     async def templates(p: Caller) -> TemplateList:

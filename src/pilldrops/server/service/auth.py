@@ -19,6 +19,12 @@ _TOUCH_EVERY = timedelta(seconds=60)
 class Principal:
     team_id: str
     key_id: str
+    admin: bool = False
+
+    def require_admin(self) -> None:
+        if not self.admin:
+            raise errors.PermissionDenied("this needs the operator's admin key (made by `pilldrops up` or "
+                                          "`pilldrops serve` on first start)")
 
 
 def key_info(k: ApiKey) -> KeyInfo:
@@ -42,16 +48,16 @@ class AuthService:
         now = self.clock.now()
         if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
             await self.store.touch_key(key.id, now)
-        return Principal(team_id=key.team_id, key_id=key.id)
+        return Principal(team_id=key.team_id, key_id=key.id, admin=key.admin)
 
     async def create_team(self, name: str, credits_usd: float | None = None) -> Team:
         credits = self.initial_credits if credits_usd is None else credits_usd
         return await self.store.create_team(name, self.clock.now(), credits)
 
-    async def create_key(self, team_id: str, name: str) -> KeyCreated:
+    async def create_key(self, team_id: str, name: str, *, admin: bool = False) -> KeyCreated:
         secret = keyrules.generate_key()
         k = await self.store.add_key(team_id, name, keyrules.display_prefix(secret), keyrules.hash_key(secret),
-                                     self.clock.now())
+                                     self.clock.now(), admin=admin)
         return KeyCreated(**key_info(k).model_dump(), secret=secret)
 
     async def list_keys(self, team_id: str) -> list[KeyInfo]:
@@ -76,5 +82,5 @@ class AuthService:
             except errors.AuthenticationError:
                 pass
         team = teams[0] if teams else await self.create_team("default")
-        created = await self.create_key(team.id, "pilldrops-up")
+        created = await self.create_key(team.id, "pilldrops-up", admin=True)
         return team.id, created.secret

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import logging
+from datetime import datetime, timedelta
+
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import TemplateInfo
+from pilldrops.schema.api import NodeInfo, TemplateInfo
 from pilldrops.schema.node import NodeHeartbeat, NodeRegister, NodeRegistered
 from pilldrops._internal.ids import same_secret as same
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.sql import Store
 
 HEARTBEAT_INTERVAL_S = 5.0
+log = logging.getLogger("pilldrops.nodes")
 
 
 class NodeService:
     def __init__(self, store: Store, sandboxes: SandboxService, clock: Clock, node_token: str,
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL_S, unreachable_after: float | None = None,
+                 lost_after: float = 300.0) -> None:
         self.store = store
         self.sandboxes = sandboxes
         self.clock = clock
         self._token = node_token
         self.heartbeat_interval = heartbeat_interval
+        self.unreachable_after = unreachable_after or 3 * heartbeat_interval
+        self.lost_after = lost_after
+        self._store_ok_since: datetime | None = None   # this process has reached the store since then
 
     def check_token(self, presented: str | None) -> None:
         if not presented or not same(presented, self._token):
@@ -45,6 +53,9 @@ class NodeService:
         for st in statuses:
             await self.sandboxes.apply_node_status(node_id, st)
         await self.sandboxes.reconcile_node(node_id, {st.id for st in statuses})
+        node = await self.store.get_node(node_id)
+        if node is not None:
+            await self.sandboxes.stop_returned_lost(node, statuses)
 
     async def templates(self) -> list[TemplateInfo]:
         merged: dict[str, TemplateInfo] = {}
@@ -56,3 +67,56 @@ class NodeService:
                 else:
                     merged[info.name] = info.model_copy(update={"nodes": [node.name]})
         return sorted(merged.values(), key=lambda t: t.name)
+
+    # ---- liveness ------------------------------------------------------------------------------------
+
+    async def check_liveness(self) -> None:
+        """Mark silent nodes ``unreachable``, and after ``lost_after`` their live sandboxes ``lost``.
+
+        Silence only counts while this control plane has itself been reaching the store for the whole
+        window: a store outage (or a restart of this process) delays every verdict instead of reaping.
+        """
+        now = self.clock.now()
+        try:
+            nodes = await self.store.list_nodes()
+        except Exception:  # noqa: BLE001 - the store is down: no verdicts now, and the window restarts
+            self._store_ok_since = None
+            raise
+        if self._store_ok_since is None:
+            self._store_ok_since = now
+        watched_since = self._store_ok_since
+        for node in nodes:
+            silent_since = max(node.last_heartbeat_at, watched_since)
+            silence = (now - silent_since).total_seconds()
+            if node.state == "ready" and silence > self.unreachable_after:
+                log.warning("node %s (%s) is unreachable: no heartbeat for %.0f s", node.name, node.id, silence)
+                await self.store.set_node(node.id, state="unreachable")
+            if node.state in ("ready", "unreachable") and silence > self.lost_after:
+                await self.sandboxes.mark_lost(node.id, node.last_heartbeat_at)
+
+    async def run_liveness(self, every: float = 1.0) -> None:
+        import anyio
+        while True:
+            try:
+                await self.check_liveness()
+            except Exception:  # noqa: BLE001
+                log.exception("liveness pass failed (store unreachable?)")
+            await anyio.sleep(every)
+
+    # ---- admin ---------------------------------------------------------------------------------------
+
+    async def set_draining(self, node_id: str, draining: bool) -> NodeInfo:
+        node = await self.store.node_by_id_or_name(node_id)
+        if node is None:
+            raise errors.NotFound(f"no node {node_id!r}")
+        await self.store.set_node(node.id, draining=draining)
+        return next(n for n in await self.list() if n.id == node.id)
+
+    async def list(self) -> list[NodeInfo]:
+        allocs = await self.store.allocations()
+        counts = await self.store.live_counts()
+        return [NodeInfo(id=n.id, name=n.name, url=n.url, state=n.state, draining=n.draining,
+                         capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
+                         used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],
+                         sandboxes=counts.get(n.id, 0), templates=sorted(t.get("name") for t in n.templates),
+                         last_heartbeat_at=n.last_heartbeat_at) for n in await self.store.list_nodes()]

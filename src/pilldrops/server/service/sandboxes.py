@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import anyio
 
@@ -211,14 +211,36 @@ class SandboxService:
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
         """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
         row = await self.store.get_sandbox(st.id)
-        if row is None or row.node_id != node_id:
-            return
+        if row is None or row.node_id != node_id or row.state == S.lost.value:
+            return                           # lost rows were billed up to the loss; see stop_returned_lost
         if st.state in ENDED:
             await self.store.update_sandbox(
                 st.id, from_states=_from(st.state), state=st.state.value,
                 end_reason=(st.end_reason or EndReason.exited).value, ended_at=self.billing.end_time(row, st),
                 error=st.error)
         await self.billing.commit(st)
+
+    async def mark_lost(self, node_id: str, last_seen: datetime) -> None:
+        """The node is gone: its live sandboxes are ``lost`` (``node_lost``), ended and billed up to when
+        the node was last heard from."""
+        for row in await self.store.live_sandboxes_on(node_id):
+            ended_at = max(last_seen, row.started_at) if row.started_at else last_seen
+            await self.store.update_sandbox(row.id, from_states=_from(S.lost), state=S.lost.value,
+                                            end_reason=EndReason.node_lost.value, ended_at=ended_at,
+                                            error="the node stopped heartbeating")
+
+    async def stop_returned_lost(self, node: Node, statuses: list[NodeSandboxStatus]) -> None:
+        """A node came back still running sandboxes we declared lost: stop them there (they were billed up
+        to the loss and their owners were told they ended); never run them twice."""
+        for st in statuses:
+            if st.state != S.running:
+                continue
+            row = await self.store.get_sandbox(st.id)
+            if row is not None and row.node_id == node.id and row.state == S.lost.value:
+                try:
+                    await self.nodes.kill(node.url, st.id)
+                except errors.PillDropsError as exc:
+                    log.warning("could not stop returned lost sandbox %s: %s", st.id, exc)
 
     async def reconcile_node(self, node_id: str, live_ids: set[str]) -> None:
         """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period

@@ -132,9 +132,10 @@ class Store:
                                    Team.credits_exhausted_at <= before)
             return list((await s.scalars(q)).all())
 
-    async def add_key(self, team_id: str, name: str, prefix: str, key_hash: str, now: datetime) -> ApiKey:
+    async def add_key(self, team_id: str, name: str, prefix: str, key_hash: str, now: datetime,
+                      admin: bool = False) -> ApiKey:
         key = ApiKey(id=new_id("key"), team_id=team_id, name=name, prefix=prefix, key_hash=key_hash,
-                     created_at=now)
+                     created_at=now, admin=admin)
         async with self.session.begin() as s:
             s.add(key)
         return key
@@ -195,6 +196,21 @@ class Store:
     async def list_nodes(self) -> list[Node]:
         async with self.session() as s:
             return list((await s.scalars(select(Node).order_by(Node.name))).all())
+
+    async def node_by_id_or_name(self, ref: str) -> Node | None:
+        async with self.session() as s:
+            return (await s.scalars(select(Node).where(or_(Node.id == ref, Node.name == ref)))).first()
+
+    async def live_counts(self) -> dict[str, int]:
+        async with self.session() as s:
+            q = (select(Sandbox.node_id, func.count()).where(Sandbox.state.in_([st.value for st in LIVE]))
+                 .group_by(Sandbox.node_id))
+            return {nid: int(n) for nid, n in (await s.execute(q)).all() if nid}
+
+    async def set_node(self, node_id: str, **values: Any) -> Node | None:
+        async with self.session.begin() as s:
+            await s.execute(update(Node).where(Node.id == node_id).values(**values))
+        return await self.get_node(node_id)
 
     async def allocations(self) -> dict[str, tuple[float, int]]:
         """(vCPU, MiB) held per node by sandboxes not yet ended, reservations in flight included."""

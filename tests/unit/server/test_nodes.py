@@ -1,0 +1,117 @@
+"""Node liveness (unreachable → lost, never doubled on return, no reaping on a store outage) and the
+operator's node commands (list, drain, undrain; admin key only)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.stack import stack
+
+pytestmark = pytest.mark.anyio
+FAST = {"heartbeat_interval": 0.2, "unreachable_after": 0.6, "lost_after": 1.5}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def wait_for(pred: Any, timeout: float = 10) -> None:
+    with anyio.fail_after(timeout):
+        while not await pred():
+            await anyio.sleep(0.05)
+
+
+def silence(agent: Any) -> Any:
+    """Make the node stop heartbeating (as if its network went away); returns an undo."""
+    real = agent._heartbeat
+
+    async def failing() -> None:
+        raise OSError("network down")
+
+    agent._heartbeat = failing
+    return lambda: setattr(agent, "_heartbeat", real)
+
+
+async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path, **FAST) as st, st.client() as c:
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+        undo = silence(st.agent)
+
+        async def node_state() -> str:
+            return (await c.get("/v1/nodes")).json()["items"][0]["state"]
+
+        await wait_for(lambda: _eq(node_state(), "unreachable"))
+        r = await c.post("/v1/sandboxes", json={"template": "tiny"})
+        assert r.status_code == 503 and "not ready" in r.json()["error"]["message"]
+        await wait_for(lambda: _eq(_state(c, sb["id"]), "lost"))
+        lost = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert lost["end_reason"] == "node_lost"
+        node = (await c.get("/v1/nodes")).json()["items"][0]
+        ended, last_hb = datetime.fromisoformat(lost["ended_at"]), datetime.fromisoformat(node["last_heartbeat_at"])
+        assert ended == max(last_hb, datetime.fromisoformat(lost["started_at"]))   # billing stops there
+        cost_at_loss = lost["cost_usd"]
+        # the node comes back still running it: it is stopped there, stays lost, is not billed further
+        assert sb["id"] in await st.runtime.list_ids()
+        undo()
+        await wait_for(lambda: _eq(node_state(), "ready"))
+        await wait_for(lambda: _not_in(sb["id"], st.runtime.list_ids()))
+        again = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert again["state"] == "lost" and again["cost_usd"] == cost_at_loss
+        assert (await c.post("/v1/sandboxes", json={"template": "tiny"})).status_code == 201
+
+
+async def test_store_outage_never_reaps(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path, **FAST) as st, st.client() as c:
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+        store = st.cp.store
+        real_list, real_hb = store.list_nodes, store.heartbeat
+
+        async def down(*a: Any, **k: Any) -> Any:
+            raise ConnectionError("store is down")
+
+        store.list_nodes = down            # the liveness pass cannot read the store ...
+        store.heartbeat = down             # ... and heartbeats cannot be recorded either
+        await anyio.sleep(2.5)             # longer than lost_after
+        store.list_nodes, store.heartbeat = real_list, real_hb
+        await anyio.sleep(0.5)             # the window restarts when the store is back
+        assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
+        assert (await c.get("/v1/nodes")).json()["items"][0]["state"] == "ready"
+
+
+async def test_drain_and_admin_only(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as st, st.client() as c:
+        nodes = (await c.get("/v1/nodes")).json()["items"]
+        assert [(n["name"], n["state"], n["draining"], n["templates"]) for n in nodes] == \
+            [("node-a", "ready", False, ["tiny"])]
+        drained = (await c.post("/v1/nodes/node-a/drain")).json()       # by name or id
+        assert drained["draining"] is True
+        r = await c.post("/v1/sandboxes", json={"template": "tiny"})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "0/1 nodes fit: 1 draining"
+        assert (await c.post(f"/v1/nodes/{nodes[0]['id']}/undrain")).json()["draining"] is False
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 1024})).json()
+        listed = (await c.get("/v1/nodes")).json()["items"][0]
+        assert (listed["sandboxes"], listed["used_vcpu"], listed["used_memory_mb"]) == (1, 2.0, 1024)
+        assert sb["node_id"] == nodes[0]["id"]
+        other = await st.new_team_key("b")
+        async with st.client(key=other) as b:
+            r = await b.get("/v1/nodes")
+            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+            assert (await b.post("/v1/nodes/node-a/drain")).status_code == 403
+        assert (await c.post("/v1/nodes/nope/drain")).status_code == 404
+
+
+async def _eq(aw: Any, value: Any) -> bool:
+    return (await aw) == value
+
+
+async def _not_in(item: Any, aw: Any) -> bool:
+    return item not in await aw
+
+
+async def _state(c: Any, sid: str) -> str:
+    return (await c.get(f"/v1/sandboxes/{sid}")).json()["state"]
