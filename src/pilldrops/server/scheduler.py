@@ -109,7 +109,7 @@ def place(req: Request, nodes: list[NodeView]) -> Placement | Unschedulable:
 
 
 class _Node:
-    __slots__ = ("id", "cap_c", "cap_m", "used_c", "used_m", "ready", "draining", "templates")
+    __slots__ = ("cap_c", "cap_m", "draining", "id", "ready", "templates", "used_c", "used_m")
 
     def __init__(self, v: NodeView) -> None:
         self.id, self.cap_c, self.cap_m = v.id, v.capacity_vcpu, v.capacity_memory_mb
@@ -123,7 +123,7 @@ class _Node:
 
 class _Row:
     """Nodes of one shape with the same used memory: distinct used vCPU values (sorted) → node ids (sorted)."""
-    __slots__ = ("ucs", "ids")
+    __slots__ = ("ids", "ucs")
 
     def __init__(self) -> None:
         self.ucs: list[float] = []
@@ -132,7 +132,7 @@ class _Row:
 
 class _Shape:
     """Eligible nodes (for one template) of one capacity shape."""
-    __slots__ = ("cap_c", "cap_m", "ums", "rows", "all_uc")
+    __slots__ = ("all_uc", "cap_c", "cap_m", "rows", "ums")
 
     def __init__(self, cap_c: float, cap_m: int) -> None:
         self.cap_c, self.cap_m = cap_c, cap_m

@@ -25,8 +25,8 @@ def error_of(resp) -> dict:  # noqa: ANN001
     return body["error"]
 
 
-async def test_create_get_list_kill(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_create_get_list_kill(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json={"template": "tiny", "metadata": {"run": "a"}})
         assert r.status_code == 201, r.text
         sb = r.json()
@@ -44,8 +44,8 @@ async def test_create_get_list_kill(tmp_path) -> None:  # noqa: ANN001
         assert await st.runtime.list_ids() == []
 
 
-async def test_auth_required_and_typed(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st:
+async def test_auth_required_and_typed(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st:
         async with st.client(key="") as anon:
             r = await anon.get("/v1/sandboxes")
             assert r.status_code == 401 and error_of(r)["code"] == "unauthenticated"
@@ -57,8 +57,8 @@ async def test_auth_required_and_typed(tmp_path) -> None:  # noqa: ANN001
             assert r.status_code == 200   # the E2B header works too
 
 
-async def test_other_team_sees_404_exactly_like_unknown(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as a:
+async def test_other_team_sees_404_exactly_like_unknown(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as a:
         sb = (await a.post("/v1/sandboxes", json={"template": "tiny"})).json()
         other = await st.new_team_key("team-b")
         async with st.client(key=other) as b:
@@ -72,8 +72,8 @@ async def test_other_team_sees_404_exactly_like_unknown(tmp_path) -> None:  # no
         assert (await a.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
 
 
-async def test_idempotent_create(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_idempotent_create(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         body = {"template": "tiny", "timeout": 60}
         h = {"Idempotency-Key": "episode-17"}
         r1, r2 = await c.post("/v1/sandboxes", json=body, headers=h), await c.post("/v1/sandboxes", json=body,
@@ -85,8 +85,8 @@ async def test_idempotent_create(tmp_path) -> None:  # noqa: ANN001
         assert r3.status_code == 409 and error_of(r3)["code"] == "conflict"
 
 
-async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         ids: list[str] = []
 
         async def one() -> None:
@@ -109,8 +109,8 @@ async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path) -> None:
     ({"template": "Bad Name!"}, "template"),
     ({"template": "tiny", "metadata": {"k": 5}}, "metadata"),
 ])
-async def test_bad_create_input_is_400_with_details(tmp_path, body, where) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_bad_create_input_is_400_with_details(tmp_path, store_url, body, where) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json=body)
         err = error_of(r)
         assert r.status_code == 400 and err["code"] == "invalid_request"
@@ -118,8 +118,8 @@ async def test_bad_create_input_is_400_with_details(tmp_path, body, where) -> No
         assert await st.runtime.list_ids() == []
 
 
-async def test_malformed_json_and_unknown_route(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_malformed_json_and_unknown_route(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", content=b"{nope", headers={"content-type": "application/json"})
         assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
         r = await c.get("/v1/nothing-here")
@@ -130,8 +130,8 @@ async def test_malformed_json_and_unknown_route(tmp_path) -> None:  # noqa: ANN0
         assert r.status_code == 400
 
 
-async def test_unknown_template_and_capacity(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path, capacity_vcpu=8, capacity_memory_mb=1024) as st, st.client() as c:
+async def test_unknown_template_and_capacity(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=8, capacity_memory_mb=1024) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json={"template": "nosuch"})
         assert r.status_code == 404 and error_of(r)["code"] == "template_not_found"
         assert "tiny" in error_of(r)["message"]
@@ -147,8 +147,8 @@ async def test_unknown_template_and_capacity(tmp_path) -> None:  # noqa: ANN001
         assert (await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 512})).status_code == 201
 
 
-async def test_failed_start_is_recorded(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_failed_start_is_recorded(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         st.runtime.fail_create = True
         r = await c.post("/v1/sandboxes", json={"template": "tiny"})
         assert r.status_code == 500 and "failed to start" in error_of(r)["message"]
@@ -156,8 +156,8 @@ async def test_failed_start_is_recorded(tmp_path) -> None:  # noqa: ANN001
         assert len(failed) == 1 and failed[0]["end_reason"] == "failed_start"
 
 
-async def test_list_filters_and_cursor(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_list_filters_and_cursor(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         made = []
         for i in range(5):
             r = await c.post("/v1/sandboxes", json={"template": "tiny", "metadata": {"i": str(i), "g": str(i % 2)}})
@@ -178,8 +178,8 @@ async def test_list_filters_and_cursor(tmp_path) -> None:  # noqa: ANN001
         assert sorted(s["id"] for s in live_evens["items"]) == sorted([made[2], made[4]])
 
 
-async def test_set_timeout_and_node_enforced_deadline(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_set_timeout_and_node_enforced_deadline(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "timeout": 1})).json()
         longer = (await c.post("/v1/sandboxes", json={"template": "tiny", "timeout": 1})).json()
         r = await c.post(f"/v1/sandboxes/{longer['id']}/timeout", json={"timeout": 600})
@@ -196,8 +196,8 @@ async def test_set_timeout_and_node_enforced_deadline(tmp_path) -> None:  # noqa
         assert error_of(r)["details"] == {"from": "stopped", "to": "running"}
 
 
-async def test_oom_of_init_is_reported(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_oom_of_init_is_reported(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         await st.runtime.simulate_oom(st.agent.live[sb["id"]].target.handle)
         with anyio.fail_after(10):
@@ -206,8 +206,8 @@ async def test_oom_of_init_is_reported(tmp_path) -> None:  # noqa: ANN001
         assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["end_reason"] == "oom"
 
 
-async def test_run_through_control_plane_proxy(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_run_through_control_plane_proxy(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "envs": {"A": "1"}})).json()
         r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo out-$A-$PD_TEMPLATE; echo err >&2; exit 3"})
         events = [json.loads(line) for line in r.text.splitlines()]
@@ -220,8 +220,8 @@ async def test_run_through_control_plane_proxy(tmp_path) -> None:  # noqa: ANN00
         assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
 
 
-async def test_keys_create_list_revoke(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_keys_create_list_revoke(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/keys", json={"name": "ci"})
         assert r.status_code == 201
         new = r.json()
@@ -237,7 +237,7 @@ async def test_keys_create_list_revoke(tmp_path) -> None:  # noqa: ANN001
             assert (await b.delete(f"/v1/keys/{new['id']}")).status_code == 404
 
 
-async def test_openapi_is_served(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_openapi_is_served(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         spec = (await c.get("/openapi.json")).json()
         assert "/v1/sandboxes" in spec["paths"] and "/v1/sandboxes/{sandbox_id}/run" in spec["paths"]

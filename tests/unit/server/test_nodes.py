@@ -37,8 +37,8 @@ def silence(agent: Any) -> Any:
     return lambda: setattr(agent, "_heartbeat", real)
 
 
-async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path, **FAST) as st, st.client() as c:
+async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         undo = silence(st.agent)
 
@@ -65,8 +65,8 @@ async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path)
         assert (await c.post("/v1/sandboxes", json={"template": "tiny"})).status_code == 201
 
 
-async def test_store_outage_never_reaps(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path, **FAST) as st, st.client() as c:
+async def test_store_outage_never_reaps(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         store = st.cp.store
         real_list, real_hb = store.list_nodes, store.heartbeat
@@ -83,8 +83,8 @@ async def test_store_outage_never_reaps(tmp_path) -> None:  # noqa: ANN001
         assert (await c.get("/v1/nodes")).json()["items"][0]["state"] == "ready"
 
 
-async def test_drain_and_admin_only(tmp_path) -> None:  # noqa: ANN001
-    async with stack(tmp_path) as st, st.client() as c:
+async def test_drain_and_admin_only(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         nodes = (await c.get("/v1/nodes")).json()["items"]
         assert [(n["name"], n["state"], n["draining"], n["templates"]) for n in nodes] == \
             [("node-a", "ready", False, ["tiny"])]
@@ -115,3 +115,38 @@ async def _not_in(item: Any, aw: Any) -> bool:
 
 async def _state(c: Any, sid: str) -> str:
     return (await c.get(f"/v1/sandboxes/{sid}")).json()["state"]
+
+
+async def test_two_control_planes_racing_never_overcommit(tmp_path, store_url) -> None:  # noqa: ANN001
+    """Two control-plane processes (stateless, one database) race 24 creates for 8 slots of one node:
+    exactly 8 win, the rest get 503, and the node's allocation never passes its capacity."""
+    import httpx
+
+    from pilldrops.node.api import create_node_app
+    from pilldrops.server.main import build_control_plane
+    from tests.stack import TOKEN
+
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=8, capacity_memory_mb=1 << 20) as st:
+        cp2 = await build_control_plane(store_url, TOKEN,
+                                        node_transport=httpx.ASGITransport(app=create_node_app(st.agent, TOKEN)))
+        try:
+            clients = [st.client(), httpx.AsyncClient(transport=httpx.ASGITransport(app=cp2.app),
+                                                      base_url="http://cp2",
+                                                      headers={"Authorization": f"Bearer {st.key}"})]
+            codes: list[int] = []
+
+            async def one(i: int) -> None:
+                r = await clients[i % 2].post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1})
+                codes.append(r.status_code)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(24):
+                    tg.start_soon(one, i)
+            assert sorted(codes) == [201] * 8 + [503] * 16
+            node = (await clients[0].get("/v1/nodes")).json()["items"][0]
+            assert node["used_vcpu"] == 8 and node["sandboxes"] == 8
+            assert len(await st.runtime.list_ids()) == 8
+            for c in clients:
+                await c.aclose()
+        finally:
+            await cp2.aclose()

@@ -1,5 +1,6 @@
 """Scheduler: scenario tables that read like a spec, plus properties (never over-commits; the answer does
-not depend on the order nodes are given in)."""
+not depend on the order nodes are given in; the chosen node is optimal; the incremental ``PlacementIndex``
+answers exactly what the pure ``place`` answers on the same state, through reserves, releases and changes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilldrops.server.scheduler import NodeView, Placement, Request, Unschedulable, place
+from pilldrops.server.scheduler import NodeView, Placement, PlacementIndex, Request, Unschedulable, place
 
 T = frozenset({"tiny"})
 
@@ -67,3 +68,138 @@ def test_never_overcommits_and_order_independent(nodes: list[NodeView], req: Req
         assert not n.draining
     else:
         assert sum(res.reasons.values()) == len(nodes)
+
+
+def fits(req: Request, n: NodeView) -> bool:
+    return (n.ready and not n.draining and req.template in n.templates
+            and n.used_vcpu + req.vcpu <= n.capacity_vcpu + 1e-9
+            and n.used_memory_mb + req.memory_mb <= n.capacity_memory_mb)
+
+
+def score(req: Request, n: NodeView) -> float:
+    """Free capacity left after placing, mean of both fractions: lower is a better (fuller) fit."""
+    return ((n.capacity_vcpu - n.used_vcpu - req.vcpu) / n.capacity_vcpu
+            + (n.capacity_memory_mb - n.used_memory_mb - req.memory_mb) / n.capacity_memory_mb) / 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes_st, req_st)
+def test_chosen_node_is_optimal(nodes: list[NodeView], req: Request) -> None:
+    res = place(req, nodes)
+    feasible = [n for n in nodes if fits(req, n)]
+    if not feasible:
+        assert isinstance(res, Unschedulable)
+        return
+    assert isinstance(res, Placement)
+    chosen = next(n for n in nodes if n.id == res.node_id)
+    assert fits(req, chosen)
+    assert not any(score(req, n) < score(req, chosen) for n in feasible)
+    assert not any(score(req, n) == score(req, chosen) and n.id < chosen.id for n in feasible)
+
+
+@pytest.mark.parametrize("scenario,nodes,req,explain", [
+    ("every filter reason", [node("a", ready=False), node("b", draining=True), node("c", templates=frozenset()),
+                             node("d", used_cpu=8), node("e", used_mem=8000)],
+     Request("tiny", 1, 512),
+     "0/5 nodes fit: 1 draining, 1 insufficient memory, 1 insufficient vcpu, 1 not ready, 1 template missing"),
+    ("unknown template", [node("a"), node("b")], Request("big", 1, 512), "0/2 nodes fit: 2 template missing"),
+    ("no nodes", [], Request("tiny", 1, 512), "0/0 nodes fit: no nodes registered"),
+])
+def test_index_explains_like_place(scenario: str, nodes: list[NodeView], req: Request, explain: str) -> None:
+    res = PlacementIndex(nodes).place(req)
+    assert res == place(req, nodes), scenario
+    assert isinstance(res, Unschedulable) and res.explain() == explain
+
+
+def test_index_reserve_release_follow_the_fill() -> None:
+    idx = PlacementIndex([node("a"), node("b", used_mem=4096)])
+    req = Request("tiny", 2, 2048)
+    assert idx.place(req) == Placement("b")
+    idx.reserve("b", 2, 2048)
+    idx.reserve("b", 2, 2048)
+    assert idx.place(req) == Placement("a")          # b has no memory left
+    idx.release("b", 2, 2048)
+    assert idx.place(req) == Placement("b")
+    idx.upsert(node("b", used_mem=6144, draining=True))
+    assert idx.place(req) == Placement("a")
+    idx.remove("a")
+    res = idx.place(req)
+    assert isinstance(res, Unschedulable) and res.explain() == "0/1 nodes fit: 1 draining"
+    assert idx.place(Request("tiny", 1, 9000)) == place(Request("tiny", 1, 9000), idx.views())
+
+
+@pytest.mark.parametrize("scenario,nodes,req,expect", [
+    ("equal scores across rows tie by id: b is fuller in memory, a in vCPU",
+     [node("b", 4, 4096, used_cpu=2, used_mem=2048), node("a", 4, 4096, used_cpu=3, used_mem=1024)],
+     Request("tiny", 1, 0), "a"),
+    ("used vCPU differing in the last bit scores the same: tie by id",
+     [node("b", 16, 4096, used_cpu=0.1 + 0.2), node("a", 16, 4096, used_cpu=0.3)], Request("tiny", 1, 512), "a"),
+    ("a sum that overshoots capacity by a rounding error still fits",
+     [node("a", 0.3, 4096, used_cpu=0.1), node("b", 4, 4096)], Request("tiny", 0.2, 512), "a"),
+])
+def test_ties_and_rounding(scenario: str, nodes: list[NodeView], req: Request, expect: str) -> None:
+    assert place(req, nodes) == Placement(expect), scenario
+    assert PlacementIndex(nodes).place(req) == Placement(expect), scenario
+
+
+# Heterogeneous shapes, several templates, fractional vCPU so float sums are exercised, and operations between
+# decisions. Ids are drawn from a small pool so updates hit existing nodes.
+TEMPLATES = ["tiny", "py", "node"]
+index_node_st = st.builds(
+    lambda i, cpu, mem, uc, um, ready, dr, ts: NodeView(
+        f"n{i}", cpu, mem, min(uc, cpu), min(um, mem), ready, dr, frozenset(ts)),
+    st.integers(0, 15), st.sampled_from([0.5, 2, 4, 16]), st.sampled_from([512, 4096, 65536]),
+    st.sampled_from([0, 0.1, 0.2, 0.3, 0.5, 1.5, 3.7, 16]), st.integers(0, 65536),
+    st.booleans(), st.booleans(), st.sets(st.sampled_from(TEMPLATES), max_size=3))
+index_req_st = st.builds(Request, st.sampled_from(TEMPLATES), st.sampled_from([0.1, 0.2, 0.5, 1, 2, 4, 8]),
+                         st.sampled_from([0, 128, 256, 512, 2048, 8192, 70000]))
+op_st = st.one_of(
+    st.tuples(st.just("reserve"), st.integers(0, 15), st.sampled_from([0.1, 0.2, 0.5, 1, 2]),
+              st.sampled_from([0, 256, 512, 4096])),
+    st.tuples(st.just("release"), st.integers(0, 15), st.sampled_from([0.1, 0.2, 0.5, 1, 2]),
+              st.sampled_from([0, 256, 512, 4096])),
+    st.tuples(st.just("upsert"), index_node_st),
+    st.tuples(st.just("remove"), st.integers(0, 15)),
+    st.tuples(st.just("place"), index_req_st),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(index_node_st, max_size=16, unique_by=lambda n: n.id), st.lists(op_st, max_size=30),
+       st.lists(index_req_st, min_size=1, max_size=4))
+def test_index_equals_pure_place(nodes: list[NodeView], ops: list[tuple], reqs: list[Request]) -> None:
+    idx = PlacementIndex(nodes)
+    for op in ops:
+        kind = op[0]
+        if kind in ("reserve", "release", "remove") and f"n{op[1]}" not in {v.id for v in idx.views()}:
+            continue
+        if kind == "reserve":
+            idx.reserve(f"n{op[1]}", op[2], op[3])
+        elif kind == "release":
+            idx.release(f"n{op[1]}", op[2], op[3])
+        elif kind == "upsert":
+            idx.upsert(op[1])
+        elif kind == "remove":
+            idx.remove(f"n{op[1]}")
+        else:
+            assert idx.place(op[1]) == place(op[1], idx.views())
+        for req in reqs:
+            assert idx.place(req) == place(req, idx.views())
+
+
+def test_index_equals_pure_place_when_packing_many_nodes() -> None:
+    """A long deterministic fill with departures on equal-shape nodes, where ties (empty nodes) are many."""
+    rnd = random.Random(7)
+    idx = PlacementIndex(node(f"n{i:03}", 16, 65536) for i in range(60))
+    live: list[tuple[str, float, int]] = []
+    for _ in range(1500):
+        req = Request("tiny", rnd.choice([0.5, 1, 2, 4, 8]), rnd.choice([256, 512, 1024, 2048, 4096, 8192]))
+        res = idx.place(req)
+        assert res == place(req, idx.views())
+        if isinstance(res, Placement):
+            idx.reserve(res.node_id, req.vcpu, req.memory_mb)
+            live.append((res.node_id, req.vcpu, req.memory_mb))
+        if live and rnd.random() < 0.4:
+            idx.release(*live.pop(rnd.randrange(len(live))))
+    for v in idx.views():
+        assert v.used_vcpu <= v.capacity_vcpu + 1e-9 and v.used_memory_mb <= v.capacity_memory_mb

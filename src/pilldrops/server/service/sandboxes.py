@@ -89,11 +89,9 @@ class SandboxService:
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
             created_at=now, end_at=now + timedelta(seconds=req.timeout),
         )
-        async with self._place_lock:
-            node = await self._place(req)
-            row.node_id = node.id
+        async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
-                await self.store.insert_sandbox(row)
+                node = await self.store.place_and_insert(row, lambda nodes, allocs: self._choose(req, nodes, allocs))
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True
@@ -124,15 +122,13 @@ class SandboxService:
                     log.warning("could not stop %s, killed while starting: %s", row.id, exc)
         return (updated or await self.get_row(team_id, row.id)), True
 
-    async def _place(self, req: CreateSandboxRequest) -> Node:
-        nodes = await self.store.list_nodes()
+    def _choose(self, req: CreateSandboxRequest, nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
         now = self.clock.now()
         if not any(req.template in {t.get("name") for t in n.templates} for n in nodes):
             known = sorted({t.get("name") for n in nodes for t in n.templates})
             raise errors.TemplateNotFound(
                 f"template {req.template!r} is not built on any node (available: {', '.join(known) or 'none'}); "
                 f"build it with `pilldrops template build {req.template}`")
-        allocs = await self.store.allocations()
         views = [scheduler.NodeView(
             id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
             used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],

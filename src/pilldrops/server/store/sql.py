@@ -14,10 +14,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import anyio
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import and_, event, func, or_, select, update
+from sqlalchemy import and_, event, func, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -37,14 +36,19 @@ def sqlite_url(path: Path) -> str:
     return f"sqlite+aiosqlite:///{path}"
 
 
-def _sync_url(url: str) -> str:
-    return url.replace("+aiosqlite", "").replace("+asyncpg", "+psycopg")
+def normalize_url(url: str) -> str:
+    """Accept plain ``postgresql://`` and ``sqlite:///`` URLs and pick the async drivers."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+asyncpg://" + url.split("://", 1)[1]
+    if url.startswith("sqlite:///"):
+        return "sqlite+aiosqlite:///" + url[len("sqlite:///"):]
+    return url
 
 
-def migrate(url: str) -> None:
+def _migrate(sync_conn: Any) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    cfg.set_main_option("sqlalchemy.url", _sync_url(url))
+    cfg.attributes["connection"] = sync_conn
     command.upgrade(cfg, "head")
 
 
@@ -69,6 +73,13 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     return when, sid
 
 
+async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
+    q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
+         .where(Sandbox.state.in_([st.value for st in LIVE]), Sandbox.node_id.is_not(None))
+         .group_by(Sandbox.node_id))
+    return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
+
+
 class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -76,7 +87,7 @@ class Store:
 
     @classmethod
     async def open(cls, url: str) -> Store:
-        await anyio.to_thread.run_sync(migrate, url)
+        url = normalize_url(url)
         if url.startswith("sqlite"):
             engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=120,
                                          connect_args={"timeout": 60})
@@ -90,6 +101,11 @@ class Store:
                 cur.close()
         else:
             engine = create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+        async with engine.begin() as conn:   # schema migrations (Alembic) on the same driver
+            if engine.dialect.name == "postgresql":
+                # several control planes may start at once: one migrates, the others wait for it
+                await conn.execute(text("SELECT pg_advisory_xact_lock(727274)"))
+            await conn.run_sync(_migrate)
         return cls(engine)
 
     async def close(self) -> None:
@@ -215,10 +231,31 @@ class Store:
     async def allocations(self) -> dict[str, tuple[float, int]]:
         """(vCPU, MiB) held per node by sandboxes not yet ended, reservations in flight included."""
         async with self.session() as s:
-            q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
-                 .where(Sandbox.state.in_([st.value for st in LIVE]), Sandbox.node_id.is_not(None))
-                 .group_by(Sandbox.node_id))
-            return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
+            return await _allocations(s)
+
+    async def place_and_insert(self, row: Sandbox, choose: Callable[[list[Node], dict[str, tuple[float, int]]], Node]
+                               ) -> Node:
+        """Choose a node and record the sandbox on it in ONE transaction, with the node rows locked
+        (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers): two control planes creating at once
+        can never both fill the last slot of a node."""
+        try:
+            async with self.session.begin() as s:
+                if self.engine.dialect.name == "sqlite":
+                    # SQLite ignores FOR UPDATE: a write statement first takes the database's write lock,
+                    # so the reads below are already serialised with every other writer
+                    await s.execute(update(Node).where(text("0 = 1")).values(draining=Node.draining))
+                nodes = list((await s.scalars(select(Node).order_by(Node.id).with_for_update())).all())
+                node = choose(nodes, await _allocations(s))
+                row.node_id = node.id
+                s.add(row)
+                await s.flush()
+                for k, v in (row.metadata_ or {}).items():
+                    s.add(SandboxLabel(sandbox_id=row.id, key=k, value=v))
+        except IntegrityError as exc:
+            if row.idempotency_key:
+                raise DuplicateIdempotencyKey(row.idempotency_key) from exc
+            raise
+        return node
 
     # ---- sandboxes -----------------------------------------------------------------------------------
 
