@@ -14,10 +14,13 @@ execs and destroys of different sandboxes run concurrently.
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import shutil
+import stat
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterable
 from pathlib import Path
@@ -28,6 +31,7 @@ from pilldrops.node.isolation import cgroups, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount_all_under
+from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init
 from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
@@ -42,6 +46,13 @@ def _nofile_limit() -> int:
     CAP_SYS_RESOURCE cannot raise it; e.g. 20000 on the dev box)."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
+
+
+def exec_mode() -> str:
+    """``PILLDROPS_EXEC=supervisor`` (default: commands through pd-init's socket when the sandbox has one)
+    or ``crun`` (always one ``crun exec`` per command)."""
+    mode = os.environ.get("PILLDROPS_EXEC", "supervisor").strip().lower()
+    return mode if mode in ("supervisor", "crun") else "supervisor"
 
 
 class CrunRuntime:
@@ -98,12 +109,14 @@ class CrunRuntime:
         try:
             for p in (rootfs, upper, work, d / "exec"):
                 p.mkdir(parents=True)
+            (d / "pd").mkdir(mode=0o700)
             try:
                 mount_overlay(rootfs, [Path(p) for p in spec.layers], upper, work)
             except (MountError, ValueError) as e:
                 raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
             config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
-                                cgroup_parent=self.cgroup_parent, nofile=_nofile_limit())
+                                cgroup_parent=self.cgroup_parent, nofile=_nofile_limit(),
+                                run_dir=d / "pd")
             (d / "config.json").write_text(json.dumps(config))
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
@@ -123,6 +136,11 @@ class CrunRuntime:
             if start is None:
                 raise RuntimeFailure(f"sandbox {spec.id} init is not running after start",
                                      detail=f"pid={pid} " + (d / "crun.err").read_text(errors="replace"))
+            # pd-init binds its control socket right after it starts; give it that moment so that the
+            # first command already takes the fast path (if it never shows up, exec uses crun exec)
+            deadline = time.monotonic() + 0.5
+            while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
+                await anyio.sleep(0.001)
             self._defaults[spec.id] = self._defaults_from(config)
             ok = True
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
@@ -134,14 +152,19 @@ class CrunRuntime:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None) -> PipeExec:
+                   output_cap: int | None = None) -> PipeExec | SupervisorExec:
         if not argv:
             raise RuntimeFailure("exec needs a non-empty argv")
         d = self._dir(handle.id)
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
-        pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
         base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
+        if exec_mode() == "supervisor":
+            proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env}, cwd=cwd or base_cwd,
+                                         stdin=stdin, timeout=timeout, output_cap=output_cap)
+            if proc is not None:
+                return proc
+        pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
         args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
         args += [f"--env={k}={v}" for k, v in {**base_env, **env}.items()]
         args.append(f"--cwd={cwd or base_cwd}")
@@ -151,6 +174,31 @@ class CrunRuntime:
                             output_cap=output_cap)
         except OSError as e:
             raise RuntimeFailure(f"cannot start crun exec in {handle.id}", detail=str(e)) from e
+
+    @staticmethod
+    def _supervisor_exec(d: Path, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str,
+                         stdin: AsyncIterable[bytes] | bytes | None, timeout: float | None,
+                         output_cap: int | None) -> SupervisorExec | None:
+        """The command through pd-init's socket, or None when there is none (sandbox made before the
+        fast path, or its init does not listen): the caller falls back to ``crun exec``.
+
+        The socket sits in a directory the sandbox can write to, so it is opened with O_NOFOLLOW and
+        connected through /proc/self/fd: a symlink planted there never makes the agent connect to a
+        host socket.
+        """
+        try:
+            fd = os.open(d / "pd" / "ctl", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return None
+            return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
+                                  init_pid=handle.pid, timeout=timeout, output_cap=output_cap)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _process_defaults(d: Path) -> tuple[dict[str, str], str]:

@@ -15,6 +15,7 @@ from typing import Any
 from pilldrops.node.runtime.base import SandboxSpec
 
 INIT_PATH_IN_SANDBOX = "/.pd/init"
+RUN_DIR_IN_SANDBOX = "/.pd/run"      # pd-init's control socket lives here (bind-mounted rw from the host)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD = 100_000
 SHM_SIZE = "65536k"
@@ -113,11 +114,14 @@ def merged_env(base: dict[str, str] | None, extra: dict[str, str] | None) -> lis
 
 
 def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_parent: str,
-               template_env: dict[str, str] | None = None, nofile: int = NOFILE) -> dict[str, Any]:
+               template_env: dict[str, str] | None = None, nofile: int = NOFILE,
+               run_dir: Path | None = None) -> dict[str, Any]:
     """The OCI config for ``spec`` with root ``rootfs`` (the overlay merged dir), as a JSON-able dict.
 
     ``nofile`` is RLIMIT_NOFILE (soft = hard); the caller caps it at its own hard limit when it lacks
-    CAP_SYS_RESOURCE (crun's setrlimit fails with EPERM otherwise).
+    CAP_SYS_RESOURCE (crun's setrlimit fails with EPERM otherwise). ``run_dir`` (a host directory) is
+    bind-mounted read-write at ``RUN_DIR_IN_SANDBOX``: pd-init then listens on ``ctl`` there and the agent
+    runs commands through it (the fast exec path); without it pd-init is only an init.
     """
     if spec.vcpu <= 0 or spec.memory_mb <= 0 or spec.pids_limit <= 0:
         raise ValueError(f"limits must be positive: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
@@ -155,7 +159,8 @@ def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_paren
              "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
             {"destination": INIT_PATH_IN_SANDBOX, "type": "bind", "source": str(init_path),
              "options": ["bind", "ro", "nosuid", "nodev"]},
-        ],
+        ] + ([{"destination": RUN_DIR_IN_SANDBOX, "type": "bind", "source": str(run_dir),
+               "options": ["bind", "rw", "nosuid", "nodev", "noexec"]}] if run_dir is not None else []),
         "linux": {
             "cgroupsPath": f"/{cgroup_parent.strip('/')}/{spec.id}",
             "resources": {

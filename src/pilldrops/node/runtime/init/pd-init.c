@@ -1,22 +1,306 @@
-/* pd-init: PID 1 of every PillDrops sandbox.
+/* pd-init: PID 1 of every PillDrops sandbox, and its command supervisor.
  *
- * - reaps every zombie re-parented to it (waitpid(-1) loop on SIGCHLD);
- * - exits 0 on SIGTERM or SIGINT;
- * - otherwise sleeps in sigwaitinfo(), costing a few KiB of RSS.
+ * As init: reaps every zombie re-parented to it and exits 0 on SIGTERM or SIGINT. Signals are blocked
+ * and read from a signalfd: as a pid-namespace init, signals with a default disposition would be ignored.
  *
- * Signals are blocked and taken synchronously: as a pid-namespace init, signals with a default
- * disposition would be ignored by the kernel, blocked ones are still delivered to sigwaitinfo.
+ * As supervisor (only when the directory /.pd/run exists, bind-mounted read-write from the host's
+ * <sandbox dir>/pd): listens on the unix stream socket /.pd/run/ctl (mode 0600). One command per
+ * connection. Every frame, both ways, is  u8 type | u32 length (little endian) | payload.
+ *
+ *   agent -> pd-init   'R' request: u8 flags (1 = stdin frames follow) | u32 argc | u32 envc |
+ *                          cwd\0 argv[0]\0 ... env[0]\0 ...        (first frame, exactly once)
+ *                      'I' stdin bytes        'E' stdin EOF        'K' kill the command's process group
+ *                      (EOF or hang-up of the connection before the exit frame also kills)
+ *   pd-init -> agent   'P' i32 pid (in the sandbox's pid namespace), right after the fork
+ *                      'O' stdout bytes       'e' stderr bytes
+ *                      'X' i32 exit code (128+N when killed by signal N), last frame
+ *
+ * The child does setsid() (so -pid names its process group), chdir(cwd) (failure: message on stderr,
+ * exit 126), dup2s the pipes and execvp()s argv with environ = env, so PATH comes from env (failure:
+ * message on stderr, exit 127). It inherits every restriction of the sandbox (namespaces, cgroup,
+ * capabilities, seccomp, no_new_privs) because it is a plain fork of the sandbox's init.
+ * The exit frame is sent once the child has been reaped and its pipes are at EOF, or have been quiet for
+ * GRACE_MS (a background child may hold them open: the command returns when it exits, as a shell would).
+ * Nothing is buffered unboundedly: a child's pipes are not read while its out buffer is full.
  * Built statically (gcc -static -Os) so it needs nothing from the sandbox's rootfs.
  */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
-static void reap(void) {
-    while (waitpid(-1, NULL, WNOHANG) > 0) {
+#define RUN_DIR "/.pd/run"
+#define SOCK_PATH RUN_DIR "/ctl"
+#define NSLOTS 64
+#define OUTBUF (32 * 1024)
+#define INBUF (16 * 1024 + 5)
+#define MAX_REQ (4 * 1024 * 1024)
+#define GRACE_MS 100
+
+enum { FREE, REQ, RUN };
+
+struct slot {
+    int state, conn, in_w, out_r, err_r;   /* -1 when closed */
+    pid_t pid, pgid;                       /* pid is 0 once reaped; pgid stays for late kills */
+    int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked;
+    long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
+    char *req;                             /* request payload (malloc'ed once per request) */
+    uint32_t req_len, req_got;
+    uint32_t in_len, in_off;               /* inbuf: bytes held, bytes of a stdin payload written */
+    uint32_t out_off, out_len;             /* outbuf: [out_off, out_len) waits to be sent */
+    unsigned char in[INBUF];
+    unsigned char out[OUTBUF];
+};
+
+static struct slot slots[NSLOTS];
+extern char **environ;
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000LL + ts.tv_nsec / 1000000;
+}
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    p[0] = v; p[1] = v >> 8; p[2] = v >> 16; p[3] = v >> 24;
+}
+
+static uint32_t get_u32(const unsigned char *p) {
+    return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void cl(int *fd) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+}
+
+/* Queue a 4-byte frame (pid / exit). Room is kept for it: pipes are read only with room to spare. */
+static void frame(struct slot *s, int type, int32_t v) {
+    if (s->conn_dead || s->out_len + 9 > OUTBUF) return;
+    unsigned char *p = s->out + s->out_len;
+    p[0] = type;
+    put_u32(p + 1, 4);
+    put_u32(p + 5, (uint32_t)v);
+    s->out_len += 9;
+}
+
+static void release(struct slot *s) {
+    cl(&s->conn); cl(&s->in_w); cl(&s->out_r); cl(&s->err_r);
+    free(s->req);
+    memset(s, 0, offsetof(struct slot, in));
+    s->conn = s->in_w = s->out_r = s->err_r = -1;
+    s->state = FREE;
+    /* give the buffers' whole pages back so an idle supervisor stays small */
+    uintptr_t a = ((uintptr_t)s->in + 4095) & ~4095UL, b = ((uintptr_t)(s + 1)) & ~4095UL;
+    if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+}
+
+static void do_kill(struct slot *s) {
+    if (!s->killed && s->pgid > 0) {
+        kill(-s->pgid, SIGKILL);
+        if (s->pid > 0) kill(s->pid, SIGKILL);
+    }
+    s->killed = 1;
+}
+
+static void flush(struct slot *s) {
+    while (s->out_off < s->out_len && !s->conn_dead) {
+        ssize_t n = send(s->conn, s->out + s->out_off, s->out_len - s->out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) s->out_off += n;
+        else if (n < 0 && errno == EINTR) continue;
+        else if (n < 0 && errno == EAGAIN) break;
+        else { s->conn_dead = 1; do_kill(s); }        /* the agent is gone: kill, drain, discard */
+    }
+    if (s->conn_dead || s->out_off == s->out_len) s->out_off = s->out_len = 0;
+    else if (s->out_off > OUTBUF / 2) {
+        memmove(s->out, s->out + s->out_off, s->out_len - s->out_off);
+        s->out_len -= s->out_off;
+        s->out_off = 0;
     }
 }
+
+static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_UNBLOCK, &all, NULL);
+    setsid();
+    if (in_r < 0) in_r = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    dup2(in_r, 0); dup2(out_w, 1); dup2(err_w, 2);
+    if (chdir(cwd) != 0) {
+        dprintf(2, "pd-init: chdir to `%s`: %s\n", cwd, strerror(errno));
+        _exit(126);
+    }
+    environ = env;
+    execvp(argv[0], argv);
+    int e = errno;
+    dprintf(2, "pd-init: exec `%s`: %s\n", argv[0], strerror(e));
+    _exit(e == ENOENT ? 127 : 126);
+}
+
+static int start(struct slot *s) {
+    char *p = s->req, *end = s->req + s->req_len;
+    if (s->req_len < 9) return -1;
+    int has_stdin = p[0] & 1;
+    uint32_t argc = get_u32((unsigned char *)p + 1), envc = get_u32((unsigned char *)p + 5);
+    if (argc == 0 || argc > s->req_len || envc > s->req_len) return -1;
+    p += 9;
+    char **vec = calloc(argc + envc + 2, sizeof(char *));
+    if (!vec) return -1;
+    char *cwd = NULL;
+    for (uint32_t i = 0; i < 1 + argc + envc; i++) {
+        char *z = p < end ? memchr(p, 0, end - p) : NULL;
+        if (!z) { free(vec); return -1; }
+        if (i == 0) cwd = p;
+        else if (i <= argc) vec[i - 1] = p;
+        else vec[i] = p;                       /* vec[argc] stays NULL; env is vec + argc + 1 */
+        p = z + 1;
+    }
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
+    pid_t pid = -1;
+    if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
+        pid = fork();
+        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1);
+    }
+    free(vec);
+    free(s->req);
+    s->req = NULL;
+    cl(&in[0]); cl(&out[1]); cl(&err[1]);
+    if (pid < 0) { cl(&in[1]); cl(&out[0]); cl(&err[0]); return -1; }
+    s->in_w = in[1]; s->out_r = out[0]; s->err_r = err[0];
+    if (s->in_w >= 0) fcntl(s->in_w, F_SETFL, O_NONBLOCK);
+    fcntl(s->out_r, F_SETFL, O_NONBLOCK);
+    fcntl(s->err_r, F_SETFL, O_NONBLOCK);
+    s->pid = s->pgid = pid;
+    s->state = RUN;
+    frame(s, 'P', pid);
+    return 0;
+}
+
+/* Act on the complete frames held in the in buffer. Returns -1 when the slot was released. */
+static int frames(struct slot *s) {
+    while (s->in_len >= 5) {
+        uint32_t len = get_u32(s->in + 1);
+        int type = s->in[0];
+        if (s->state == REQ) {
+            if (type != 'R' || len > MAX_REQ || !(s->req = malloc(len ? len : 1))) { release(s); return -1; }
+            s->req_len = len;
+            s->req_got = s->in_len - 5 < len ? s->in_len - 5 : len;
+            memcpy(s->req, s->in + 5, s->req_got);
+            memmove(s->in, s->in + 5 + s->req_got, s->in_len - 5 - s->req_got);
+            s->in_len -= 5 + s->req_got;
+            if (s->req_got < len) return 0;
+            if (start(s) < 0) { release(s); return -1; }
+            continue;
+        }
+        if (len > INBUF - 5) { do_kill(s); s->rd_closed = 1; s->in_len = 0; return 0; }
+        if (s->in_len < 5 + len) return 0;
+        s->in_blocked = 0;
+        if (type == 'I' && s->in_w >= 0) {
+            while (s->in_off < len) {
+                ssize_t w = write(s->in_w, s->in + 5 + s->in_off, len - s->in_off);
+                if (w > 0) s->in_off += w;
+                else if (w < 0 && errno == EINTR) continue;
+                else if (w < 0 && errno == EAGAIN) { s->in_blocked = 1; return 0; }   /* POLLOUT later */
+                else { cl(&s->in_w); break; }            /* the child closed stdin: drop the rest */
+            }
+        } else if (type == 'E') {
+            cl(&s->in_w);
+        } else if (type == 'K') {
+            do_kill(s);
+        }
+        s->in_off = 0;
+        memmove(s->in, s->in + 5 + len, s->in_len - 5 - len);
+        s->in_len -= 5 + len;
+    }
+    return 0;
+}
+
+/* Read from the agent: the request, then stdin / EOF / kill frames. */
+static void on_conn(struct slot *s) {
+    ssize_t n;
+    if (s->state == REQ && s->req) {
+        n = read(s->conn, s->req + s->req_got, s->req_len - s->req_got);
+        if (n <= 0) { if (n == 0 || (errno != EAGAIN && errno != EINTR)) release(s); return; }
+        s->req_got += n;
+        if (s->req_got == s->req_len && start(s) < 0) release(s);
+        else if (s->req_got == s->req_len) frames(s);
+        return;
+    }
+    n = read(s->conn, s->in + s->in_len, INBUF - s->in_len);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        s->rd_closed = 1;
+        if (s->state == REQ) release(s);
+        else do_kill(s);                       /* EOF before the exit frame: the agent gave up */
+        return;
+    }
+    if (n > 0) {
+        s->in_len += n;
+        frames(s);
+    }
+}
+
+/* Relay one read of a child pipe into the out buffer as one frame. */
+static void on_pipe(struct slot *s, int *fd, int type) {
+    unsigned char *h = s->out + s->out_len;
+    ssize_t n = read(*fd, h + 5, OUTBUF - s->out_len - 5 - 9);   /* keep room for the exit frame */
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) { cl(fd); return; }
+    if (n < 0) return;
+    s->quiet_since = now_ms();
+    if (s->conn_dead) return;                                   /* nobody listens: drop */
+    h[0] = type;
+    put_u32(h + 1, n);
+    s->out_len += 5 + n;
+}
+
+static void reap(void) {
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (int i = 0; i < NSLOTS; i++) {
+            struct slot *s = &slots[i];
+            if (s->state == RUN && s->pid == pid) {
+                s->status = WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+                s->exited = 1;
+                s->pid = 0;
+                s->quiet_since = now_ms();
+            }
+        }
+    }
+}
+
+static int listen_ctl(void) {
+    struct stat st;
+    if (stat(RUN_DIR, &st) != 0 || !S_ISDIR(st.st_mode)) return -1;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strcpy(a.sun_path, SOCK_PATH);
+    unlink(SOCK_PATH);
+    mode_t old = umask(077);
+    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && chmod(SOCK_PATH, 0600) == 0 &&
+             listen(fd, 128) == 0;
+    umask(old);
+    if (!ok) { if (fd >= 0) close(fd); return -1; }
+    return fd;
+}
+
+#define NPFD (2 + 4 * NSLOTS)
+static struct pollfd pfd[NPFD];
+static short owner[NPFD], kind[NPFD];      /* slot index (-1: signalfd, -2: listener); fd kind */
+enum { K_CONN, K_OUT, K_ERR, K_IN };
 
 int main(void) {
     sigset_t set;
@@ -24,16 +308,90 @@ int main(void) {
     sigaddset(&set, SIGCHLD);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGPIPE);
     sigprocmask(SIG_BLOCK, &set, NULL);
+    int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    int lfd = listen_ctl();
+    for (int i = 0; i < NSLOTS; i++) {
+        slots[i].conn = slots[i].in_w = slots[i].out_r = slots[i].err_r = -1;
+    }
     reap();
     for (;;) {
-        int sig = sigwaitinfo(&set, NULL);
-        if (sig == SIGTERM || sig == SIGINT) {
-            reap();
-            return 0;
+        int n = 0, timeout = -1, nfree = 0;
+        long long now = now_ms();
+        pfd[n] = (struct pollfd){.fd = sfd, .events = POLLIN}; owner[n++] = -1;
+        for (int i = 0; i < NSLOTS; i++) {
+            struct slot *s = &slots[i];
+            if (s->state == FREE) { nfree++; continue; }
+            if (s->state == RUN && !s->exit_sent && s->exited) {
+                int open_ = s->out_r >= 0 || s->err_r >= 0;
+                if (!open_ || (now - s->quiet_since >= GRACE_MS && OUTBUF - s->out_len >= 9)) {
+                    cl(&s->out_r); cl(&s->err_r);
+                    frame(s, 'X', s->status);
+                    s->exit_sent = 1;
+                    flush(s);
+                }
+            }
+            if (s->exit_sent && (s->out_len == 0 || s->conn_dead)) { release(s); nfree++; continue; }
+            short ev = 0;
+            if (!s->rd_closed) ev |= s->in_blocked || s->in_len == INBUF ? POLLRDHUP : POLLIN;
+            if (s->out_len > s->out_off && !s->conn_dead) ev |= POLLOUT;
+            if (ev && !s->conn_dead) { pfd[n] = (struct pollfd){.fd = s->conn, .events = ev}; owner[n] = i; kind[n++] = K_CONN; }
+            if (s->state != RUN) continue;
+            int room = OUTBUF - s->out_len >= 5 + 1024 + 9;
+            if (room && s->out_r >= 0) { pfd[n] = (struct pollfd){.fd = s->out_r, .events = POLLIN}; owner[n] = i; kind[n++] = K_OUT; }
+            if (room && s->err_r >= 0) { pfd[n] = (struct pollfd){.fd = s->err_r, .events = POLLIN}; owner[n] = i; kind[n++] = K_ERR; }
+            if (s->in_blocked && s->in_w >= 0) { pfd[n] = (struct pollfd){.fd = s->in_w, .events = POLLOUT}; owner[n] = i; kind[n++] = K_IN; }
+            if (s->exited && room) {
+                long long left = s->quiet_since + GRACE_MS - now;
+                int t = left < 0 ? 0 : (int)left + 1;
+                if (timeout < 0 || t < timeout) timeout = t;
+            }
         }
-        if (sig == SIGCHLD) {
-            reap();
+        if (lfd >= 0 && nfree > 0) { pfd[n] = (struct pollfd){.fd = lfd, .events = POLLIN}; owner[n++] = -2; }
+        if (poll(pfd, n, timeout) < 0) continue;
+        for (int k = 0; k < n; k++) {
+            short re = pfd[k].revents;
+            if (!re) continue;
+            if (owner[k] == -1) {
+                struct signalfd_siginfo si;
+                while (read(sfd, &si, sizeof si) == sizeof si) {
+                    if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) { reap(); return 0; }
+                }
+                reap();
+                continue;
+            }
+            if (owner[k] == -2) {
+                for (int i = 0; i < NSLOTS; i++) {
+                    if (slots[i].state != FREE) continue;
+                    int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+                    if (c < 0) break;
+                    slots[i].conn = c;
+                    slots[i].state = REQ;
+                }
+                continue;
+            }
+            struct slot *s = &slots[owner[k]];
+            if (s->state == FREE) continue;
+            switch (kind[k]) {
+            case K_CONN:
+                if (re & POLLOUT) flush(s);
+                if (s->state != FREE && (re & (POLLIN | POLLHUP | POLLERR | POLLRDHUP)) && !s->rd_closed) {
+                    if (re & POLLIN && !(s->in_blocked || s->in_len == INBUF)) on_conn(s);
+                    else if (re & (POLLHUP | POLLERR | POLLRDHUP)) {
+                        s->rd_closed = 1;
+                        if (s->state == REQ) release(s); else do_kill(s);
+                    }
+                }
+                break;
+            case K_OUT: on_pipe(s, &s->out_r, 'O'); break;
+            case K_ERR: on_pipe(s, &s->err_r, 'e'); break;
+            case K_IN:
+                if (re & (POLLERR | POLLHUP)) { cl(&s->in_w); s->in_blocked = 0; }
+                frames(s);
+                break;
+            }
+            if (s->state == RUN && s->out_len > s->out_off && !s->conn_dead) flush(s);
         }
     }
 }

@@ -1,0 +1,245 @@
+"""The fast exec path (issue 5 part 2): commands spawned by pd-init over its control socket."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from pilldrops.node.isolation.execproc import PipeExec
+from pilldrops.node.isolation.superexec import SupervisorExec
+from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.crun import CrunRuntime
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+
+
+def spec(tiny, sid: str, **kw) -> SandboxSpec:  # type: ignore[no-untyped-def]
+    kw.setdefault("workdir", tiny.workdir)
+    return SandboxSpec(id=sid, layers=tiny.layers, **kw)
+
+
+async def collect(p):  # type: ignore[no-untyped-def]
+    chunks = []
+    while (c := await p.read()) is not None:
+        chunks.append(c)
+    code = await p.wait()
+    out = b"".join(d for s, d in chunks if s == "stdout")
+    err = b"".join(d for s, d in chunks if s == "stderr")
+    return code, out, err
+
+
+async def run(rt, h, argv, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("env", {})
+    kw.setdefault("cwd", None)
+    p = await rt.exec(h, argv, **kw)
+    assert isinstance(p, SupervisorExec), type(p)
+    code, out, err = await collect(p)
+    return code, out.decode(), err.decode()
+
+
+def rss_kib(pid: int) -> int:
+    return int(next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if ln.startswith("VmRSS")))
+
+
+def cgroup_procs(h, controller: str = "pids") -> list[int]:  # type: ignore[no-untyped-def]
+    p = Path("/sys/fs/cgroup") / controller / h.extra["cgroup"].lstrip("/") / "cgroup.procs"
+    return [int(x) for x in p.read_text().split()]
+
+
+@pytest.fixture
+async def box(runtime, tiny, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("PILLDROPS_EXEC", "supervisor")
+    h = await runtime.create(spec(tiny, "sup", envs={"FROM_SPEC": "s"}))
+    sock = Path(h.bundle) / "pd" / "ctl"
+    assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
+    yield h
+    await runtime.destroy(h)
+
+
+async def test_basics(runtime, box):  # type: ignore[no-untyped-def]
+    h = box
+    assert await run(runtime, h, ["echo", "hi"]) == (0, "hi\n", "")
+    assert await run(runtime, h, ["sh", "-c", "echo out; echo err >&2; exit 7"]) == (7, "out\n", "err\n")
+    assert (await run(runtime, h, ["sh", "-c", "kill -9 $$"]))[0] == 137
+    assert (await run(runtime, h, ["sh", "-c", "kill -TERM $$"]))[0] == 143
+    code, out, _ = await run(runtime, h, ["sh", "-c", "echo $FROM_SPEC $X; pwd; echo $PATH"],
+                             env={"X": "x"}, cwd="/tmp")
+    assert code == 0 and out.splitlines()[:2] == ["s x", "/tmp"] and "/bin" in out.splitlines()[2]
+    assert (await run(runtime, h, ["pwd"]))[1] == "/root\n"
+    # PATH lookup uses the request's env
+    code, _, err = await run(runtime, h, ["ls"], env={"PATH": "/nowhere"})
+    assert code == 127 and "ls" in err
+    code, _, err = await run(runtime, h, ["/no/such/binary"])
+    assert code == 127 and "no/such/binary" in err
+    code, _, err = await run(runtime, h, ["/etc/hostname"])
+    assert code == 126 and "Permission denied" in err
+    code, _, err = await run(runtime, h, ["pwd"], cwd="/no/such/dir")
+    assert code == 126 and "/no/such/dir" in err
+    # stdin: bytes, an async iterable, a big body, and none (reads /dev/null)
+    assert await run(runtime, h, ["cat"], stdin=b"hello") == (0, "hello", "")
+
+    async def gen():  # type: ignore[no-untyped-def]
+        for i in range(3):
+            yield f"{i}\n".encode()
+            await anyio.sleep(0.01)
+    assert await run(runtime, h, ["cat"], stdin=gen()) == (0, "0\n1\n2\n", "")
+    body = os.urandom(3_000_000)
+    code, out, _ = await run(runtime, h, ["sh", "-c", "wc -c"], stdin=body)
+    assert (code, out.strip()) == (0, "3000000")
+    assert await run(runtime, h, ["cat"]) == (0, "", "")
+    # stdin a command never reads does not hang it
+    assert (await run(runtime, h, ["true"], stdin=body))[0] == 0
+    # pid is the command's host pid
+    p = await runtime.exec(h, ["sleep", "30"], env={}, cwd=None)
+    with anyio.fail_after(5):
+        while p.pid is None:
+            await anyio.sleep(0.01)
+    assert Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
+    assert isinstance(p, SupervisorExec) and p.sandbox_pid is not None and p.sandbox_pid > 1
+    await p.kill()
+    assert await p.wait() == 137
+
+
+async def test_large_output_cap_and_separation(runtime, box):  # type: ignore[no-untyped-def]
+    h = box
+    code, out, err = await run(runtime, h, ["sh", "-c", ("head -c 5000000 /dev/zero | tr '\\0' a; "
+                                             "head -c 300000 /dev/zero | tr '\\0' b >&2")])
+    assert code == 0 and out == "a" * 5_000_000 and err == "b" * 300_000
+    p = await runtime.exec(h, ["sh", "-c", "head -c 20000000 /dev/zero; echo done >&2"], env={}, cwd=None,
+                           output_cap=1000)
+    code, out, err = await collect(p)
+    assert code == 0 and out == b"\0" * 1000 and err == b"done\n" and p.truncated
+
+
+async def test_slow_reader_backpressure(runtime, box):  # type: ignore[no-untyped-def]
+    h = box
+    p = await runtime.exec(h, ["sh", "-c", "head -c 200000000 /dev/zero; echo finished"], env={}, cwd=None)
+    got = 0
+    for _ in range(3):
+        c = await p.read()
+        assert c is not None
+        got += len(c[1])
+        await anyio.sleep(0.3)
+    # 200 MB would take well under a second unthrottled; we have read only a few chunks
+    assert got < 1_000_000
+    assert len(cgroup_procs(h)) >= 2, "the writer must still be running (blocked on its pipe)"
+    rss = rss_kib(h.pid)
+    print(f"pd-init RSS while relaying to a slow reader: {rss} KiB")
+    assert rss < 2048
+    await p.kill()
+    assert await p.wait() == 137
+
+
+async def test_kill_tree_timeout_and_background(runtime, box):  # type: ignore[no-untyped-def]
+    h = box
+    p = await runtime.exec(h, ["sh", "-c", "sleep 100 & sleep 100 & wait"], env={}, cwd=None)
+    with anyio.fail_after(5):
+        while len(cgroup_procs(h)) < 4:
+            await anyio.sleep(0.01)
+    await p.kill()
+    assert await p.wait() == 137
+    with anyio.fail_after(5):
+        while cgroup_procs(h) != [h.pid]:
+            await anyio.sleep(0.01)
+    await p.kill()                                   # idempotent
+    # timeout kills the tree even with nobody reading, and a background child does not hold it up
+    t = time.monotonic()
+    p = await runtime.exec(h, ["sh", "-c", "sleep 100 & echo started; sleep 100"], env={}, cwd=None,
+                           timeout=0.5)
+    code, out, _ = await collect(p)
+    assert p.timed_out and code == 137 and out == b"started\n" and time.monotonic() - t < 3
+    with anyio.fail_after(5):
+        while cgroup_procs(h) != [h.pid]:
+            await anyio.sleep(0.01)
+    # a background child holding the pipes open does not block the return
+    t = time.monotonic()
+    code, out, _ = await run(runtime, h, ["sh", "-c", "sleep 3 & echo hi"])
+    assert (code, out) == (0, "hi\n") and time.monotonic() - t < 1.5
+    # stdin stuck (the command never reads it) and a kill still gets through
+    p = await runtime.exec(h, ["sleep", "100"], env={}, cwd=None, stdin=b"x" * 5_000_000)
+    await anyio.sleep(0.2)
+    await p.kill()
+    with anyio.fail_after(5):
+        assert await p.wait() == 137
+    with anyio.fail_after(5):
+        while cgroup_procs(h) != [h.pid]:
+            await anyio.sleep(0.01)
+
+
+def _restrictions(status: str, cgroup: str, ns: str) -> dict[str, str]:
+    keys = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp", "Uid", "Gid")
+    got = {k: v.strip() for k, v in (ln.split(":", 1) for ln in status.splitlines() if ":" in ln) if k in keys}
+    got["cgroup"] = cgroup
+    got["ns"] = ns
+    return got
+
+
+async def test_restrictions_equal_crun_exec(runtime, box, monkeypatch):  # type: ignore[no-untyped-def]
+    h = box
+    script = "cat /proc/self/status; echo ===; cat /proc/self/cgroup; echo ===; ls -l /proc/self/ns | " \
+             "awk '{print $9, $11}'; echo ===; cat /proc/self/limits | grep -i 'open files'"
+
+    async def probe(mode: str) -> tuple[dict[str, str], str]:
+        monkeypatch.setenv("PILLDROPS_EXEC", mode)
+        p = await runtime.exec(h, ["sh", "-c", script], env={}, cwd=None)
+        assert isinstance(p, SupervisorExec if mode == "supervisor" else PipeExec)
+        code, out, _ = await collect(p)
+        assert code == 0
+        status, cgroup, ns, limits = out.decode().split("===\n")
+        return _restrictions(status, cgroup, ns), limits
+
+    sup, sup_lim = await probe("supervisor")
+    crun, crun_lim = await probe("crun")
+    assert sup == crun
+    assert sup_lim == crun_lim
+    assert sup["NoNewPrivs"] == "1" and sup["Seccomp"] == "2" and int(sup["CapEff"], 16) == 0xA00405FB
+    assert re.search(r"pids:/$", sup["cgroup"], re.MULTILINE), sup["cgroup"]      # cgroup namespace root
+
+
+async def test_many_concurrent_commands(runtime, box):  # type: ignore[no-untyped-def]
+    h = box
+    results: dict[int, tuple[int, str, str]] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await run(runtime, h, ["sh", "-c", f"sleep 0.3; echo {i}; echo e{i} >&2; exit {i % 7}"])
+
+    t = time.monotonic()
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(80):          # more than pd-init's 64 slots: the rest wait in the backlog
+                tg.start_soon(one, i)
+    took = time.monotonic() - t
+    assert results == {i: (i % 7, f"{i}\n", f"e{i}\n") for i in range(80)}
+    assert await run(runtime, h, ["echo", "alive"]) == (0, "alive\n", "")
+    _, ps, _ = await run(runtime, h, ["ps", "-o", "stat"])
+    assert "Z" not in ps
+    rss = rss_kib(h.pid)
+    print(f"80 concurrent commands in {took:.2f}s; pd-init RSS afterwards {rss} KiB")
+    assert rss < 1024
+
+
+async def test_readoption_fallback_and_symlink(runtime, box, tiny, data_dir, init_path):  # type: ignore[no-untyped-def]
+    h = box
+    # a second runtime instance (a restarted agent) reaches the same socket
+    rt2 = CrunRuntime(data_dir / "state", name=runtime.instance_name, init_path=init_path)
+    assert await run(rt2, h, ["echo", "again"]) == (0, "again\n", "")
+    sock = Path(h.bundle) / "pd" / "ctl"
+    # a symlink planted where the socket was is never followed: the agent falls back to crun exec
+    moved = sock.with_name("ctl.real")
+    sock.rename(moved)
+    sock.symlink_to(moved)
+    p = await runtime.exec(h, ["echo", "fallback"], env={}, cwd=None)
+    assert isinstance(p, PipeExec)
+    assert (await collect(p))[:2] == (0, b"fallback\n")
+    sock.unlink()
+    p = await runtime.exec(h, ["echo", "nosock"], env={}, cwd=None)       # no socket at all: crun exec
+    assert isinstance(p, PipeExec)
+    assert (await collect(p))[:2] == (0, b"nosock\n")
+    moved.rename(sock)
+    assert await run(runtime, h, ["echo", "back"]) == (0, "back\n", "")
