@@ -73,11 +73,11 @@ class Stack:
 @asynccontextmanager
 async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
                 templates: tuple[str, ...] = ("tiny",), billing: BillingSettings | None = None,
-                clock: Clock | None = None, **cp_options: Any) -> AsyncIterator[Stack]:
+                clock: Clock | None = None, db_url: str | None = None, **cp_options: Any) -> AsyncIterator[Stack]:
     runtime = FakeRuntime(tmp_path / "fake")
     holder: dict[str, Any] = {}
     node_transport = httpx.ASGITransport(app=_Lazy(holder, "node"))
-    cp = await build_control_plane(sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
+    cp = await build_control_plane(db_url or sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
                                    node_transport=node_transport, billing=billing, **cp_options)
     settings = Settings(name="node-a", public_url="http://node", capacity_vcpu=capacity_vcpu,
                         capacity_memory_mb=capacity_memory_mb, control_plane_url="http://cp", node_token=TOKEN)

@@ -34,6 +34,12 @@ def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float
     raise AssertionError(f"timed out waiting for {text!r}:\n{log.read_text()[-3000:]}")
 
 
+def spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`python -m pilldrops ARGS` with its output appended to ``log``."""
+    return subprocess.Popen([sys.executable, "-m", "pilldrops", *args], stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
 @dataclass
 class Proc:
     args: list[str]
@@ -42,8 +48,7 @@ class Proc:
 
     def start(self, env: dict[str, str], ready: str) -> str:
         mark = len(self.log.read_text()) if self.log.exists() else 0
-        self.proc = subprocess.Popen([sys.executable, "-m", "pilldrops", *self.args], stdout=open(self.log, "ab"),
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.proc = spawn(self.args, self.log, env)
         return wait_for(self.log, ready, self.proc, after=mark)
 
     def kill9(self) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
+from tests.e2e.fleet import spawn, wait_for
 from tests.e2e.conftest import MATCH, NAME, Server, _why_not_runnable, free_port
 
 pytestmark = pytest.mark.integration
@@ -64,23 +65,6 @@ def test_history_json_matches_the_formula(server: Server) -> None:
     assert "TOTAL" in table.upper()
 
 
-def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "pilldrops", *args], stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60, after: int = 0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        content = log.read_text()[after:] if log.exists() else ""
-        if text in content:
-            return content
-        if proc.poll() is not None and text not in content:
-            raise AssertionError(f"exited {proc.returncode}:\n{content[-3000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {text!r}:\n{log.read_text()[-3000:]}")
-
-
 def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Path) -> None:
     """The control plane dies (os._exit) between computing a usage commit and committing it, three times;
     each time it is started again on the same database while the node keeps its sandboxes running. At the
@@ -98,16 +82,16 @@ def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Pat
     serve_args = ["serve", "--port", str(cp_port), "--data-dir", str(root / "cp"), "--heartbeat-interval", "0.5"]
     before = leakcheck.snapshot([root / "node" / "node" / "crun"], match=MATCH)
     crash_env = {**base_env, "PILLDROPS_FAULT_CRASH_BEFORE_USAGE_COMMIT": "4"}
-    serve = _spawn(serve_args, root / "serve.log", crash_env)
+    serve = spawn(serve_args, root / "serve.log", crash_env)
     node = None
     try:
-        out = _wait_for(root / "serve.log", "control plane at", serve)
+        out = wait_for(root / "serve.log", "control plane at", serve)
         key = re.search(r"PILLDROPS_API_KEY=(\S+)", out).group(1)  # type: ignore[union-attr]
         token = re.search(r"PILLDROPS_NODE_TOKEN=(\S+)", out).group(1)  # type: ignore[union-attr]
-        node = _spawn(["node", "--control-plane", url, "--node-token", token, "--port", str(node_port),
+        node = spawn(["node", "--control-plane", url, "--node-token", token, "--port", str(node_port),
                        "--data-dir", str(root / "node"), "--name", f"{NAME}-crash", "--templates", "tiny"],
                       root / "node.log", base_env)
-        _wait_for(root / "node.log", "serving at", node)
+        wait_for(root / "node.log", "serving at", node)
         api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         state = {"serve": serve, "crashes": 0}
 
@@ -120,8 +104,8 @@ def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Pat
             state["crashes"] += 1
             mark = len((root / "serve.log").read_text())
             env = crash_env if state["crashes"] < 3 else base_env
-            state["serve"] = _spawn(serve_args, root / "serve.log", env)
-            _wait_for(root / "serve.log", "control plane at", state["serve"], after=mark)
+            state["serve"] = spawn(serve_args, root / "serve.log", env)
+            wait_for(root / "serve.log", "control plane at", state["serve"], after=mark)
 
         def call(method: str, path: str, **kw: object) -> httpx.Response:
             deadline = time.monotonic() + 60

@@ -17,23 +17,10 @@ import pytest
 
 import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
-from tests import pg
 from tests.e2e.conftest import MATCH, _why_not_runnable
 from tests.e2e.fleet import Fleet
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[pg.Postgres]:
-    why = pg.why_not()
-    if why:
-        pytest.skip(why)
-    server = pg.Postgres()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

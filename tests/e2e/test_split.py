@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,26 +14,10 @@ import pytest
 
 import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
+from tests.e2e.fleet import spawn, wait_for
 from tests.e2e.conftest import MATCH, NAME, _why_not_runnable, free_port
 
 pytestmark = pytest.mark.integration
-
-
-def _spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "pilldrops", *args], stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        content = log.read_text() if log.exists() else ""
-        if text in content:
-            return content
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode}:\n{content[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {text!r}:\n{log.read_text()[-3000:]}")
 
 
 def test_serve_and_node_as_separate_processes(tmp_path: Path) -> None:
@@ -49,20 +31,20 @@ def test_serve_and_node_as_separate_processes(tmp_path: Path) -> None:
         env.pop(k, None)
     cp_port, node_port = free_port(), free_port()
     before = leakcheck.snapshot([root / "node-data" / "node" / "crun"], match=MATCH)
-    serve = _spawn(["serve", "--port", str(cp_port), "--data-dir", str(root / "cp-data")], root / "serve.log", env)
+    serve = spawn(["serve", "--port", str(cp_port), "--data-dir", str(root / "cp-data")], root / "serve.log", env)
     node = bad = None
     try:
-        out = _wait_for(root / "serve.log", "control plane at", serve)
+        out = wait_for(root / "serve.log", "control plane at", serve)
         key = re.search(r"PILLDROPS_API_KEY=(\S+)", out).group(1)   # type: ignore[union-attr]
         token = re.search(r"PILLDROPS_NODE_TOKEN=(\S+)", out).group(1)   # type: ignore[union-attr]
         url = f"http://127.0.0.1:{cp_port}"
-        bad = _spawn(["node", "--control-plane", url, "--node-token", "wrong", "--port", str(free_port()),
+        bad = spawn(["node", "--control-plane", url, "--node-token", "wrong", "--port", str(free_port()),
                       "--data-dir", str(root / "bad-data"), "--name", f"{NAME}-bad", "--templates", "tiny"],
                      root / "bad.log", env)
-        node = _spawn(["node", "--control-plane", url, "--node-token", token, "--port", str(node_port),
+        node = spawn(["node", "--control-plane", url, "--node-token", token, "--port", str(node_port),
                        "--data-dir", str(root / "node-data"), "--name", f"{NAME}-split", "--templates", "tiny"],
                       root / "node.log", env)
-        _wait_for(root / "node.log", "serving at", node)
+        wait_for(root / "node.log", "serving at", node)
         c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"})
         deadline = time.monotonic() + 30
         while not c.get("/v1/templates").json()["items"] and time.monotonic() < deadline:
@@ -72,7 +54,7 @@ def test_serve_and_node_as_separate_processes(tmp_path: Path) -> None:
         with Sandbox.create(template="tiny", api_url=url, api_key=key) as sb:
             assert sb.info.envd_url == f"http://127.0.0.1:{node_port}"
             assert sb.run("echo split").stdout == "split\n"
-        _wait_for(root / "bad.log", "control plane unreachable", bad)   # 401: it keeps retrying, never joins
+        wait_for(root / "bad.log", "control plane unreachable", bad)   # 401: it keeps retrying, never joins
     finally:
         for p in (node, bad, serve):
             if p is not None and p.poll() is None:

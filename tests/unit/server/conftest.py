@@ -3,24 +3,9 @@ store, a throwaway cluster started for the session; skipped with the reason wher
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests import pg
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[pg.Postgres]:
-    why = pg.why_not()
-    if why:
-        pytest.skip(why)
-    server = pg.Postgres()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

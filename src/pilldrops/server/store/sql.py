@@ -259,19 +259,6 @@ class Store:
 
     # ---- sandboxes -----------------------------------------------------------------------------------
 
-    async def insert_sandbox(self, row: Sandbox) -> Sandbox:
-        try:
-            async with self.session.begin() as s:
-                s.add(row)
-                await s.flush()
-                for k, v in (row.metadata_ or {}).items():
-                    s.add(SandboxLabel(sandbox_id=row.id, key=k, value=v))
-        except IntegrityError as exc:
-            if row.idempotency_key:
-                raise DuplicateIdempotencyKey(row.idempotency_key) from exc
-            raise
-        return row
-
     async def get_sandbox(self, sandbox_id: str, team_id: str | None = None) -> Sandbox | None:
         async with self.session() as s:
             row = await s.get(Sandbox, sandbox_id)
