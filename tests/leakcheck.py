@@ -47,8 +47,8 @@ def _cgroups(match: str) -> set[str]:
             continue
         for root, dirs, _ in os.walk(h):
             depth = len(Path(root).relative_to(h).parts)
-            for d in dirs:
-                if match in d:
+            for d in dirs:   # a matching dir, or anything below one (a sandbox cgroup under its parent)
+                if match in d or match in str(Path(root).relative_to(h)):
                     out.add(f"cgroup:{root}/{d}")
             if depth >= 2:
                 dirs[:] = []

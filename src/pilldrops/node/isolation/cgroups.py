@@ -45,7 +45,7 @@ def oom_kill_count(rel: str) -> int:
     return 0
 
 
-def remove_tree(rel: str, *, timeout: float = 2.0) -> list[Path]:
+def remove_tree(rel: str, *, timeout: float = 10.0) -> list[Path]:
     """rmdir ``rel`` (children first) in every hierarchy; retries while busy. Returns what is left."""
     left: list[Path] = []
     for d in cgroup_dirs(rel):
@@ -77,13 +77,3 @@ def _kill_procs(d: Path) -> None:
             os.kill(pid, 9)
         except OSError:
             pass
-
-
-def remove_if_empty(rel: str) -> None:
-    """rmdir ``rel`` in every hierarchy when it has no children (for a runtime's parent cgroup)."""
-    for d in cgroup_dirs(rel):
-        try:
-            d.rmdir()
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.EBUSY, errno.ENOTEMPTY):
-                raise

@@ -271,8 +271,9 @@ class CrunRuntime:
 
     # -- instance lifetime -----------------------------------------------------------------------
     def cleanup_parent(self) -> None:
-        """rmdir this instance's (empty) cgroup parent in every hierarchy."""
-        cgroups.remove_if_empty(self.cgroup_parent)
+        """rmdir this instance's cgroup parent in every hierarchy, with any sandbox cgroup a teardown could
+        not remove yet (its processes were still dying), killing what is left in them first."""
+        cgroups.remove_tree(self.cgroup_parent, timeout=10.0)
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.cleanup_parent)
