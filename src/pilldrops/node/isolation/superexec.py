@@ -21,6 +21,7 @@ even while a stdin frame is stuck; it also sends a ``K`` frame when the socket i
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import struct
 import threading
@@ -82,7 +83,10 @@ class SupervisorExec:
 
     def __init__(self, sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
-                 timeout: float | None = None, output_cap: int | None = None) -> None:
+                 timeout: float | None = None, output_cap: int | None = None,
+                 path_fd: int | None = None) -> None:
+        """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
+        once connected."""
         self._token = anyio.lowlevel.current_token()
         self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](QUEUE_CHUNKS)
         self._done = anyio.Event()
@@ -109,7 +113,12 @@ class SupervisorExec:
             pass      # backlog full (all 64 slots busy): the reader thread connects blocking
         except OSError:
             self._sock.close()
+            if path_fd is not None:
+                os.close(path_fd)
             raise
+        self._path_fd = path_fd
+        if self._connected:
+            self._close_path_fd()
         self._sock.setblocking(True)
         threading.Thread(target=self._pump, daemon=True).start()
         if stdin is not None:
@@ -121,6 +130,11 @@ class SupervisorExec:
             self._timer.daemon = True
             self._timer.start()
 
+    def _close_path_fd(self) -> None:
+        if self._path_fd is not None:
+            os.close(self._path_fd)
+            self._path_fd = None
+
     # -- threads ---------------------------------------------------------------------------------
     def _pump(self) -> None:
         used = {"stdout": 0, "stderr": 0}
@@ -128,7 +142,10 @@ class SupervisorExec:
         code = 137
         try:
             if not self._connected:
-                self._sock.connect(self._sock_path)
+                try:
+                    self._sock.connect(self._sock_path)
+                finally:
+                    self._close_path_fd()
             self._sock.sendall(self._request)
             self._started.set()
             if self._killed:

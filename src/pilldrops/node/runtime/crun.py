@@ -191,14 +191,17 @@ class CrunRuntime:
         except OSError:
             return None
         try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                return None
+            is_sock = stat.S_ISSOCK(os.fstat(fd).st_mode)
+        except OSError:
+            is_sock = False
+        if not is_sock:
+            os.close(fd)
+            return None
+        try:      # SupervisorExec owns fd from here on
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
-                                  init_pid=handle.pid, timeout=timeout, output_cap=output_cap)
+                                  init_pid=handle.pid, timeout=timeout, output_cap=output_cap, path_fd=fd)
         except OSError:
             return None
-        finally:
-            os.close(fd)
 
     @staticmethod
     def _process_defaults(d: Path) -> tuple[dict[str, str], str]:

@@ -48,6 +48,7 @@
 #define NSLOTS 64
 #define OUTBUF (32 * 1024)
 #define INBUF (16 * 1024 + 5)
+#define INBUF_ROW (20 * 1024)                /* whole pages, so a released row is given back */
 #define MAX_REQ (4 * 1024 * 1024)
 #define GRACE_MS 100
 
@@ -62,11 +63,14 @@ struct slot {
     uint32_t req_len, req_got;
     uint32_t in_len, in_off;               /* inbuf: bytes held, bytes of a stdin payload written */
     uint32_t out_off, out_len;             /* outbuf: [out_off, out_len) waits to be sent */
-    unsigned char in[INBUF];
-    unsigned char out[OUTBUF];
+    unsigned char *in, *out;               /* this slot's rows of inbufs / outbufs */
 };
 
+/* Metadata is compact (touched for every slot on each loop); the buffers are separate and only
+ * touched while a slot is used, and their pages are handed back when it is released. */
 static struct slot slots[NSLOTS];
+static unsigned char inbufs[NSLOTS][INBUF_ROW] __attribute__((aligned(4096)));
+static unsigned char outbufs[NSLOTS][OUTBUF] __attribute__((aligned(4096)));
 extern char **environ;
 
 static long long now_ms(void) {
@@ -101,12 +105,15 @@ static void frame(struct slot *s, int type, int32_t v) {
 static void release(struct slot *s) {
     cl(&s->conn); cl(&s->in_w); cl(&s->out_r); cl(&s->err_r);
     free(s->req);
-    memset(s, 0, offsetof(struct slot, in));
+    unsigned char *in = s->in, *out = s->out;
+    memset(s, 0, sizeof *s);
+    s->in = in;
+    s->out = out;
     s->conn = s->in_w = s->out_r = s->err_r = -1;
     s->state = FREE;
     /* give the buffers' whole pages back so an idle supervisor stays small */
-    uintptr_t a = ((uintptr_t)s->in + 4095) & ~4095UL, b = ((uintptr_t)(s + 1)) & ~4095UL;
-    if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+    madvise(in, INBUF_ROW, MADV_DONTNEED);
+    madvise(out, OUTBUF, MADV_DONTNEED);
 }
 
 static void do_kill(struct slot *s) {
@@ -314,6 +321,8 @@ int main(void) {
     int lfd = listen_ctl();
     for (int i = 0; i < NSLOTS; i++) {
         slots[i].conn = slots[i].in_w = slots[i].out_r = slots[i].err_r = -1;
+        slots[i].in = inbufs[i];
+        slots[i].out = outbufs[i];
     }
     reap();
     for (;;) {
