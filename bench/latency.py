@@ -245,9 +245,11 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
     c, r = pct(res["pd_create"], 50) / pct(res["raw_run"], 50), pct(res["pd_run"], 50) - pct(res["raw_exec"], 50)
     console.print(f"Targets: create p50 ≤ 1.3× raw crun (now {c:.2f}×, {'met' if c <= 1.3 else 'NOT met'}); "
                   f"run overhead over crun exec ≤ 3 ms (now {r:+.1f} ms, {'met' if r <= 3 else 'NOT met'}).")
-    console.print("Notes: PillDrops run(\"true\") is `sh -c true` via `crun exec --no-new-privs --env.. --cwd "
-                  "--pid-file` behind HTTP;\n       raw kill times only `crun delete --force` (PillDrops kill also "
-                  "unmounts, removes the cgroups and the bundle). Samples: create/kill N, run N×runs.")
+    how = ("pd-init's control socket (fast exec path, PILLDROPS_EXEC=supervisor)"
+           if os.environ.get("PILLDROPS_EXEC", "supervisor").strip().lower() != "crun"
+           else "`crun exec --no-new-privs --env.. --cwd --pid-file` (PILLDROPS_EXEC=crun)")
+    console.print(f"Notes: PillDrops run(\"true\") is `sh -c true` via {how} behind HTTP;\n"
+                  "       raw kill times only `crun delete --force` (PillDrops kill also unmounts, removes the cgroups and the bundle). Samples: create/kill N, run N×runs.")
 
 
 def main() -> int:
