@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ import httpx
 from pilldrops import errors
 from pilldrops._version import __version__
 from pilldrops.node.dataplane import Target
-from pilldrops.node.journal import Entry, Journal
+from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
@@ -75,7 +75,7 @@ class Live:
     def journal_entry(self) -> Entry:
         return Entry(id=self.spec.id, phase="running", spec=self.spec.model_dump(mode="json"),
                      handle=vars(self.target.handle), started_at=self.started_at.isoformat(),
-                     started_mono=self.started_mono)
+                     started_mono=self.started_mono, boot_id=boot_id())
 
 
 @dataclass
@@ -117,6 +117,7 @@ class NodeAgent:
         self._registered = anyio.Event()
         self._tpl_cache: dict[str, Any] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self.creating: set[str] = set()      # in flight: reported as starting, so never taken for lost
         self._wake_heartbeat = anyio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -146,8 +147,11 @@ class NodeAgent:
     async def _recover(self) -> None:
         """Derive the truth from the runtime; adopt what is running and recorded, reap everything else."""
         known = set()
+        this_boot = boot_id()
         for entry in self.journal.entries():
             known.add(entry.id)
+            if entry.boot_id != this_boot:
+                entry.started_mono = None      # another boot: its monotonic clock says nothing here
             handle = entry.runtime_handle()
             spec = NodeSandboxSpec.model_validate(entry.spec)
             state = await self.runtime.state(handle) if entry.phase == "running" else None
@@ -159,7 +163,8 @@ class NodeAgent:
                 else:
                     started = datetime.fromisoformat(entry.started_at) if entry.started_at else self.now()
                     self.live[spec.id] = Live(spec, target, started, spec.end_at,
-                                              entry.started_mono or time.monotonic())
+                                              entry.started_mono if entry.started_mono is not None
+                                              else time.monotonic())
                     log.info("adopted sandbox %s (pid %s)", spec.id, state.pid)
                     continue
             await self._destroy_quietly(handle)
@@ -190,7 +195,10 @@ class NodeAgent:
                               memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
                               envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
                               hostname=spec.id.replace("_", "-"))
+        if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
+            spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
         self.journal.write(Entry(id=spec.id, phase="creating", spec=spec.model_dump(mode="json")))
+        self.creating.add(spec.id)
         try:
             async with self._create_slots:
                 handle = await self.runtime.create(rt_spec)
@@ -198,6 +206,8 @@ class NodeAgent:
             self.journal.remove(spec.id)
             self.stats.failed += 1
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
+        finally:
+            self.creating.discard(spec.id)
         live = Live(spec, self._target(spec, handle), self.now(), spec.end_at, time.monotonic())
         self.journal.write(live.journal_entry())
         self.live[spec.id] = live
@@ -217,15 +227,18 @@ class NodeAgent:
             raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
         return await self._end(sandbox_id, EndReason.killed, report=False)
 
-    def set_deadline(self, sandbox_id: str, end_at: datetime) -> NodeSandboxStatus:
+    def set_deadline(self, sandbox_id: str, end_at: datetime, timeout_s: float | None = None) -> NodeSandboxStatus:
         live = self.get(sandbox_id)
+        if timeout_s is not None:
+            end_at = self.now() + timedelta(seconds=timeout_s)
         live.end_at = end_at
         live.spec = live.spec.model_copy(update={"end_at": end_at})   # a restarted agent keeps the deadline
         self.journal.write(live.journal_entry())
         return live.status()
 
     def statuses(self) -> list[NodeSandboxStatus]:
-        return [lv.status() for lv in self.live.values()] + list(self.outbox.values())
+        starting = [NodeSandboxStatus(id=sid, state=SandboxState.starting) for sid in self.creating]
+        return [lv.status() for lv in self.live.values()] + starting + list(self.outbox.values())
 
     def refresh_templates(self) -> list[TemplateInfo]:
         """Re-read the built templates (off the hot path: at start and with each heartbeat)."""

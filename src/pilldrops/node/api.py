@@ -59,7 +59,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @node.put("/sandboxes/{sandbox_id}/deadline", response_model=NodeSandboxStatus)
     async def deadline(sandbox_id: str, body: NodeDeadline) -> NodeSandboxStatus:
-        return agent.set_deadline(sandbox_id, body.end_at)
+        return agent.set_deadline(sandbox_id, body.end_at, body.timeout_s)
 
     app.include_router(node)
 

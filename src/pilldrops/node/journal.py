@@ -30,9 +30,19 @@ class Entry:
     handle: dict[str, Any] = field(default_factory=dict)
     started_at: str | None = None
     started_mono: float | None = None     # CLOCK_MONOTONIC at start: survives agent restarts (not reboots)
+    boot_id: str | None = None            # the boot started_mono belongs to
 
     def runtime_handle(self) -> Handle:
         return Handle(**self.handle) if self.handle else Handle(id=self.id)
+
+
+def boot_id() -> str:
+    """This boot's id: monotonic times recorded under another boot mean nothing now."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 class Journal:

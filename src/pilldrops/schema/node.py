@@ -51,6 +51,8 @@ class NodeSandboxSpec(_Model):
     envs: dict[str, str] = Field(default_factory=dict)
     access_token: str
     team_id: str = ""
+    timeout_s: float | None = Field(None, description="seconds from now; the node keeps the deadline on its "
+                                                      "own clock (end_at is the control plane's view)")
 
 
 class NodeSandboxStatus(_Model):
@@ -70,6 +72,7 @@ class NodeSandboxStatus(_Model):
 
 class NodeDeadline(_Model):
     end_at: datetime
+    timeout_s: float | None = None
 
 
 class NodeEvent(_Model):

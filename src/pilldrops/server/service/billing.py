@@ -69,9 +69,12 @@ class BillingService:
     def end_time(self, row: Sandbox, st: NodeSandboxStatus) -> datetime:
         """When an ended sandbox ended, on the control plane's clock: start + the node's running seconds."""
         now = self.clock.now()
-        if row.started_at is None or st.run_s is None:
+        if row.started_at is None:
             return now
-        return min(now, row.started_at + timedelta(seconds=max(st.run_s, 0.0)))
+        run_s = max(st.run_s if st.run_s is not None else 0.0, row.billed_run_s)   # never before what was billed
+        if st.run_s is None and row.billed_run_s == 0:
+            return now
+        return min(now, row.started_at + timedelta(seconds=run_s))
 
     async def commit(self, st: NodeSandboxStatus) -> None:
         if st.run_s is None or st.seq is None:

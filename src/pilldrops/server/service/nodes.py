@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
@@ -35,6 +35,11 @@ class NodeService:
             raise errors.AuthenticationError("invalid node token")
 
     async def register(self, req: NodeRegister) -> NodeRegistered:
+        taken = await self.store.node_by_id_or_name(req.name)
+        if (taken is not None and taken.url != req.url.rstrip("/") and taken.state == "ready"
+                and (self.clock.now() - taken.last_heartbeat_at).total_seconds() < self.unreachable_after):
+            raise errors.Conflict(f"node name {req.name!r} is in use by a live agent at {taken.url}; "
+                                  "give each agent its own --name")
         node = await self.store.upsert_node(
             name=req.name, url=req.url.rstrip("/"), capacity_vcpu=req.capacity_vcpu,
             capacity_memory_mb=req.capacity_memory_mb,
@@ -50,12 +55,13 @@ class NodeService:
         await self._absorb(node_id, hb.sandboxes)
 
     async def _absorb(self, node_id: str, statuses: list) -> None:  # type: ignore[type-arg]
+        received = self.clock.now()
         for st in statuses:
             await self.sandboxes.apply_node_status(node_id, st)
-        await self.sandboxes.reconcile_node(node_id, {st.id for st in statuses})
+        await self.sandboxes.reconcile_node(node_id, {st.id for st in statuses}, received)
         node = await self.store.get_node(node_id)
         if node is not None:
-            await self.sandboxes.stop_returned_lost(node, statuses)
+            await self.sandboxes.stop_orphans(node, statuses)
 
     async def templates(self) -> list[TemplateInfo]:
         merged: dict[str, TemplateInfo] = {}

@@ -1,8 +1,8 @@
 """Sandbox use cases: create (idempotent, scheduled), get, list, connect, set_timeout, kill, node events.
 
 Ordering rules kept here:
-- a placement and its reservation are recorded in one step under ``_place_lock`` so two racing creates
-  never over-commit a node (one control-plane process; the fleet issue moves this into the database);
+- a placement and its reservation are recorded in one database transaction with the node rows locked, so
+  racing creates (even from several control-plane processes) never over-commit a node;
 - no store transaction is held while a node is called;
 - every state change is a compare-and-set from the states it is legal from (``domain.states``).
 """
@@ -101,14 +101,17 @@ class SandboxService:
             return await self._replay(existing, req_hash), False
         spec = NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=req.timeout), envs=row.envs,
-                               access_token=row.access_token, team_id=team_id)
+                               access_token=row.access_token, team_id=team_id, timeout_s=float(req.timeout))
         try:
             status = await self.nodes.create(node.url, spec)
-        except errors.PillDropsError as exc:
-            # the key is released so that a retry makes a fresh attempt instead of replaying a failure
-            await self.store.update_sandbox(row.id, from_states=[S.starting.value], state=S.failed.value,
-                                            end_reason=EndReason.failed_start.value, error=exc.message,
-                                            ended_at=self.clock.now(), idempotency_key=None)
+        except BaseException as exc:
+            # the key is released so that a retry makes a fresh attempt instead of replaying a failure; if the
+            # node did create it after all, its next heartbeat reports it running and it is stopped there
+            with anyio.CancelScope(shield=True):
+                await self.store.update_sandbox(
+                    row.id, from_states=[S.starting.value], state=S.failed.value,
+                    end_reason=EndReason.failed_start.value, ended_at=self.clock.now(), idempotency_key=None,
+                    error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
             raise
         updated = await self.store.update_sandbox(      # billing starts now, on the control plane's clock
             row.id, from_states=[S.starting.value], state=S.running.value, started_at=self.clock.now(),
@@ -184,20 +187,22 @@ class SandboxService:
         row = await self.connect(team_id, sandbox_id)
         end_at = self.clock.now() + timedelta(seconds=timeout)
         node = await self.node_for(row)
-        status = await self.nodes.set_deadline(node.url, row.id, NodeDeadline(end_at=end_at))
+        status = await self.nodes.set_deadline(node.url, row.id, NodeDeadline(end_at=end_at, timeout_s=float(timeout)))
         updated = await self.store.update_sandbox(row.id, from_states=[S.running.value],
                                                   end_at=status.end_at or end_at, timeout=timeout)
         return updated or await self.get_row(team_id, sandbox_id)
 
     async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> Sandbox:
         row = await self.get_row(team_id, sandbox_id)
-        if row.state in (S.stopped.value, S.failed.value):
-            return row
+        if SandboxState(row.state) in ENDED:
+            return row          # a lost one was billed up to the loss; a returning node's copy is stopped
         final: NodeSandboxStatus | None = None
         if row.node_id:
             node = await self.node_for(row)
             final = await self.nodes.kill(node.url, row.id)
         ended_at = self.billing.end_time(row, final) if final else self.clock.now()
+        if final is not None and final.end_reason not in (None, EndReason.killed):
+            reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
         updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), state=S.stopped.value,
                                                   end_reason=reason.value, ended_at=ended_at)
         if final is not None:
@@ -207,8 +212,14 @@ class SandboxService:
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
         """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
         row = await self.store.get_sandbox(st.id)
-        if row is None or row.node_id != node_id or row.state == S.lost.value:
-            return                           # lost rows were billed up to the loss; see stop_returned_lost
+        if row is None or row.node_id != node_id or SandboxState(row.state) in (S.lost, S.failed, S.stopped):
+            return                           # ended rows stay as recorded; see stop_orphans
+        if row.state == S.starting.value and st.state == S.running:
+            # the control plane died (or timed out) while the node was creating it: it runs, so it is
+            # running since the node says, and billed from then
+            started = self.clock.now() - timedelta(seconds=max(st.run_s or 0.0, 0.0))
+            await self.store.update_sandbox(st.id, from_states=[S.starting.value], state=S.running.value,
+                                            started_at=max(started, row.created_at), end_at=st.end_at or row.end_at)
         if st.state in ENDED:
             await self.store.update_sandbox(
                 st.id, from_states=_from(st.state), state=st.state.value,
@@ -225,23 +236,24 @@ class SandboxService:
                                             end_reason=EndReason.node_lost.value, ended_at=ended_at,
                                             error="the node stopped heartbeating")
 
-    async def stop_returned_lost(self, node: Node, statuses: list[NodeSandboxStatus]) -> None:
-        """A node came back still running sandboxes we declared lost: stop them there (they were billed up
-        to the loss and their owners were told they ended); never run them twice."""
+    async def stop_orphans(self, node: Node, statuses: list[NodeSandboxStatus]) -> None:
+        """A node runs sandboxes whose record has ended (declared lost while the node was away; a create that
+        failed or timed out on our side after the node made it; killed while starting): stop them there.
+        They were billed up to their recorded end and their owners were told they ended; nothing runs twice."""
         for st in statuses:
             if st.state != S.running:
                 continue
             row = await self.store.get_sandbox(st.id)
-            if row is not None and row.node_id == node.id and row.state == S.lost.value:
+            if row is None or (row.node_id == node.id and SandboxState(row.state) in ENDED):
                 try:
                     await self.nodes.kill(node.url, st.id)
                 except errors.PillDropsError as exc:
-                    log.warning("could not stop returned lost sandbox %s: %s", st.id, exc)
+                    log.warning("could not stop orphan sandbox %s on %s: %s", st.id, node.name, exc)
 
-    async def reconcile_node(self, node_id: str, live_ids: set[str]) -> None:
-        """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period
-        so a heartbeat composed before a create finished does not count)."""
-        cutoff = self.clock.now() - NODE_READY_WINDOW
+    async def reconcile_node(self, node_id: str, live_ids: set[str], received: datetime | None = None) -> None:
+        """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period,
+        from when the report was received, so a report composed before a create finished does not count)."""
+        cutoff = (received or self.clock.now()) - NODE_READY_WINDOW
         for row in await self.store.live_sandboxes_on(node_id):
             if row.id in live_ids or row.created_at > cutoff:
                 continue

@@ -1,8 +1,9 @@
 """The SQL store: every query the control plane makes, each in its own short transaction.
 
 Never hold a transaction across a call to a node: callers read, call, then write. SQLite (the embedded
-default) is used through one connection in WAL mode, so writers never fail with "database is locked"; they
-queue for microseconds instead. PostgreSQL uses a normal pool.
+default) is used through one connection per process in WAL mode with a long busy timeout; transactions
+that read before they write take the write lock first (``_write_lock``), since SQLite has no FOR UPDATE.
+PostgreSQL uses a normal pool and row locks.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,14 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     return when, sid
 
 
+async def _write_lock(s: Any) -> None:
+    """SQLite ignores FOR UPDATE and starts its transaction at the first write: take the database's write
+    lock first, so everything read afterwards in this transaction is serialised with every other writer
+    (other processes included, e.g. `pilldrops credits add` beside a running `up`)."""
+    if s.bind.dialect.name == "sqlite":
+        await s.execute(update(Node).where(text("0 = 1")).values(draining=Node.draining))
+
+
 async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
     q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
          .where(Sandbox.state.in_([st.value for st in LIVE]), Sandbox.node_id.is_not(None))
@@ -131,15 +140,21 @@ class Store:
         async with self.session() as s:
             return (await s.scalars(select(Team).where(or_(Team.id == ref, Team.name == ref)))).first()
 
-    async def add_credits(self, team_id: str, amount_usd: float) -> Team | None:
+    async def add_credits(self, team_id: str, amount_usd: float, now: datetime | None = None) -> Team | None:
+        """Atomic: ``credits = credits + amount`` in SQL, never a read-modify-write that could erase a
+        usage charge committed meanwhile. Crossing zero either way starts or ends the grace clock."""
         async with self.session.begin() as s:
-            team = await s.get(Team, team_id, with_for_update=True)
-            if team is None:
+            await _write_lock(s)
+            res = await s.execute(update(Team).where(Team.id == team_id)
+                                  .values(credits_usd=Team.credits_usd + amount_usd))
+            if res.rowcount == 0:
                 return None
-            team.credits_usd += amount_usd
-            if team.credits_usd > 0:
-                team.credits_exhausted_at = None
-            return team
+            await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd > 0)
+                            .values(credits_exhausted_at=None))
+            await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0,
+                                               Team.credits_exhausted_at.is_(None))
+                            .values(credits_exhausted_at=now or datetime.now(timezone.utc)))
+        return await self.get_team(team_id)
 
     async def exhausted_teams(self, before: datetime) -> list[Team]:
         """Teams out of credits since before ``before`` (their grace period is over)."""
@@ -240,10 +255,7 @@ class Store:
         can never both fill the last slot of a node."""
         try:
             async with self.session.begin() as s:
-                if self.engine.dialect.name == "sqlite":
-                    # SQLite ignores FOR UPDATE: a write statement first takes the database's write lock,
-                    # so the reads below are already serialised with every other writer
-                    await s.execute(update(Node).where(text("0 = 1")).values(draining=Node.draining))
+                await _write_lock(s)
                 nodes = list((await s.scalars(select(Node).order_by(Node.id).with_for_update())).all())
                 node = choose(nodes, await _allocations(s))
                 row.node_id = node.id
@@ -328,6 +340,7 @@ class Store:
         then; a resend after the commit finds ``seq <= billed_seq`` and adds nothing.
         """
         async with self.session.begin() as s:
+            await _write_lock(s)
             sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
             if sb is None or sb.started_at is None or seq <= sb.billed_seq:
                 return None
@@ -345,12 +358,12 @@ class Store:
             sb.cost_usd += cost
             sb.billed_run_s = total
             sb.billed_seq = seq
-            if charge_credits and cost > 0:
-                team = await s.get(Team, sb.team_id, with_for_update=True)
-                if team is not None:
-                    team.credits_usd -= cost
-                    if team.credits_usd <= 0 and team.credits_exhausted_at is None:
-                        team.credits_exhausted_at = now
+            if charge_credits and cost > 0:       # in SQL: never a read-modify-write of the balance
+                await s.execute(update(Team).where(Team.id == sb.team_id)
+                                .values(credits_usd=Team.credits_usd - cost))
+                await s.execute(update(Team).where(Team.id == sb.team_id, Team.credits_usd <= 0,
+                                                   Team.credits_exhausted_at.is_(None))
+                                .values(credits_exhausted_at=now))
             await s.flush()
             if before_commit is not None:
                 before_commit()
