@@ -95,6 +95,10 @@ async def test_basics(runtime, box):  # type: ignore[no-untyped-def]
     assert await run(runtime, h, ["cat"]) == (0, "", "")
     # stdin a command never reads does not hang it
     assert (await run(runtime, h, ["true"], stdin=body))[0] == 0
+    # commands that finish before exec() returns, with a timeout armed (a constructor/thread race once)
+    with anyio.fail_after(30):
+        for _ in range(100):
+            assert await run(runtime, h, ["true"], timeout=30, output_cap=10) == (0, "", "")
     # pid is the command's host pid
     p = await runtime.exec(h, ["sleep", "30"], env={}, cwd=None)
     with anyio.fail_after(5):

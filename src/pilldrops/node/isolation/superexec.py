@@ -120,14 +120,17 @@ class SupervisorExec:
         if self._connected:
             self._close_path_fd()
         self._sock.setblocking(True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        if stdin is not None:
-            src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
-            threading.Thread(target=self._feed, args=(src,), daemon=True).start()
+        # every attribute the threads touch is set before the first one starts (a command can finish
+        # before this constructor returns)
         self._timer: threading.Timer | None = None
         if timeout is not None:
             self._timer = threading.Timer(timeout, self._on_timeout)
             self._timer.daemon = True
+        threading.Thread(target=self._pump, daemon=True).start()
+        if stdin is not None:
+            src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
+            threading.Thread(target=self._feed, args=(src,), daemon=True).start()
+        if self._timer is not None:
             self._timer.start()
 
     def _close_path_fd(self) -> None:
