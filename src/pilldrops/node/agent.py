@@ -106,6 +106,7 @@ class NodeAgent:
         self.runtime = runtime
         self.templates = templates
         self.journal = Journal(state_dir / "journal")
+        self.instance = _instance_id(state_dir)
         self.now = now
         self.live: dict[str, Live] = {}
         self.outbox: dict[str, NodeSandboxStatus] = {}
@@ -357,7 +358,7 @@ class NodeAgent:
         s = self.settings
         return NodeRegister(name=s.name, url=s.public_url, capacity_vcpu=s.capacity_vcpu,
                             capacity_memory_mb=s.capacity_memory_mb, templates=self.refresh_templates(),
-                            sandboxes=self.statuses(), version=__version__)
+                            sandboxes=self.statuses(), version=__version__, instance=self.instance)
 
     async def _register(self) -> float:
         url = f"{self.settings.control_plane_url}/internal/v1/nodes/register"
@@ -407,6 +408,19 @@ class NodeAgent:
     async def _flush_outbox(self) -> None:
         for status in list(self.outbox.values()):
             await self._report(status)
+
+
+def _instance_id(state_dir: Path) -> str:
+    """This agent's identity: made once, kept in its state dir, so a restart (any port) is the same node."""
+    import uuid
+    path = state_dir / "instance"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        ident = uuid.uuid4().hex
+        path.write_text(ident)
+        return ident
 
 
 def default_capacity(cpu_overcommit: float = 64.0, memory_overcommit: float = 32.0) -> tuple[float, int]:

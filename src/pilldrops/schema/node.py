@@ -26,6 +26,7 @@ class NodeRegister(_Model):
     templates: list[TemplateInfo] = Field(default_factory=list)
     sandboxes: list["NodeSandboxStatus"] = Field(default_factory=list)
     version: str = ""
+    instance: str = Field("", description="the agent's identity, kept in its state dir across restarts")
 
 
 class NodeRegistered(_Model):

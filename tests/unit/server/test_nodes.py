@@ -150,3 +150,21 @@ async def test_two_control_planes_racing_never_overcommit(tmp_path, store_url) -
                 await c.aclose()
         finally:
             await cp2.aclose()
+
+
+async def test_node_names_belong_to_one_agent(tmp_path, store_url) -> None:  # noqa: ANN001
+    """A second agent (another instance id) using a live node's name is refused; the same agent
+    restarting on another port is the same node."""
+    import httpx
+
+    from tests.stack import TOKEN
+
+    async with stack(tmp_path, db_url=store_url) as st:
+        internal = httpx.AsyncClient(transport=httpx.ASGITransport(app=st.cp.app), base_url="http://cp",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        body = {"name": "node-a", "url": "http://elsewhere:9", "capacity_vcpu": 8, "capacity_memory_mb": 8192}
+        r = await internal.post("/internal/v1/nodes/register", json={**body, "instance": "someone-else"})
+        assert r.status_code == 409 and "--name" in r.json()["error"]["message"]
+        r = await internal.post("/internal/v1/nodes/register", json={**body, "instance": st.agent.instance})
+        assert r.status_code == 200 and r.json()["node_id"] == st.agent.node_id
+        await internal.aclose()

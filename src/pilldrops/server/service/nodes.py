@@ -36,11 +36,12 @@ class NodeService:
 
     async def register(self, req: NodeRegister) -> NodeRegistered:
         taken = await self.store.node_by_id_or_name(req.name)
-        if (taken is not None and taken.url != req.url.rstrip("/") and taken.state == "ready"
+        if (taken is not None and taken.instance and req.instance and taken.instance != req.instance
+                and taken.state == "ready"
                 and (self.clock.now() - taken.last_heartbeat_at).total_seconds() < self.unreachable_after):
-            raise errors.Conflict(f"node name {req.name!r} is in use by a live agent at {taken.url}; "
-                                  "give each agent its own --name")
-        node = await self.store.upsert_node(
+            raise errors.Conflict(f"node name {req.name!r} is in use by another live agent at {taken.url}; "
+                                  "give each agent on a machine its own --name")
+        node = await self.store.upsert_node(instance=req.instance or None, 
             name=req.name, url=req.url.rstrip("/"), capacity_vcpu=req.capacity_vcpu,
             capacity_memory_mb=req.capacity_memory_mb,
             templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now())

@@ -54,6 +54,7 @@ class Node(Base):
     __tablename__ = "nodes"
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
+    instance: Mapped[str | None] = mapped_column(String(64), nullable=True)
     url: Mapped[str] = mapped_column(String(512))
     capacity_vcpu: Mapped[float] = mapped_column(Float)
     capacity_memory_mb: Mapped[int] = mapped_column(Integer)

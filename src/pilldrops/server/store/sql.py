@@ -196,13 +196,14 @@ class Store:
     # ---- nodes ---------------------------------------------------------------------------------------
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
-                          templates: list[dict[str, Any]], now: datetime) -> Node:
+                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
                 node = Node(id=new_id("node"), name=name, registered_at=now, draining=False)
                 s.add(node)
             node.url = url
+            node.instance = instance or node.instance
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
             node.templates = templates
