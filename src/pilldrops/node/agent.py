@@ -106,7 +106,7 @@ class NodeAgent:
         self.runtime = runtime
         self.templates = templates
         self.journal = Journal(state_dir / "journal")
-        self.instance = _instance_id(state_dir)
+        self.instance = instance_id(state_dir)
         self.now = now
         self.live: dict[str, Live] = {}
         self.outbox: dict[str, NodeSandboxStatus] = {}
@@ -410,7 +410,7 @@ class NodeAgent:
             await self._report(status)
 
 
-def _instance_id(state_dir: Path) -> str:
+def instance_id(state_dir: Path) -> str:
     """This agent's identity: made once, kept in its state dir, so a restart (any port) is the same node."""
     import uuid
     path = state_dir / "instance"

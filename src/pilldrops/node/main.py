@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from pilldrops.node.agent import NodeAgent, Settings
+from pilldrops.node.agent import NodeAgent, Settings, instance_id
 from pilldrops.node.api import create_node_app
 from pilldrops.node.isolation.host import prepare_host
 from pilldrops.node.runtime.crun import CrunRuntime
@@ -41,6 +41,7 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
     prepare_host()
     templates = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     safe = re.sub(r"[^a-zA-Z0-9_-]", "-", settings.name)[:40]
-    runtime = CrunRuntime(data_dir / "node", name=safe)
+    # the cgroup parent is this agent's own (name + instance), never shared with another agent on the host
+    runtime = CrunRuntime(data_dir / "node", name=f"{safe}-{instance_id(data_dir / 'node')[:8]}")
     agent = NodeAgent(settings, runtime, templates, data_dir / "node")
     return Node(agent, create_node_app(agent, settings.node_token), runtime, templates)

@@ -296,7 +296,7 @@ static int listen_ctl(void) {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     strcpy(a.sun_path, SOCK_PATH);
     unlink(SOCK_PATH);
-    mode_t old = umask(077);
+    mode_t old = umask(0177);
     int ok = fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && chmod(SOCK_PATH, 0600) == 0 &&
              listen(fd, 128) == 0;
     umask(old);
