@@ -55,6 +55,11 @@ def _aware(t: datetime | None) -> datetime | None:
     return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
 
 
+def _labels(request: Request) -> dict[str, str]:
+    """``?metadata.<key>=<value>`` filters."""
+    return {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+
+
 def _states(states: list[str] | None) -> list[str]:
     bad = [s for s in states or [] if s not in SandboxState.__members__]
     if bad:
@@ -102,7 +107,7 @@ def create_app(services: Services) -> FastAPI:
                              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                              cursor: str | None = None) -> SandboxList:
         states = _states(state)
-        labels = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+        labels = _labels(request)
         return await sbx.list(p.team_id, states=states, labels=labels, limit=limit, cursor=cursor)
 
     @api.get("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
@@ -166,7 +171,7 @@ def create_app(services: Services) -> FastAPI:
     async def history(request: Request, p: Caller, since: datetime | None = None, until: datetime | None = None,
                       state: Annotated[list[str] | None, Query()] = None, template: str | None = None,
                       limit: Annotated[int, Query(ge=1, le=1000)] = 100, cursor: str | None = None) -> HistoryPage:
-        labels = {k[len("metadata."):]: v for k, v in request.query_params.items() if k.startswith("metadata.")}
+        labels = _labels(request)
         return await services.billing.history(p.team_id, since=_aware(since), until=_aware(until),
                                               states=_states(state), template=template, labels=labels,
                                               limit=limit, cursor=cursor)

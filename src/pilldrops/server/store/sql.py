@@ -347,6 +347,9 @@ class Store:
                 return None
             wall = ((sb.ended_at or now) - sb.started_at).total_seconds()
             total, delta = billable(run_s, sb.billed_run_s, wall)
+            if delta <= 0:                 # nothing new to bill: remember the report, write no ledger row
+                sb.billed_seq = seq
+                return None
             use = running_usage(sb.vcpu, sb.memory_mb, delta)
             cost = use.cost(rates)
             entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
