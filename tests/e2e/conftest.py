@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import leakcheck  # noqa: E402
+from tests.e2e.fleet import clean_env, free_port  # noqa: E402,F401  (free_port: used by other tests)
 
 NAME = f"e2e{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -53,9 +47,7 @@ class Server:
 def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     node_port = free_port()
-    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), "PYTHONUNBUFFERED": "1"}
-    for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY"):
-        env.pop(k, None)
+    env = clean_env(config_home, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
          "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", NAME, *extra],

@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def clean_env(config_home: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a PillDrops process of its own: its own config dir, and none of the
+    caller's PillDrops/E2B credentials or node token leaking in."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), **extra}
+    for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
+        env.pop(k, None)
+    return env
+
+
 def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60, after: int = 0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -78,9 +87,7 @@ class Fleet:
     token: str = ""
 
     def __post_init__(self) -> None:
-        self.env = {**os.environ, "XDG_CONFIG_HOME": str(self.root / "cfg")}
-        for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
-            self.env.pop(k, None)
+        self.env = clean_env(self.root / "cfg")
 
     def crun_roots(self) -> list[Path]:
         return [self.root / f"node{i}" / "node" / "crun" for i in range(len(self.nodes) or 8)]

@@ -19,7 +19,7 @@ import pytest
 
 import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
-from tests.e2e.fleet import spawn, wait_for
+from tests.e2e.fleet import clean_env, spawn, wait_for
 from tests.e2e.conftest import MATCH, NAME, Server, _why_not_runnable, free_port
 
 pytestmark = pytest.mark.integration
@@ -74,9 +74,7 @@ def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Pat
         pytest.skip(why)
     root = tmp_path / f"{MATCH}-crash"
     root.mkdir()
-    base_env = {**os.environ, "XDG_CONFIG_HOME": str(root / "cfg")}
-    for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
-        base_env.pop(k, None)
+    base_env = clean_env(root / "cfg")
     cp_port, node_port = free_port(), free_port()
     url = f"http://127.0.0.1:{cp_port}"
     serve_args = ["serve", "--port", str(cp_port), "--data-dir", str(root / "cp"), "--heartbeat-interval", "0.5"]

@@ -3,7 +3,6 @@ token, sandboxes run on it, and a node with a wrong token is refused."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -14,7 +13,7 @@ import pytest
 
 import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
-from tests.e2e.fleet import spawn, wait_for
+from tests.e2e.fleet import clean_env, spawn, wait_for
 from tests.e2e.conftest import MATCH, NAME, _why_not_runnable, free_port
 
 pytestmark = pytest.mark.integration
@@ -26,9 +25,7 @@ def test_serve_and_node_as_separate_processes(tmp_path: Path) -> None:
         pytest.skip(why)
     root = tmp_path / f"{MATCH}-split"
     root.mkdir()
-    env = {**os.environ, "XDG_CONFIG_HOME": str(root / "cfg")}
-    for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
-        env.pop(k, None)
+    env = clean_env(root / "cfg")
     cp_port, node_port = free_port(), free_port()
     before = leakcheck.snapshot([root / "node-data" / "node" / "crun"], match=MATCH)
     serve = spawn(["serve", "--port", str(cp_port), "--data-dir", str(root / "cp-data")], root / "serve.log", env)

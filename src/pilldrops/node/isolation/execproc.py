@@ -44,7 +44,51 @@ async def _next_chunk(it: AsyncIterator[bytes]) -> bytes | None:
         return None
 
 
-class PipeExec:
+class OutputRelay:
+    """What every ``ExecProcess`` shares: one small bounded queue of ``(stream, bytes)`` chunks filled by a
+    reader thread (backpressure: a slow reader slows the command, never grows the agent), a per-stream
+    output cap (past it bytes are read and dropped, ``truncated``), ``timed_out``, and ``read()``."""
+
+    def __init__(self, output_cap: int | None) -> None:
+        self._token = anyio.lowlevel.current_token()
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](QUEUE_CHUNKS)
+        self._done = anyio.Event()
+        self._cap = output_cap
+        self._used = {"stdout": 0, "stderr": 0}
+        self.truncated = False
+        self.timed_out = False
+
+    def _capped(self, name: StreamName, data: bytes) -> bytes:
+        """The part of ``data`` that fits under its stream's cap (``b""`` once the cap is reached)."""
+        if self._cap is None:
+            return data
+        room = self._cap - self._used[name]
+        if len(data) > room:
+            self.truncated = True
+            data = data[:max(room, 0)]
+        self._used[name] += len(data)
+        return data
+
+    def _deliver(self, name: StreamName, data: bytes) -> None:
+        """From the reader thread: blocks while the queue is full; raises once the reader closed it."""
+        anyio.from_thread.run(self._send.send, (name, data), token=self._token)
+
+    def _end_output(self) -> None:
+        with contextlib.suppress(Exception):       # the event loop is gone: nobody is reading
+            anyio.from_thread.run_sync(self._send.close, token=self._token)
+
+    def _set_done(self) -> None:
+        with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
+            anyio.from_thread.run_sync(self._done.set, token=self._token)
+
+    async def read(self) -> tuple[StreamName, bytes] | None:
+        try:
+            return await self._recv.receive()
+        except anyio.EndOfStream:
+            return None
+
+
+class PipeExec(OutputRelay):
     """``ExecProcess`` over a ``subprocess.Popen`` started in its own session (pgid == popen.pid).
 
     ``pid`` is the host pid of the *command*: for crun it is read from ``pid_file`` (written by
@@ -55,14 +99,9 @@ class PipeExec:
                  env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  pid_file: Path | None = None, timeout: float | None = None,
                  output_cap: int | None = None) -> None:
+        super().__init__(output_cap)
         self._pid_file = pid_file
-        self._token = anyio.lowlevel.current_token()
-        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](QUEUE_CHUNKS)
-        self._done = anyio.Event()
         self._killed = False
-        self._cap = output_cap
-        self.truncated = False
-        self.timed_out = False
         self._popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
@@ -87,7 +126,6 @@ class PipeExec:
         assert self._popen.stdout is not None and self._popen.stderr is not None
         pipes = {self._popen.stdout.fileno(): ("stdout", self._popen.stdout),
                  self._popen.stderr.fileno(): ("stderr", self._popen.stderr)}
-        used = {"stdout": 0, "stderr": 0}
         sel = selectors.DefaultSelector()
         for fd in pipes:
             sel.register(fd, selectors.EVENT_READ)
@@ -107,16 +145,9 @@ class PipeExec:
                         sel.unregister(key.fd)
                         del pipes[key.fd]
                         continue
-                    if self._cap is not None:
-                        room = self._cap - used[name]
-                        if len(data) > room:
-                            self.truncated = True
-                            data = data[:max(room, 0)]
-                            if not data:
-                                continue  # keep draining the pipe, drop the bytes
-                        used[name] += len(data)
-                    # blocks while the queue is full (backpressure); fails once the reader closed it
-                    anyio.from_thread.run(self._send.send, (name, data), token=self._token)
+                    data = self._capped(name, data)
+                    if data:                  # past the cap: keep draining the pipe, drop the bytes
+                        self._deliver(name, data)
         except Exception:  # noqa: BLE001, S110 - loop gone or receiver closed: stop reading
             pass
         finally:
@@ -124,8 +155,7 @@ class PipeExec:
             for stream in (self._popen.stdout, self._popen.stderr):
                 stream.close()
             os.close(self._wake_r)
-            with contextlib.suppress(Exception):
-                anyio.from_thread.run_sync(self._send.close, token=self._token)
+            self._end_output()
 
     def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
         pipe = self._popen.stdin
@@ -159,8 +189,7 @@ class PipeExec:
             os.close(self._wake_w)
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
-        with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
-            anyio.from_thread.run_sync(self._done.set, token=self._token)
+        self._set_done()
 
     # -- ExecProcess -----------------------------------------------------------------------------
     @property
@@ -172,12 +201,6 @@ class PipeExec:
             except (OSError, ValueError):
                 pass
         return self._pid
-
-    async def read(self) -> tuple[StreamName, bytes] | None:
-        try:
-            return await self._recv.receive()
-        except anyio.EndOfStream:
-            return None
 
     async def wait(self) -> int:
         await self._done.wait()

@@ -33,7 +33,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from pilldrops.node.isolation.execproc import QUEUE_CHUNKS, _next_chunk
+from pilldrops.node.isolation.execproc import OutputRelay, _next_chunk
 from pilldrops.node.runtime.base import StreamName
 
 HDR = struct.Struct("<BI")
@@ -78,7 +78,7 @@ def host_pid(init_pid: int, ns_pid: int) -> int | None:
     return None
 
 
-class SupervisorExec:
+class SupervisorExec(OutputRelay):
     """``ExecProcess`` over a connection to pd-init's control socket (one command per connection)."""
 
     def __init__(self, sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
@@ -87,10 +87,7 @@ class SupervisorExec:
                  path_fd: int | None = None) -> None:
         """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
         once connected."""
-        self._token = anyio.lowlevel.current_token()
-        self._send, self._recv = anyio.create_memory_object_stream[tuple[StreamName, bytes]](QUEUE_CHUNKS)
-        self._done = anyio.Event()
-        self._cap = output_cap
+        super().__init__(output_cap)
         self._init_pid = init_pid
         self._ns_pid: int | None = None
         self._pid: int | None = None
@@ -98,8 +95,6 @@ class SupervisorExec:
         self._finished = False
         self._killed = False
         self._lock = threading.Lock()          # one writer at a time on the socket (stdin vs kill)
-        self.truncated = False
-        self.timed_out = False
         self._request = encode_request(argv, env, cwd, stdin=stdin is not None)
         self._sock_path = str(sock_path)
         self._connected = False
@@ -140,7 +135,6 @@ class SupervisorExec:
 
     # -- threads ---------------------------------------------------------------------------------
     def _pump(self) -> None:
-        used = {"stdout": 0, "stderr": 0}
         deliver = True
         code = 137
         try:
@@ -165,17 +159,11 @@ class SupervisorExec:
                 name = _STREAMS.get(typ)
                 if name is None or not deliver:
                     continue
-                if self._cap is not None:
-                    room = self._cap - used[name]
-                    if len(data) > room:
-                        self.truncated = True
-                        data = data[:max(room, 0)]
-                        if not data:
-                            continue      # keep draining, drop the bytes
-                    used[name] += len(data)
+                data = self._capped(name, data)
+                if not data:
+                    continue              # past the cap: keep draining, drop the bytes
                 try:
-                    # blocks while the queue is full (backpressure); fails once the reader closed it
-                    anyio.from_thread.run(self._send.send, (name, data), token=self._token)
+                    self._deliver(name, data)
                 except Exception:  # noqa: BLE001 - receiver closed or loop gone: drain to the exit frame
                     deliver = False
         except (OSError, EOFError, struct.error):
@@ -187,10 +175,8 @@ class SupervisorExec:
             if self._timer is not None:
                 self._timer.cancel()
             self._sock.close()
-            with contextlib.suppress(Exception):
-                anyio.from_thread.run_sync(self._send.close, token=self._token)
-            with contextlib.suppress(Exception):       # the event loop is gone: nobody is waiting
-                anyio.from_thread.run_sync(self._done.set, token=self._token)
+            self._end_output()
+            self._set_done()
 
     def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
         def put(chunk: bytes) -> None:
@@ -240,12 +226,6 @@ class SupervisorExec:
     def sandbox_pid(self) -> int | None:
         """The command's pid inside the sandbox's pid namespace."""
         return self._ns_pid
-
-    async def read(self) -> tuple[StreamName, bytes] | None:
-        try:
-            return await self._recv.receive()
-        except anyio.EndOfStream:
-            return None
 
     async def wait(self) -> int:
         await self._done.wait()

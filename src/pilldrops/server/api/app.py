@@ -141,29 +141,17 @@ def create_app(services: Services) -> FastAPI:
         keep = {k: v for k, v in resp.headers.items() if k.lower() == "content-type"}
         return _Relay(resp, cm, status_code=resp.status_code, headers=keep)
 
-    @api.post("/sandboxes/{sandbox_id}/run", response_class=StreamingResponse)
-    async def run(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "run")
+    def proxied(method: str, tail: str, name: str) -> None:
+        async def route(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
+            return await proxy(request, p, sandbox_id, tail)
 
-    @api.put("/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse)
-    async def put_archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "archive")
+        api.add_api_route(f"/sandboxes/{{sandbox_id}}/{tail}", route, methods=[method], name=name,
+                          response_class=StreamingResponse)
 
-    @api.get("/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse)
-    async def get_archive(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "archive")
-
-    @api.put("/sandboxes/{sandbox_id}/files", response_class=StreamingResponse)
-    async def write_file(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "files")
-
-    @api.get("/sandboxes/{sandbox_id}/files", response_class=StreamingResponse)
-    async def read_file(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "files")
-
-    @api.get("/sandboxes/{sandbox_id}/files/list", response_class=StreamingResponse)
-    async def files_list(sandbox_id: str, request: Request, p: Caller) -> StreamingResponse:
-        return await proxy(request, p, sandbox_id, "files/list")
+    for method, tail, name in [("POST", "run", "run"), ("PUT", "archive", "put_archive"),
+                               ("GET", "archive", "get_archive"), ("PUT", "files", "write_file"),
+                               ("GET", "files", "read_file"), ("GET", "files/list", "list_files")]:
+        proxied(method, tail, name)
 
     # ---- billing --------------------------------------------------------------------------------------
 
