@@ -96,3 +96,23 @@ class Runtime(Protocol):
 
     async def list_ids(self) -> list[str]:
         """Ids of every sandbox this runtime instance currently holds (for reaping and leak checks)."""
+
+    # -- pause / resume (issue 6) ---------------------------------------------------------------------
+    def checkpoint_unsupported(self) -> str | None:
+        """None when ``checkpoint``/``restore`` work on this host, else why not (shown to users)."""
+
+    async def checkpoint(self, handle: Handle, image_dir: Path) -> int:
+        """Write the sandbox's whole process tree with its memory, and its writable layer, into
+        ``image_dir`` (created by the caller, empty), then remove its processes, cgroup and mounts exactly
+        as ``destroy`` would: a checkpointed sandbox holds no RAM. Returns the image's size in bytes.
+
+        The caller guarantees no ``exec`` is in flight (the agent ends them first). On failure the sandbox
+        keeps running untouched and ``RuntimeFailure`` is raised.
+        """
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        """Bring a checkpointed sandbox back from ``image_dir`` (possibly written on another node with the
+        same template layers): processes with their memory, open files, cwd and in-sandbox pids, and the
+        writable layer. ``spec`` is the sandbox's original spec (same id). Returns the new handle; the
+        image may be deleted afterwards. On failure nothing of the sandbox is left running and the image
+        is intact, so restore can be retried."""
