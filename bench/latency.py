@@ -22,154 +22,24 @@ Needs root and crun. What it does:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
-import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _harness import PID, Raw, Up, leftovers, machine, ok, pct, timed
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from pilldrops import Sandbox
-from pilldrops.node.isolation import cgroups
-from pilldrops.node.isolation.host import require_crun
-from pilldrops.node.isolation.mounts import mount_overlay, mounts_under, umount_all_under
-from pilldrops.node.runtime.base import SandboxSpec
-from pilldrops.node.runtime.crun import _nofile_limit
-from pilldrops.node.runtime.oci_spec import build_spec
-from pilldrops.node.templates import TemplateStore
 
-PID = os.getpid()
-RAW_PARENT = f"pilldrops-benchraw{PID}"
 MEMORY_MB = 256
 console = Console(width=160)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
-def sh(argv: list[str], **kw: object) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, stdin=subprocess.DEVNULL, check=False, **kw)  # type: ignore[call-overload]
-
-
-def timed(argv: list[str], **kw: object) -> tuple[float, subprocess.CompletedProcess]:
-    t = time.perf_counter()
-    r = sh(argv, **kw)
-    return time.perf_counter() - t, r
-
-
-def ok(dt: float, r: subprocess.CompletedProcess, err: str | bytes) -> float:
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(map(str, r.args))} exited {r.returncode}: {err!r}")
-    return dt
-
-
-class Up:
-    """A `pilldrops up` subprocess with its own data dir, config dir, ports and node name."""
-
-    def __init__(self, root: Path, template: str) -> None:
-        self.data, self.config, self.log = root / "data", root / "config", root / "up.log"
-        port, node_port = free_port(), free_port()
-        env = {**os.environ, "XDG_CONFIG_HOME": str(self.config), "PYTHONUNBUFFERED": "1"}
-        for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY"):
-            env.pop(k, None)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
-                 "--data-dir", str(self.data), "--templates", template, "--node-name", f"bench{PID}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True)      # our Ctrl-C must not reach it: we stop it ourselves
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while "is up at" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"pilldrops up did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        self.key = json.loads((self.config / "pilldrops" / "config.json").read_text())["api_key"]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-class Raw:
-    """Raw crun containers equivalent to a PillDrops sandbox (same spec builder, layers and init)."""
-
-    def __init__(self, data: Path, template: str) -> None:
-        self.crun = require_crun()
-        self.tpl = TemplateStore(data).get(template)
-        self.init = data / "node" / "bin" / "pd-init"       # built by the node at start
-        self.dir = data / "benchraw"
-        self.root = self.dir / "crun"
-        self.root.mkdir(parents=True)
-
-    def cmd(self, *args: str) -> list[str]:
-        return [self.crun, "--root", str(self.root), *args]
-
-    def prepare(self, cid: str) -> Path:
-        d = self.dir / cid
-        for p in ("rootfs", "upper", "work"):
-            (d / p).mkdir(parents=True)
-        mount_overlay(d / "rootfs", list(self.tpl.layers), d / "upper", d / "work")
-        spec = SandboxSpec(id=cid, layers=self.tpl.layers, vcpu=1, memory_mb=MEMORY_MB, pids_limit=1024,
-                           envs=dict(self.tpl.env), workdir=self.tpl.workdir or "/", hostname=cid)
-        cfg = build_spec(spec, rootfs=d / "rootfs", init_path=self.init, cgroup_parent=RAW_PARENT,
-                         nofile=_nofile_limit())
-        (d / "config.json").write_text(json.dumps(cfg))
-        return d
-
-    def run(self, cid: str, d: Path) -> float:
-        with open(d / "crun.err", "wb") as err:                  # never a pipe for a detached crun
-            dt, r = timed(self.cmd("run", "--detach", "--bundle", str(d), cid), stdout=subprocess.DEVNULL,
-                          stderr=err)
-        return ok(dt, r, (d / "crun.err").read_text())
-
-    def exec_true(self, cid: str) -> float:
-        dt, r = timed(self.cmd("exec", cid, "true"), capture_output=True)
-        return ok(dt, r, r.stderr)
-
-    def delete(self, cid: str) -> float:
-        dt, r = timed(self.cmd("delete", "--force", cid), capture_output=True)
-        return ok(dt, r, r.stderr)
-
-    def cleanup(self, cid: str) -> None:
-        sh(self.cmd("delete", "--force", cid), capture_output=True)
-        cgroups.remove_tree(f"{RAW_PARENT}/{cid}")
-        umount_all_under(self.dir / cid)
-        shutil.rmtree(self.dir / cid, ignore_errors=True)
-
-    def cleanup_all(self) -> None:
-        r = sh(self.cmd("list", "--format", "json"), capture_output=True)
-        ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
-        ids |= {p.name for p in self.dir.iterdir() if p.is_dir() and p.name != "crun"}
-        for cid in ids:
-            self.cleanup(cid)
-        cgroups.remove_tree(RAW_PARENT)
 
 
 def host_true() -> float:
@@ -204,27 +74,6 @@ def iteration(i: str, up: Up, raw: Raw, template: str, runs: int, out: dict[str,
         raw.cleanup(cid)
     for _ in range(runs):
         rec("host_true", host_true())
-
-
-def leftovers(data: Path, roots: list[Path]) -> list[str]:
-    found = []
-    for root in roots:
-        if root.exists():
-            r = sh([require_crun(), "--root", str(root), "list", "-q"], capture_output=True, text=True)
-            found += [f"crun container {c} in {root}" for c in r.stdout.split()]
-    found += [f"mount {m}" for m in mounts_under(data)]
-    with open("/proc/self/mountinfo") as f:
-        found += [f"mount {ln.split()[4]}" for ln in f if "pilldrops-bench" in ln.split()[4]]
-    found += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob("*/*") if f"pilldrops-bench{PID}" in p.name
-              or p.name == RAW_PARENT]
-    return sorted(set(found))
-
-
-def machine() -> dict[str, str]:
-    crun_v = sh([require_crun(), "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    now = datetime.datetime.now().astimezone().isoformat("T", "seconds")
-    return {"cores": str(os.cpu_count()), "kernel": platform.release(), "crun": crun_v,
-            "python": platform.python_version(), "date": now}
 
 
 def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str]) -> None:
@@ -271,7 +120,7 @@ def main() -> int:
     try:
         console.print(f"starting pilldrops up (data in {tmp}) ...")
         up = Up(tmp, a.template)
-        raw = Raw(up.data, a.template)
+        raw = Raw(up.data, a.template, MEMORY_MB)
         for i in range(a.warmup):
             iteration(f"w{i}", up, raw, a.template, a.runs, None)
         with console.status("") as st:
