@@ -9,6 +9,20 @@ Each instance uses its own ``crun --root <state_dir>/crun`` and its own cgroup p
 /dev/null and a file (a detached crun inherits its stdio). The sandbox init (pd-init) is re-parented
 away from the agent by crun, so killing the agent leaves sandboxes running. Nothing is global: creates,
 execs and destroys of different sandboxes run concurrently.
+
+Pause/resume (issue 6): ``checkpoint``/``restore`` run Debian trixie's crun 1.21 + criu 4.1.1 from the
+userland ``scripts/install-criu`` builds (``isolation.criu``: private mount namespace, pivot_root), on the
+same ``--root`` state dir (bound at its own path): crun 1.21 reads the state 1.8.1 wrote, and 1.8.1 reads
+the state of a container 1.21 restored, so a restored sandbox is exec'd, inspected and destroyed by the
+host's crun like any other. Image layout (``image_dir``)::
+
+    criu/                     CRIU images + descriptors.json + dump.log (crun checkpoint --image-path)
+    upper/                    the sandbox's overlay writable layer (renamed out of the sandbox dir)
+    pilldrops-checkpoint.json format, id, versions, sizes; written last (marks the image complete)
+
+Before the dump pd-init is told (SIGUSR1) to close its control socket, and after a restore (or a failed
+dump) to listen again (SIGUSR2): criu 4.1.1 cannot restore a path-bound unix socket in a process tree
+that needs a session/group-leader helper, which any background command that outlived its shell creates.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -27,7 +42,7 @@ from pathlib import Path
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, procs
+from pilldrops.node.isolation import cgroups, criu, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount_all_under
@@ -39,6 +54,11 @@ from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _GONE_MARKERS = ("does not exist", "no such file", "not found")
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_META = "pilldrops-checkpoint.json"
+# CRIU options for every dump/restore: loopback TCP connections inside the sandbox's netns and file locks
+# (pip, sqlite, ...) are part of the sandbox's state
+_CRIU_OPTS = ("--tcp-established", "--file-locks")
 
 
 def _nofile_limit() -> int:
@@ -53,6 +73,54 @@ def exec_mode() -> str:
     or ``crun`` (always one ``crun exec`` per command)."""
     mode = os.environ.get("PILLDROPS_EXEC", "supervisor").strip().lower()
     return mode if mode in ("supervisor", "crun") else "supervisor"
+
+
+def _tree_bytes(root: Path) -> int:
+    """Apparent size of the regular files under ``root``."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Copy an overlay layer with everything overlay needs: whiteouts (char 0/0), xattrs, owners, times."""
+    subprocess.run(["cp", "-a", "--reflink=auto", str(src), str(dst)], check=True, capture_output=True)
+
+
+def _move_tree(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError:
+        _copy_tree(src, dst)
+        shutil.rmtree(src)
+
+
+def _failure_detail(err_file: Path, log: Path, lines: int = 12) -> str:
+    """crun's stderr plus the error lines (else the tail) of CRIU's log."""
+    try:
+        err = err_file.read_text(errors="replace").strip()
+    except OSError:
+        err = ""
+    try:
+        log_lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        log_lines = []
+    errors = [ln for ln in log_lines if "Error" in ln] or log_lines[-lines:]
+    return "\n".join(x for x in [err, *errors[-lines:]] if x)[-4000:]
+
+
+def _userland_versions() -> str:
+    try:
+        return (criu.userland_root() / criu.READY_STAMP).read_text().splitlines()[1]
+    except (OSError, IndexError):
+        return ""
 
 
 class CrunRuntime:
@@ -242,27 +310,37 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 
-    async def _teardown(self, sandbox_id: str) -> None:
+    async def _teardown(self, sandbox_id: str, *, save_upper: Path | None = None) -> None:
+        """Remove every process, cgroup, mount and file of the sandbox. With ``save_upper``, its writable
+        layer is first moved there (rename; a copy across file systems) once nothing uses it."""
         d = self._dir(sandbox_id)
         r = await self._crun("delete", "--force", sandbox_id)
         err = r.stderr.decode(errors="replace").strip()
         problems = []
         if r.returncode != 0 and not any(m in err.lower() for m in _GONE_MARKERS):
             problems.append(f"crun delete: {err}")
-        left = await anyio.to_thread.run_sync(self._teardown_sync, sandbox_id, d)
+        left, moved = await anyio.to_thread.run_sync(self._teardown_sync, sandbox_id, d, save_upper)
         if left:
             problems.append(f"cgroups left: {left}")
+        if moved:
+            problems.append(moved)
         if problems:
             raise RuntimeFailure(f"destroy {sandbox_id} incomplete", detail="; ".join(problems))
 
-    def _teardown_sync(self, sandbox_id: str, d: Path) -> list[str]:
+    def _teardown_sync(self, sandbox_id: str, d: Path, save_upper: Path | None = None) -> tuple[list[str], str]:
         left = [str(p) for p in cgroups.remove_tree(self._cgroup(sandbox_id))]
         umount_all_under(d)
+        problem = ""
+        if save_upper is not None and (d / "upper").is_dir():
+            try:
+                _move_tree(d / "upper", save_upper)
+            except (OSError, subprocess.CalledProcessError) as e:
+                problem = f"cannot move the writable layer to {save_upper}: {e}"
         shutil.rmtree(d, ignore_errors=True)
         if d.exists():
             umount_all_under(d)
             shutil.rmtree(d)
-        return left
+        return left, problem
 
     async def list_ids(self) -> list[str]:
         r = await self._crun("list", "--format", "json")
@@ -271,6 +349,142 @@ class CrunRuntime:
         ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
         ids |= {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         return sorted(ids)
+
+    # -- pause / resume (issue 6) -----------------------------------------------------------------
+    def checkpoint_unsupported(self) -> str | None:
+        return criu.unavailable_reason()
+
+    async def _userland_crun(self, *args: str, binds: list[Path], err_path: Path) -> int:
+        """``crun --root <ours> ARGS`` with trixie's crun 1.21 + criu 4.1.1 (``isolation.criu``);
+        stderr goes to ``err_path``. Returns the exit code."""
+        argv = criu.command(["crun", "--root", str(self.crun_root), *args], binds=binds)
+        with open(err_path, "wb") as err:  # noqa: ASYNC230 - local file, no wait
+            r = await anyio.run_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=err, check=False)
+        return r.returncode
+
+    @staticmethod
+    async def _ctl_signal(d: Path, pid: int, sig: int, *, want: bool, wait: float) -> bool:
+        """Ask pd-init to close (SIGUSR1) or reopen (SIGUSR2) its control socket; wait until ``pd/ctl``
+        is gone / there. False if that did not happen in time (an old pd-init ignores both signals)."""
+        ctl = d / "pd" / "ctl"
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            return False
+        deadline = time.monotonic() + wait
+        while os.path.lexists(ctl) != want:
+            if time.monotonic() > deadline:
+                return False
+            await anyio.sleep(0.001)
+        return True
+
+    async def checkpoint(self, handle: Handle, image_dir: Path) -> int:
+        why = self.checkpoint_unsupported()
+        if why:
+            raise RuntimeFailure("checkpoint is not supported on this host", detail=why)
+        d = self._dir(handle.id)
+        image_dir = Path(image_dir).resolve()
+        if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
+            raise RuntimeFailure(f"sandbox {handle.id} is not running")
+        if not image_dir.is_dir() or any(image_dir.iterdir()):
+            raise RuntimeFailure(f"checkpoint image dir {image_dir} must exist and be empty")
+        images = image_dir / "criu"
+        with anyio.CancelScope(shield=True):      # half a dump is worse than a late one
+            images.mkdir()
+            had_ctl = os.path.lexists(d / "pd" / "ctl")
+            if had_ctl:
+                await self._ctl_signal(d, handle.pid, signal.SIGUSR1, want=False, wait=1.0)
+            code = await self._userland_crun("checkpoint", *_CRIU_OPTS, f"--image-path={images}", handle.id,
+                                             binds=[self.state_dir, image_dir], err_path=d / "criu.err")
+            if code != 0:
+                detail = _failure_detail(d / "criu.err", images / "dump.log")
+                alive = procs.alive(handle.pid, handle.pid_start_time)
+                if alive and had_ctl:
+                    await self._ctl_signal(d, handle.pid, signal.SIGUSR2, want=True, wait=1.0)
+                shutil.rmtree(images, ignore_errors=True)
+                if not alive:      # the dump went through but crun failed after it: the sandbox is gone
+                    self._defaults.pop(handle.id, None)
+                    await self._teardown(handle.id)
+                raise RuntimeFailure(f"checkpoint of {handle.id} failed (exit {code})"
+                                     + ("" if alive else "; the sandbox is gone"), detail=detail)
+            # crun checkpoint killed the process tree and deleted the container (cgroup included); what
+            # is left is the overlay and the sandbox dir: the writable layer moves into the image
+            self._defaults.pop(handle.id, None)
+            await self._teardown(handle.id, save_upper=image_dir / "upper")
+            criu_bytes, upper_bytes = _tree_bytes(images), _tree_bytes(image_dir / "upper")
+            meta = {"format": CHECKPOINT_FORMAT, "id": handle.id, "created": time.time(),
+                    "runtime": "crun", "userland": _userland_versions(), "init": self.init_path.name,
+                    "criu_bytes": criu_bytes, "upper_bytes": upper_bytes}
+            (image_dir / (CHECKPOINT_META + ".tmp")).write_text(json.dumps(meta))
+            os.replace(image_dir / (CHECKPOINT_META + ".tmp"), image_dir / CHECKPOINT_META)
+            return criu_bytes + upper_bytes
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        why = self.checkpoint_unsupported()
+        if why:
+            raise RuntimeFailure("restore is not supported on this host", detail=why)
+        d = self._dir(spec.id)
+        image_dir = Path(image_dir).resolve()
+        try:
+            meta = json.loads((image_dir / CHECKPOINT_META).read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeFailure(f"{image_dir} is not a complete checkpoint image", detail=str(e)) from e
+        if meta.get("format") != CHECKPOINT_FORMAT or meta.get("id") != spec.id:
+            raise RuntimeFailure(f"checkpoint image {image_dir} does not fit sandbox {spec.id}",
+                                 detail=f"format={meta.get('format')} id={meta.get('id')}")
+        if not (image_dir / "upper").is_dir() or not (image_dir / "criu").is_dir():
+            raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no upper/ or criu/)")
+        if d.exists():
+            raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
+        rootfs, upper, work = d / "rootfs", d / "upper", d / "work"
+        moved = ok = False
+        try:
+            for p in (rootfs, work, d / "exec", d / "criu-work"):
+                p.mkdir(parents=True)
+            (d / "pd").mkdir(mode=0o700)
+            # the writable layer is renamed in (and back out on failure: the image stays retryable)
+            try:
+                os.rename(image_dir / "upper", upper)
+                moved = True
+            except OSError:
+                try:
+                    await anyio.to_thread.run_sync(_copy_tree, image_dir / "upper", upper)
+                except (OSError, subprocess.CalledProcessError) as e:
+                    raise RuntimeFailure(f"cannot copy the writable layer of {spec.id}", detail=str(e)) from e
+            try:
+                mount_overlay(rootfs, [Path(p) for p in spec.layers], upper, work)
+            except (MountError, ValueError) as e:
+                raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
+            config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
+                                cgroup_parent=self.cgroup_parent, nofile=_nofile_limit(),
+                                run_dir=d / "pd")
+            (d / "config.json").write_text(json.dumps(config))
+            pid_file = d / "init.pid"
+            code = await self._userland_crun(
+                "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / 'criu'}",
+                f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
+                binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
+            if code != 0:
+                raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
+                                     detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
+            try:
+                pid: int | None = int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                pid = None
+            start = procs.start_time(pid) if pid else None
+            if pid is None or start is None:
+                raise RuntimeFailure(f"sandbox {spec.id} init is not running after restore", detail=f"pid={pid}")
+            await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
+            self._defaults[spec.id] = self._defaults_from(config)
+            ok = True
+            return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
+                          extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})
+        finally:
+            if not ok:
+                with anyio.CancelScope(shield=True):
+                    self._defaults.pop(spec.id, None)
+                    await self._teardown(spec.id, save_upper=image_dir / "upper" if moved else None)
 
     # -- instance lifetime -----------------------------------------------------------------------
     def cleanup_parent(self) -> None:

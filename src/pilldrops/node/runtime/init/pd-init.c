@@ -2,6 +2,12 @@
  *
  * As init: reaps every zombie re-parented to it and exits 0 on SIGTERM or SIGINT. Signals are blocked
  * and read from a signalfd: as a pid-namespace init, signals with a default disposition would be ignored.
+ * Checkpoint support (issue 6): its stdin/stdout/stderr are reopened on the sandbox's own /dev/null, so it
+ * holds no host file. SIGUSR1 from the host closes the control socket and unlinks /.pd/run/ctl (before a
+ * CRIU dump: criu 4.1.1 cannot restore a path-bound unix socket of a process that CRIU also has to give a
+ * session/group-leader helper, i.e. as soon as a background command outlived its shell); SIGUSR2 from the
+ * host listens again (after a restore, or a failed dump). Only signals from outside the sandbox's pid
+ * namespace (ssi_pid 0) count.
  *
  * As supervisor (only when the directory /.pd/run exists, bind-mounted read-write from the host's
  * <sandbox dir>/pd): listens on the unix stream socket /.pd/run/ctl (mode 0600). One command per
@@ -316,7 +322,13 @@ int main(void) {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGPIPE);
+    sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGUSR2);
     sigprocmask(SIG_BLOCK, &set, NULL);
+    /* Drop the stdio crun handed over (host files, e.g. crun's error log): an fd on a host file the
+     * sandbox cannot see would make a CRIU checkpoint fail (issue 6). */
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) { dup2(null, 0); dup2(null, 1); dup2(null, 2); if (null > 2) close(null); }
     int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
     int lfd = listen_ctl();
     for (int i = 0; i < NSLOTS; i++) {
@@ -366,6 +378,9 @@ int main(void) {
                 struct signalfd_siginfo si;
                 while (read(sfd, &si, sizeof si) == sizeof si) {
                     if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) { reap(); return 0; }
+                    if (si.ssi_pid != 0) continue;                 /* sent from inside the sandbox */
+                    if (si.ssi_signo == SIGUSR1 && lfd >= 0) { close(lfd); lfd = -1; unlink(SOCK_PATH); }
+                    if (si.ssi_signo == SIGUSR2 && lfd < 0) lfd = listen_ctl();
                 }
                 reap();
                 continue;
