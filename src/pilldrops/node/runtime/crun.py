@@ -425,6 +425,8 @@ class CrunRuntime:
         if why:
             raise RuntimeFailure("restore is not supported on this host", detail=why)
         d = self._dir(spec.id)
+        if d.exists():
+            raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         image_dir = Path(image_dir).resolve()
         try:
             meta = json.loads((image_dir / CHECKPOINT_META).read_text())
@@ -435,8 +437,6 @@ class CrunRuntime:
                                  detail=f"format={meta.get('format')} id={meta.get('id')}")
         if not (image_dir / "upper").is_dir() or not (image_dir / "criu").is_dir():
             raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no upper/ or criu/)")
-        if d.exists():
-            raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         rootfs, upper, work = d / "rootfs", d / "upper", d / "work"
         moved = ok = False
         try:
