@@ -19,7 +19,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pilldrops.node.isolation import cgroups
@@ -216,7 +221,7 @@ def check_leaks(tmp: Path, roots: list[Path], settle: float = 5.0, procs: bool =
 def machine() -> dict[str, str]:
     crun_v = sh([require_crun(), "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     now = datetime.datetime.now().astimezone().isoformat("T", "seconds")
-    mem = meminfo()["MemTotal"] / 1024**2
+    mem = meminfo()["MemTotal"] / 1024**3
     return {"cores": str(os.cpu_count()), "kernel": platform.release(), "crun": crun_v,
             "python": platform.python_version(), "date": now, "mem": f"{mem:.1f} GiB"}
 
@@ -239,3 +244,170 @@ def rss(pid: int) -> int:
             return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
     except (OSError, StopIteration):
         return 0
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(own user+system, waited children's user+system) CPU seconds of a process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    u, s, cu, cs = (int(x) for x in fields[11:15])
+    return (u + s) / TICK, (cu + cs) / TICK
+
+
+def host_busy() -> float:
+    """CPU seconds all cores spent not idle since boot."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / TICK
+
+
+@dataclass
+class Phase:
+    """One timed phase: per-item latencies (ms), wall seconds, errors and CPU seconds by who spent them."""
+
+    name: str
+    lat: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return len(self.lat) / self.wall if self.wall else 0.0
+
+
+def run_phase(name: str, items: list, fn: Callable, threads: int, up_pid: int, st) -> tuple[Phase, list]:  # type: ignore[type-arg]
+    """``fn(item)`` for every item on ``threads`` threads; returns the phase and the results (None = error)."""
+    ph = Phase(name)
+    lock = threading.Lock()
+    done = [0]
+
+    def one(item):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            res = fn(item)
+        except Exception as e:  # noqa: BLE001 - counted and reported with its text
+            with lock:
+                ph.errors.append(f"{type(e).__name__}: {e}")
+                done[0] += 1
+            return None
+        dt = (time.perf_counter() - t) * 1000
+        with lock:
+            ph.lat.append(dt)
+            done[0] += 1
+        return res
+
+    own0, kids0 = cpu_times(up_pid)
+    me0, busy0 = os.times(), host_busy()
+    stop = threading.Event()
+
+    def progress() -> None:
+        while not stop.wait(0.5):
+            st.update(f"{name}: {done[0]}/{len(items)}")
+
+    pt = threading.Thread(target=progress, daemon=True)
+    pt.start()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        out = list(pool.map(one, items))
+    ph.wall = time.perf_counter() - t0
+    stop.set()
+    own1, kids1 = cpu_times(up_pid)
+    me1 = os.times()
+    ph.cpu = {"up (Python)": own1 - own0, "up's children (crun, tar)": kids1 - kids0,
+              "bench client": (me1.user + me1.system) - (me0.user + me0.system),
+              "bench's children (raw crun, host python)": (me1.children_user + me1.children_system)
+              - (me0.children_user + me0.children_system),
+              "host busy (all)": host_busy() - busy0}
+    return ph, out
+
+
+@contextmanager
+def profiled(pid: int, out: Path | None) -> Iterator[None]:
+    """``py-spy record --gil`` of process ``pid`` (the thread holding the GIL, i.e. running Python, 100 Hz,
+    not pausing it) while the block runs, written to ``out`` in py-spy's raw (collapsed stacks) format. No-op when
+    ``out`` is None."""
+    if out is None:
+        yield
+        return
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    with open(f"{out}.log", "wb") as log:
+        p = subprocess.Popen([spy, "record", "-p", str(pid), "--format", "raw", "--full-filenames", "--gil", "--nonblocking", "-r", "100",
+                              "-o", str(out)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    time.sleep(1.0)                                  # attached
+    try:
+        yield
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+CATEGORIES = (   # (label, path fragments); a sample goes to the first category its stack matches, leaf first
+    ("crun/tar subprocesses: fork+exec, wait", ("/subprocess.py", "asyncio/unix_events.py", "anyio/_core/_subprocesses",
+                                              "asyncio/subprocess.py", "asyncio/base_subprocess.py")),
+    ("SQLite store: SQLAlchemy + aiosqlite", ("sqlalchemy/", "aiosqlite/", "sqlite3/")),
+    ("pydantic validation/serialisation", ("pydantic/", "pydantic_core/")),
+    ("json", ("/json/",)),
+    ("HTTP server: uvicorn/h11/starlette/fastapi", ("uvicorn/", "h11/", "starlette/", "fastapi/")),
+    ("HTTP client: httpx/httpcore", ("httpx/", "httpcore/")),
+    ("mounts, cgroups, rm -r, files", ("isolation/mounts.py", "isolation/cgroups.py", "/shutil.py", "/pathlib.py",
+                                      "node/journal.py")),
+    ("PillDrops code (other)", ("pilldrops/",)),
+    ("event loop / threads", ("asyncio/", "/selectors.py", "/threading.py", "anyio/", "concurrent/")),
+)
+
+
+def _category(frames: list[str]) -> str:
+    for f in reversed(frames):
+        for label, frags in CATEGORIES:
+            if any(x in f for x in frags):
+                return label
+    return "other"
+
+
+def _frame(f: str, lineno: bool) -> str:
+    """``func (path/file.py:123)`` -> ``func (file.py:123)`` (or without the line)."""
+    name, _, where = f.partition(" (")
+    where = where.rstrip(")")
+    path, _, line = where.rpartition(":")
+    short = "/".join(path.split("/")[-3 if "pilldrops/" in path else -2:]) if path else where
+    return f"{name} ({short}:{line})" if lineno and line else f"{name} ({short})"
+
+
+def summarize_profile(path: Path, top: int = 10, lineno: bool = False) -> dict[str, object]:
+    """Self and total sample counts per frame of a py-spy raw file (``a;b;c N`` lines, root first, full
+    file names); "total" only over PillDrops' own frames; and samples per ``CATEGORIES``."""
+    self_c: dict[str, int] = {}
+    total_c: dict[str, int] = {}
+    cats: dict[str, int] = {}
+    n = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, cnt = line.rpartition(" ")
+        if not stack or not cnt.isdigit():
+            continue
+        c = int(cnt)
+        full = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+        if not full:
+            continue
+        frames = [_frame(f, lineno) for f in full]
+        n += c
+        self_c[frames[-1]] = self_c.get(frames[-1], 0) + c
+        for f, ff in set(zip(frames, full)):
+            if "pilldrops/" in ff and "cli/" not in ff and "__main__" not in ff:
+                total_c[f] = total_c.get(f, 0) + c
+        cat = _category(full)
+        cats[cat] = cats.get(cat, 0) + c
+    by_self = sorted(self_c.items(), key=lambda x: -x[1])[:top]
+    by_total = sorted(total_c.items(), key=lambda x: -x[1])[:top]
+    return {"samples": n, "self": by_self, "total": by_total,
+            "categories": sorted(cats.items(), key=lambda x: -x[1])}
