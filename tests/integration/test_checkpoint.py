@@ -178,6 +178,7 @@ async def wait_for(cond, timeout: float = 20.0) -> None:  # type: ignore[no-unty
         await anyio.sleep(0.02)
 
 
+# the background loop renames its counter file into place: a reader (or a checkpoint) never sees it empty
 FILES_SETUP = r"""
 set -e
 head -c 16777216 /dev/urandom > /root/big
@@ -188,7 +189,7 @@ head -c 100000 /dev/urandom > /root/trunc; truncate -s 1234 /root/trunc
 sha256sum /root/trunc | cut -d' ' -f1 > /root/trunc.sum
 rm /etc/hostname                         # a whiteout over the template layer
 rm -rf /var/tmp; mkdir /var/tmp; echo x > /var/tmp/new    # an opaque dir
-(i=0; while :; do i=$((i+1)); echo $i > /tmp/bg; sleep 0.05; done) </dev/null >/dev/null 2>&1 &
+(i=0; while :; do i=$((i+1)); echo $i > /tmp/bg.t; mv /tmp/bg.t /tmp/bg; sleep 0.05; done) </dev/null >/dev/null 2>&1 &
 echo $!
 """
 
@@ -246,7 +247,8 @@ async def test_restore_on_another_node(runtime: CrunRuntime, criu_ready: None, t
     from tests.integration.conftest import SESSION
     h = await runtime.create(spec_of(tiny, "mig1"))
     await sh(runtime, h, "echo hello > /root/greeting; rm /etc/hostname; X=tok$$; "
-                         "(while :; do echo $X > /tmp/tok; sleep 0.05; done) </dev/null >/dev/null 2>&1 &")
+                         "(while :; do echo $X > /tmp/tok.t; mv /tmp/tok.t /tmp/tok; sleep 0.05; done) "
+                         "</dev/null >/dev/null 2>&1 &")
     await anyio.sleep(0.2)
     token = (await sh(runtime, h, "cat /tmp/tok")).strip()
     mnt = data_dir / f"imgfs-{os.getpid()}"

@@ -12,7 +12,8 @@ interpreter (``python -I -S``, standard library only), which in a private mount 
 - rbinds the host's ``/sys`` (with the host's ``/sys/fs/cgroup``: every v1 hierarchy, incl. the
   ``hugetlb`` one ``isolation.host.prepare_host`` mounts, which CRIU's restore needs at that path),
   ``/dev``, and every path in ``binds`` at the same path (a runtime's state dir with the sandboxes'
-  overlay mounts under it, image dirs, the init binary's dir; their mount points are created in the tree);
+  overlay mounts under it, image dirs, the init binary's dir; their mount points are created in the tree,
+  or in the namespace's own tmpfs ``/tmp`` for paths under /tmp);
 - uses the tree's ``/run``, a small tmpfs mounted once on the host (so criu keeps its kernel-features
   cache ``/run/criu.kdat`` between calls: ~25 ms saved per call);
 - pivot_roots into the tree, detaches the old root and execs ``argv`` (PATH of the tree).
@@ -148,6 +149,7 @@ def _enter(root: str, binds: list[str], argv: list[str]) -> None:
     mount("proc", root + "/proc", "proc", 0)
     mount("/sys", root + "/sys", None, MS_BIND | MS_REC)
     mount("/dev", root + "/dev", None, MS_BIND | MS_REC)
+    mount("tmpfs", root + "/tmp", "tmpfs", 0, "mode=1777")   # private /tmp: mount points below go with it
     for b in binds:
         target = root + b
         os.makedirs(target, exist_ok=True)
