@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class Stack:
     runtime: FakeRuntime
     key: str
     team_id: str
+    others: list[tuple[NodeAgent, FakeRuntime]] = field(default_factory=list)   # extra nodes (nodes=N)
 
     def client(self, key: str | None = None, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key if key is not None else self.key}"} if (key or self.key) else {}
@@ -73,39 +74,52 @@ class Stack:
 @asynccontextmanager
 async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
                 templates: tuple[str, ...] = ("tiny",), billing: BillingSettings | None = None,
-                clock: Clock | None = None, db_url: str | None = None, **cp_options: Any) -> AsyncIterator[Stack]:
-    runtime = FakeRuntime(tmp_path / "fake")
+                clock: Clock | None = None, db_url: str | None = None, nodes: int = 1,
+                **cp_options: Any) -> AsyncIterator[Stack]:
+    """One control plane and ``nodes`` agents (``node-a`` at http://node, then ``node-b`` at
+    http://node-b, ...), all in-process; every HTTP call is routed by host to the right ASGI app."""
     holder: dict[str, Any] = {}
-    node_transport = httpx.ASGITransport(app=_Lazy(holder, "node"))
+    transport = httpx.ASGITransport(app=_Lazy(holder))
     cp = await build_control_plane(db_url or sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
-                                   node_transport=node_transport, billing=billing, **cp_options)
-    settings = Settings(name="node-a", public_url="http://node", capacity_vcpu=capacity_vcpu,
-                        capacity_memory_mb=capacity_memory_mb, control_plane_url="http://cp", node_token=TOKEN)
-    agent = NodeAgent(settings, runtime, FakeTemplates(*templates), tmp_path / "node",
-                      http=httpx.AsyncClient(transport=httpx.ASGITransport(app=cp.app),
-                                             headers={"Authorization": f"Bearer {TOKEN}"}))
-    holder["node"] = create_node_app(agent, TOKEN)
+                                   node_transport=transport, billing=billing, **cp_options)
+    holder["cp"] = cp.app
+    agents: list[tuple[NodeAgent, FakeRuntime]] = []
+    for i in range(nodes):
+        suffix = "" if i == 0 else f"-{chr(ord('a') + i)}"
+        runtime = FakeRuntime(tmp_path / f"fake{suffix}")
+        settings = Settings(name=f"node-{chr(ord('a') + i)}", public_url=f"http://node{suffix}",
+                            capacity_vcpu=capacity_vcpu, capacity_memory_mb=capacity_memory_mb,
+                            control_plane_url="http://cp", node_token=TOKEN)
+        agent = NodeAgent(settings, runtime, FakeTemplates(*templates), tmp_path / f"node{suffix}",
+                          http=httpx.AsyncClient(transport=transport, headers={"Authorization": f"Bearer {TOKEN}"}))
+        holder[f"node{suffix}"] = create_node_app(agent, TOKEN)
+        agents.append((agent, runtime))
     team_id, secret = await cp.services.auth.bootstrap(None)
     assert secret
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(agent.run)
+            for agent, _ in agents:
+                await tg.start(agent.run)
             tg.start_soon(cp.run)
             with anyio.fail_after(10):
-                await agent.wait_registered()
-            yield Stack(cp, agent, runtime, secret, team_id)
-            await agent.shutdown()
+                for agent, _ in agents:
+                    await agent.wait_registered()
+            yield Stack(cp, agents[0][0], agents[0][1], secret, team_id, agents[1:])
+            for agent, _ in agents:
+                await agent.shutdown()
             tg.cancel_scope.cancel()
     finally:
         await cp.aclose()
-        await runtime.close()
+        for _, runtime in agents:
+            await runtime.close()
 
 
 class _Lazy:
-    """An ASGI app resolved at call time (the node app is built after the control plane)."""
+    """ASGI apps resolved at call time by the request's host (node apps are built after the control plane)."""
 
-    def __init__(self, holder: dict[str, Any], key: str) -> None:
-        self.holder, self.key = holder, key
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.holder[self.key](scope, receive, send)
+        host = dict(scope.get("headers") or []).get(b"host", b"node").decode().split(":")[0]
+        await self.holder[host](scope, receive, send)

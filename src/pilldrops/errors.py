@@ -143,6 +143,13 @@ class NodeUnavailable(PillDropsError):
     retryable = True
 
 
+class NotSupported(PillDropsError):
+    """The operation exists but this deployment cannot do it (e.g. pause on a node without CRIU)."""
+
+    code = "not_supported"
+    status = 501
+
+
 class CapacityUnavailable(PillDropsError):
     code = "capacity_unavailable"
     status = 503
@@ -175,12 +182,12 @@ class CommandFailed(PillDropsError):
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable,
+    CapacityUnavailable, NotSupported,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {
     400: InvalidRequest, 401: AuthenticationError, 402: InsufficientCredits, 403: PermissionDenied, 404: NotFound, 409: Conflict,
-    413: PayloadTooLarge, 422: InvalidRequest, 429: RateLimited, 500: ServerError, 502: NodeUnavailable,
+    413: PayloadTooLarge, 422: InvalidRequest, 429: RateLimited, 500: ServerError, 501: NotSupported, 502: NodeUnavailable,
     503: CapacityUnavailable,
 }
 

@@ -15,7 +15,8 @@ from pilldrops.sdk._sync.sandbox import Sandbox
 pass_state = click.make_pass_decorator(CliState, ensure=True)
 
 #: States a sandbox can be killed in: what ``list`` shows by default and ``kill --all`` kills.
-LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxState.paused.value]
+LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxState.pausing.value,
+               SandboxState.paused.value, SandboxState.resuming.value]
 #: ``--state`` values; a wrong one is a usage error listing these.
 STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
 KILL_WORKERS = 16
@@ -199,3 +200,41 @@ def kill(state: CliState, sandbox_ids: tuple[str, ...], all_: bool, metadata: tu
             killed = list(pool.map(lambda sid: Sandbox.kill_by_id(sid, **options), sandbox_ids))
     for info in killed:
         click.echo(f"killed {info.id}")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@sandbox.command("pause")
+@click.argument("sandbox_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
+@pass_state
+def pause(state: CliState, sandbox_id: str, as_json: bool) -> None:
+    """Pause a running sandbox: its processes and memory go to disk, it holds no RAM or CPU and bills
+    storage only until `pilldrops sandbox resume ID`. Paused time does not count against its timeout."""
+    info = Sandbox.pause(sandbox_id, **state.sdk_options())
+    if as_json:
+        _output.print_json(_output.to_jsonable(info))
+    else:
+        click.echo(f"paused {info.id} (checkpoint {_fmt_bytes(info.checkpoint_bytes)}, "
+                   f"{info.timeout_left or 0:.0f} s of timeout left)")
+
+
+@sandbox.command("resume")
+@click.argument("sandbox_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
+@pass_state
+def resume(state: CliState, sandbox_id: str, as_json: bool) -> None:
+    """Resume a paused sandbox exactly where it left off (possibly on another node of the fleet)."""
+    sb = Sandbox.resume(sandbox_id, **state.sdk_options())
+    if as_json:
+        _output.print_json(_output.to_jsonable(sb.info))
+    else:
+        click.echo(f"resumed {sb.id} on node {sb.info.node_id}")

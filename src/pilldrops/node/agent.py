@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
-    NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered, NodeSandboxSpec, NodeSandboxStatus,
+    NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered, NodeResume, NodeSandboxSpec, NodeSandboxStatus,
 )
 
 log = logging.getLogger("pilldrops.node")
@@ -66,16 +68,38 @@ class Live:
     started_mono: float
     ending: bool = False
     end_scheduled: bool = False
+    op: anyio.Lock = field(default_factory=anyio.Lock)    # pause and end of one sandbox never interleave
 
     def status(self) -> NodeSandboxStatus:
         run_s, seq = usage_point(self.started_mono)
-        return NodeSandboxStatus(id=self.spec.id, state=SandboxState.running, pid=self.target.handle.pid,
+        state = SandboxState.pausing if self.target.pausing else SandboxState.running
+        return NodeSandboxStatus(id=self.spec.id, state=state, pid=self.target.handle.pid,
                                  started_at=self.started_at, end_at=self.end_at, run_s=run_s, seq=seq)
 
     def journal_entry(self) -> Entry:
         return Entry(id=self.spec.id, phase="running", spec=self.spec.model_dump(mode="json"),
                      handle=vars(self.target.handle), started_at=self.started_at.isoformat(),
                      started_mono=self.started_mono, boot_id=boot_id())
+
+
+@dataclass
+class Paused:
+    """A checkpointed sandbox: no process, no cgroup; its image is on this node's disk."""
+
+    spec: NodeSandboxSpec
+    run_s: float
+    image: Path
+    size: int
+    started_at: datetime | None = None
+
+    def status(self) -> NodeSandboxStatus:
+        return NodeSandboxStatus(id=self.spec.id, state=SandboxState.paused, started_at=self.started_at,
+                                 run_s=self.run_s, seq=int(self.run_s * 1000), checkpoint_bytes=self.size)
+
+    def journal_entry(self, phase: str = "paused") -> Entry:
+        return Entry(id=self.spec.id, phase=phase, spec=self.spec.model_dump(mode="json"),  # type: ignore[arg-type]
+                     started_at=self.started_at.isoformat() if self.started_at else None, run_s=self.run_s,
+                     checkpoint=str(self.image), checkpoint_bytes=self.size, boot_id=boot_id())
 
 
 @dataclass
@@ -106,9 +130,12 @@ class NodeAgent:
         self.runtime = runtime
         self.templates = templates
         self.journal = Journal(state_dir / "journal")
+        self.checkpoints = state_dir / "checkpoints"
         self.instance = instance_id(state_dir)
         self.now = now
         self.live: dict[str, Live] = {}
+        self.paused: dict[str, Paused] = {}
+        self.resuming: set[str] = set()
         self.outbox: dict[str, NodeSandboxStatus] = {}
         self.node_id: str | None = None
         self.stats = Stats()
@@ -155,7 +182,10 @@ class NodeAgent:
                 entry.started_mono = None      # another boot: its monotonic clock says nothing here
             handle = entry.runtime_handle()
             spec = NodeSandboxSpec.model_validate(entry.spec)
-            state = await self.runtime.state(handle) if entry.phase == "running" else None
+            if entry.phase in ("paused", "resuming") or (entry.phase == "pausing" and not entry.handle):
+                await self._recover_paused(entry, spec, handle)
+                continue
+            state = await self.runtime.state(handle) if entry.phase in ("running", "pausing") else None
             if state is not None and state.status == "running":
                 try:
                     target = self._target(spec, handle)
@@ -167,8 +197,13 @@ class NodeAgent:
                                               entry.started_mono if entry.started_mono is not None
                                               else time.monotonic())
                     log.info("adopted sandbox %s (pid %s)", spec.id, state.pid)
+                    if entry.phase == "pausing":        # the checkpoint did not finish: it still runs
+                        self._drop_image(entry.checkpoint)
+                        self.journal.write(self.live[spec.id].journal_entry())
                     continue
             await self._destroy_quietly(handle)
+            if entry.phase == "pausing":
+                self._drop_image(entry.checkpoint)
             self.journal.remove(entry.id)
             reason = EndReason.failed_start if entry.phase == "creating" else (
                 EndReason.oom if state and state.oom_killed else EndReason.exited)
@@ -177,6 +212,28 @@ class NodeAgent:
             if sid not in known:
                 log.warning("reaping unrecorded sandbox %s", sid)
                 await self._destroy_quietly(Handle(id=sid))
+
+    async def _recover_paused(self, entry: Entry, spec: NodeSandboxSpec, handle: Handle) -> None:
+        """A paused sandbox survives a restart as its image. A restore the crash interrupted is undone (its
+        half-started container destroyed), so the sandbox is simply paused again: the image was kept."""
+        if entry.phase == "resuming":
+            await self._destroy_quietly(Handle(id=spec.id))
+        image = Path(entry.checkpoint or "")
+        if entry.checkpoint and image.is_dir() and entry.phase != "pausing":
+            started = datetime.fromisoformat(entry.started_at) if entry.started_at else None
+            p = Paused(spec, entry.run_s or 0.0, image, entry.checkpoint_bytes or 0, started)
+            self.paused[spec.id] = p
+            self.journal.write(p.journal_entry())
+            log.info("recovered paused sandbox %s", spec.id)
+            return
+        self._drop_image(entry.checkpoint)
+        self.journal.remove(spec.id)
+        status = self._record_end(spec.id, EndReason.exited, run_s=entry.run_s)
+        status.error = "its checkpoint was lost"
+
+    def _drop_image(self, path: str | Path | None) -> None:
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _target(self, spec: NodeSandboxSpec, handle: Any) -> Target:
         tpl = self._template(spec.template)
@@ -187,15 +244,7 @@ class NodeAgent:
     async def create(self, spec: NodeSandboxSpec) -> NodeSandboxStatus:
         if spec.id in self.live:
             return self.live[spec.id].status()           # a retried create: the same sandbox
-        try:
-            tpl = self._template(spec.template)
-        except Exception as exc:  # noqa: BLE001 - template stores raise their own errors
-            raise errors.TemplateNotFound(f"template {spec.template!r} is not built on node "
-                                          f"{self.settings.name}: {exc}") from exc
-        rt_spec = SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
-                              memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
-                              envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
-                              hostname=spec.id.replace("_", "-"))
+        rt_spec = self._runtime_spec(spec)
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
         self.journal.write(Entry(id=spec.id, phase="creating", spec=spec.model_dump(mode="json")))
@@ -215,18 +264,178 @@ class NodeAgent:
         self.stats.created += 1
         return live.status()
 
+    def _runtime_spec(self, spec: NodeSandboxSpec) -> SandboxSpec:
+        try:
+            tpl = self._template(spec.template)
+        except Exception as exc:  # noqa: BLE001 - template stores raise their own errors
+            raise errors.TemplateNotFound(f"template {spec.template!r} is not built on node "
+                                          f"{self.settings.name}: {exc}") from exc
+        return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
+                           memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
+                           envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
+                           hostname=spec.id.replace("_", "-"))
+
     def get(self, sandbox_id: str) -> Live:
         live = self.live.get(sandbox_id)
         if live is None or live.ending:
+            if sandbox_id in self.paused or sandbox_id in self.resuming:
+                raise errors.InvalidState(f"sandbox {sandbox_id} is paused; resume it first",
+                                          current="paused", target="running")
             raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not running on this node")
         return live
 
     async def kill(self, sandbox_id: str) -> NodeSandboxStatus:
         if sandbox_id not in self.live:
+            if sandbox_id in self.paused:
+                return self._end_paused(sandbox_id, EndReason.killed)
             if sandbox_id in self.outbox:
                 return self.outbox[sandbox_id]
             raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
         return await self._end(sandbox_id, EndReason.killed, report=False)
+
+    # ---- pause / resume ----------------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> NodeSandboxStatus:
+        """Checkpoint a running sandbox to this node's disk: its processes and cgroup are gone afterwards.
+        Commands in flight end first (their runs report ``paused``). On failure it keeps running."""
+        if sandbox_id in self.paused:
+            return self.paused[sandbox_id].status()          # a retried pause
+        why = self.runtime.checkpoint_unsupported()
+        if why:
+            raise errors.NotSupported(f"this node cannot pause sandboxes: {why}")
+        live = self.get(sandbox_id)
+        async with live.op:
+            if self.live.get(sandbox_id) is not live or live.ending:
+                raise errors.InvalidState(f"sandbox {sandbox_id} ended before it could be paused",
+                                          current="stopped", target="paused")
+            await live.target.end_commands()
+            run_s, _ = usage_point(live.started_mono)
+            image = self.checkpoints / sandbox_id
+            shutil.rmtree(image, ignore_errors=True)
+            image.mkdir(parents=True)
+            entry = live.journal_entry()
+            entry.phase, entry.checkpoint, entry.run_s = "pausing", str(image), run_s
+            self.journal.write(entry)
+            try:
+                size = await self.runtime.checkpoint(live.target.handle, image)
+            except RuntimeFailure as exc:
+                live.target.pausing = False
+                self.journal.write(live.journal_entry())
+                self._drop_image(image)
+                raise errors.ServerError(f"pausing {sandbox_id} failed (it keeps running): {exc}") from exc
+            p = Paused(live.spec, run_s, image, size, live.started_at)
+            self.journal.write(p.journal_entry())
+            self.paused[sandbox_id] = p
+            self.live.pop(sandbox_id, None)
+        log.info("paused sandbox %s (%d bytes)", sandbox_id, size)
+        return p.status()
+
+    async def resume(self, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
+        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``."""
+        if sandbox_id in self.live:
+            return self.live[sandbox_id].status()           # a retried resume
+        if sandbox_id in self.resuming:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is already resuming", current="resuming",
+                                      target="running")
+        why = self.runtime.checkpoint_unsupported()
+        if why:
+            raise errors.NotSupported(f"this node cannot resume sandboxes: {why}")
+        self.resuming.add(sandbox_id)
+        try:
+            p = self.paused.get(sandbox_id)
+            if p is None:
+                if not body.source_url:
+                    raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.settings.name}")
+                p = await self._fetch_checkpoint(sandbox_id, body)
+            spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
+            rt_spec = self._runtime_spec(spec)
+            self.journal.write(p.journal_entry("resuming"))
+            try:
+                async with self._create_slots:
+                    handle = await self.runtime.restore(rt_spec, p.image)
+            except RuntimeFailure as exc:
+                self.journal.write(p.journal_entry())
+                raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
+            live = Live(spec, self._target(spec, handle), p.started_at or self.now(), spec.end_at,
+                        time.monotonic() - max(p.run_s, body.run_s))
+            self.journal.write(live.journal_entry())
+            self.live[sandbox_id] = live
+            self.paused.pop(sandbox_id, None)
+            self._drop_image(p.image)
+        finally:
+            self.resuming.discard(sandbox_id)
+        log.info("resumed sandbox %s", sandbox_id)
+        return live.status()
+
+    async def _fetch_checkpoint(self, sandbox_id: str, body: NodeResume) -> Paused:
+        """Copy a checkpoint from the node that paused it (same node token), as a tar stream with xattrs
+        (the writable layer's overlay whiteouts and opaque dirs)."""
+        image = self.checkpoints / sandbox_id
+        shutil.rmtree(image, ignore_errors=True)
+        image.mkdir(parents=True)
+        ok = False
+        try:
+            tar = await anyio.open_process(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-x",
+                                            "-f", "-", "-C", str(image)], stdin=subprocess.PIPE,
+                                           stderr=subprocess.PIPE)
+            async with tar:
+                assert tar.stdin is not None
+                url = f"{body.source_url}/node/v1/sandboxes/{sandbox_id}/checkpoint"
+                async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=5.0)) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise errors.from_wire(resp.status_code, _json_or_none(resp))
+                    async for chunk in resp.aiter_bytes():
+                        await tar.stdin.send(chunk)
+                await tar.stdin.aclose()
+                code = await tar.wait()
+            if code != 0:
+                raise errors.ServerError(f"unpacking the checkpoint of {sandbox_id} failed (tar exit {code})")
+            size = sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
+            p = Paused(body.spec, body.run_s, image, size, None)
+            ok = True
+            return p
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"fetching the checkpoint of {sandbox_id} failed: {exc!r}") from exc
+        finally:
+            if not ok:
+                self._drop_image(image)
+
+    async def export_checkpoint(self, sandbox_id: str) -> Any:
+        """The checkpoint as a tar stream (for another node resuming it). The copy here stays until the
+        control plane says the move is done (``forget``)."""
+        p = self.paused.get(sandbox_id)
+        if p is None:
+            raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.settings.name}")
+        proc = await anyio.open_process(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-c",
+                                         "-f", "-", "-C", str(p.image), "."], stdin=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+
+        async def stream() -> Any:
+            async with proc:
+                assert proc.stdout is not None
+                try:
+                    async for chunk in proc.stdout:
+                        yield chunk
+                finally:
+                    if proc.returncode is None:
+                        proc.kill()
+        return stream()
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop a checkpoint that now lives on another node. No end is recorded: the sandbox lives on."""
+        p = self.paused.pop(sandbox_id, None)
+        if p is None:
+            raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.settings.name}")
+        self.journal.remove(sandbox_id)
+        self._drop_image(p.image)
+        log.info("dropped checkpoint of %s (moved to another node)", sandbox_id)
+
+    def _end_paused(self, sandbox_id: str, reason: EndReason) -> NodeSandboxStatus:
+        p = self.paused.pop(sandbox_id)
+        self.journal.remove(sandbox_id)
+        self._drop_image(p.image)
+        return self._record_end(sandbox_id, reason, started_at=p.started_at, run_s=p.run_s)
 
     def set_deadline(self, sandbox_id: str, end_at: datetime, timeout_s: float | None = None) -> NodeSandboxStatus:
         live = self.get(sandbox_id)
@@ -239,7 +448,11 @@ class NodeAgent:
 
     def statuses(self) -> list[NodeSandboxStatus]:
         starting = [NodeSandboxStatus(id=sid, state=SandboxState.starting) for sid in self.creating]
-        return [lv.status() for lv in self.live.values()] + starting + list(self.outbox.values())
+        resuming = [NodeSandboxStatus(id=sid, state=SandboxState.resuming) for sid in self.resuming
+                    if sid not in self.live]
+        paused = [p.status() for sid, p in self.paused.items() if sid not in self.resuming]
+        return ([lv.status() for lv in self.live.values()] + starting + resuming + paused
+                + list(self.outbox.values()))
 
     def refresh_templates(self) -> list[TemplateInfo]:
         """Re-read the built templates (off the hot path: at start and with each heartbeat)."""
@@ -265,7 +478,12 @@ class NodeAgent:
 
     async def _end(self, sandbox_id: str, reason: EndReason, *, report: bool = True) -> NodeSandboxStatus:
         live = self.live.get(sandbox_id)
-        if live is None or live.ending:
+        if live is not None and not live.ending:
+            await live.op.acquire()          # a pause in progress finishes first
+            live.op.release()
+            if self.live.get(sandbox_id) is not live and sandbox_id in self.paused:
+                return self._end_paused(sandbox_id, reason)    # it was paused meanwhile
+        if live is None or live.ending or self.live.get(sandbox_id) is not live:
             return self.outbox.get(sandbox_id) or NodeSandboxStatus(id=sandbox_id, state=SandboxState.stopped,
                                                                     end_reason=reason, ended_at=self.now())
         live.ending = True
@@ -278,10 +496,15 @@ class NodeAgent:
         return status
 
     def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
-                    started_mono: float | None = None) -> NodeSandboxStatus:
-        """The final status, with the final usage point (kept in the outbox until the control plane has it)."""
+                    started_mono: float | None = None, run_s: float | None = None) -> NodeSandboxStatus:
+        """The final status, with the final usage point (kept in the outbox until the control plane has it);
+        ``run_s`` instead of ``started_mono`` for a sandbox that ended while paused."""
         state = SandboxState.failed if reason == EndReason.failed_start else SandboxState.stopped
-        run_s, seq = usage_point(started_mono) if started_mono is not None else (None, None)
+        seq: int | None
+        if started_mono is not None:
+            run_s, seq = usage_point(started_mono)
+        else:
+            seq = int(run_s * 1000) if run_s is not None else None
         status = NodeSandboxStatus(id=sandbox_id, state=state, end_reason=reason, started_at=started_at,
                                    ended_at=self.now(), run_s=run_s, seq=seq)
         self.outbox[sandbox_id] = status
@@ -306,7 +529,7 @@ class NodeAgent:
         while True:
             now = self.now()
             for sid, live in list(self.live.items()):
-                if live.end_at <= now:
+                if live.end_at <= now and not live.target.pausing:
                     log.info("sandbox %s reached its deadline", sid)
                     self._schedule_end(live, EndReason.timeout)
             await anyio.sleep(DEADLINE_TICK_S)
@@ -315,7 +538,7 @@ class NodeAgent:
         while True:
             await anyio.sleep(MONITOR_TICK_S)
             for sid, live in list(self.live.items()):
-                if live.ending:
+                if live.ending or live.target.pausing:
                     continue
                 try:
                     state = await self.runtime.state(live.target.handle)
@@ -408,6 +631,13 @@ class NodeAgent:
     async def _flush_outbox(self) -> None:
         for status in list(self.outbox.values()):
             await self._report(status)
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
 
 
 def instance_id(state_dir: Path) -> str:

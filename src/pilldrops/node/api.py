@@ -14,7 +14,7 @@ from pilldrops._version import __version__
 from pilldrops.node.agent import NodeAgent
 from pilldrops.node.dataplane import DataPlane, Target
 from pilldrops.schema.api import FileInfo, RunRequest
-from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 from pilldrops._internal.ids import same_secret as same
 
 
@@ -60,6 +60,23 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     @node.put("/sandboxes/{sandbox_id}/deadline", response_model=NodeSandboxStatus)
     async def deadline(sandbox_id: str, body: NodeDeadline) -> NodeSandboxStatus:
         return agent.set_deadline(sandbox_id, body.end_at, body.timeout_s)
+
+    @node.post("/sandboxes/{sandbox_id}/pause", response_model=NodeSandboxStatus)
+    async def pause(sandbox_id: str) -> NodeSandboxStatus:
+        return await agent.pause(sandbox_id)
+
+    @node.post("/sandboxes/{sandbox_id}/resume", response_model=NodeSandboxStatus)
+    async def resume(sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
+        return await agent.resume(sandbox_id, body)
+
+    @node.get("/sandboxes/{sandbox_id}/checkpoint", response_class=StreamingResponse)
+    async def export_checkpoint(sandbox_id: str) -> StreamingResponse:
+        return StreamingResponse(await agent.export_checkpoint(sandbox_id), media_type="application/x-tar")
+
+    @node.delete("/sandboxes/{sandbox_id}/checkpoint")
+    async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
+        agent.forget(sandbox_id)
+        return {"ok": True}
 
     app.include_router(node)
 

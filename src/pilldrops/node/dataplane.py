@@ -39,6 +39,17 @@ class Target:
     handle: Handle
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    active: set[ExecProcess] = field(default_factory=set)   # commands in flight (ended by a pause)
+    pausing: bool = False
+
+    async def end_commands(self, grace_s: float = 5.0) -> None:
+        """A pause is coming: kill every command in flight and wait (bounded) until their streams closed."""
+        self.pausing = True
+        for proc in list(self.active):
+            await _kill_quietly(proc)
+        with anyio.move_on_after(grace_s):
+            while self.active:
+                await anyio.sleep(0.01)
 
 
 def _line(ev: RunEvent) -> bytes:
@@ -82,21 +93,31 @@ class DataPlane:
     async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None,
                     timeout: float | None = None, output_cap: int | None = None) -> ExecProcess:
+        if t.pausing:
+            raise errors.InvalidState(f"sandbox {t.id} is being paused", current="pausing", target="running")
         try:
-            return await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
+            proc = await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
                                            stdin=stdin, timeout=timeout, output_cap=output_cap)
         except RuntimeFailure as exc:   # e.g. its init just died and the monitor has not noticed yet
             raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
                                       current="stopped", target="running") from exc
+        t.active.add(proc)
+        return proc
 
     async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,
                   limit: int = MAX_READ_BYTES) -> tuple[bytes, bytes, int]:
         proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=stdin)
         try:
-            return await _drain(proc, limit)
+            out = await _drain(proc, limit)
         except BaseException:
             await _kill_quietly(proc)
             raise
+        finally:
+            t.active.discard(proc)
+        if t.pausing:
+            raise errors.InvalidState(f"sandbox {t.id} was paused during the transfer", current="pausing",
+                                      target="running")
+        return out
 
     # ---- run -----------------------------------------------------------------------------------------
 
@@ -110,9 +131,9 @@ class DataPlane:
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
                                 timeout=req.timeout, output_cap=req.max_output_bytes)
-        return self._stream(proc, started)
+        return self._stream(t, proc, started)
 
-    async def _stream(self, proc: ExecProcess, started: float) -> AsyncIterator[bytes]:
+    async def _stream(self, t: Target, proc: ExecProcess, started: float) -> AsyncIterator[bytes]:
         finished = False
         try:
             yield _line(RunEvent(type="start", pid=proc.pid))
@@ -120,10 +141,12 @@ class DataPlane:
                 yield _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
             code = await proc.wait()
             finished = True
+            t.active.discard(proc)
             yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
                                  duration=round(time.monotonic() - started, 6), truncated=proc.truncated,
-                                 timed_out=proc.timed_out))
+                                 timed_out=proc.timed_out, paused=True if t.pausing else None))
         finally:
+            t.active.discard(proc)
             if not finished:      # the client went away or the stream failed: never leave the command
                 await _kill_quietly(proc)
 
@@ -160,6 +183,7 @@ class DataPlane:
                 break
         if not first:
             code = await proc.wait()
+            t.active.discard(proc)
             if code == _NOT_FOUND:
                 raise errors.FileNotFound(f"{path} does not exist in the sandbox")
             if code != 0:
@@ -176,6 +200,7 @@ class DataPlane:
                 await proc.wait()
                 done = True
             finally:
+                t.active.discard(proc)
                 if not done:
                     await _kill_quietly(proc)
 

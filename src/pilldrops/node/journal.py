@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pilldrops.node.runtime.base import Handle
 
-Phase = Literal["creating", "running"]
+Phase = Literal["creating", "running", "pausing", "paused", "resuming"]
 
 
 @dataclass
@@ -31,6 +31,9 @@ class Entry:
     started_at: str | None = None
     started_mono: float | None = None     # CLOCK_MONOTONIC at start: survives agent restarts (not reboots)
     boot_id: str | None = None            # the boot started_mono belongs to
+    run_s: float | None = None            # paused: running seconds so far (usage continues from here)
+    checkpoint: str | None = None         # pausing/paused/resuming: the checkpoint's directory
+    checkpoint_bytes: int | None = None
 
     def runtime_handle(self) -> Handle:
         return Handle(**self.handle) if self.handle else Handle(id=self.id)

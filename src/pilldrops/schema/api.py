@@ -30,7 +30,9 @@ class SandboxState(str, Enum):
     pending = "pending"
     starting = "starting"
     running = "running"
+    pausing = "pausing"
     paused = "paused"
+    resuming = "resuming"
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -47,6 +49,7 @@ class EndReason(str, Enum):
     evicted = "evicted"
     shutdown = "shutdown"
     credits_exhausted = "credits_exhausted"
+    paused_expired = "paused_expired"
 
 
 def _no_nul(v: str, what: str) -> str:
@@ -115,6 +118,10 @@ class SandboxInfo(_Response):
     gb_s: float = 0.0
     storage_gb_s: float = 0.0
     cost_usd: float = 0.0
+    # Pause: when the current pause began, the checkpoint's size, and the timeout left for after resume.
+    paused_at: datetime | None = None
+    checkpoint_bytes: int | None = None
+    timeout_left: float | None = None
     # Data plane: where the SDK talks to the sandbox directly, and the token it must present there.
     # Only returned by create and connect (never in listings).
     envd_url: str | None = None
@@ -171,6 +178,7 @@ class RunEvent(_Response):
     duration: float | None = None
     truncated: bool | None = None
     timed_out: bool | None = None
+    paused: bool | None = None      # the sandbox was paused while the command ran: it was ended (exit 137)
     code: str | None = None
     message: str | None = None
 
@@ -221,6 +229,15 @@ class WhoAmI(_Response):
     key_id: str
 
 
+class PauseInterval(_Response):
+    """One paused interval: billed as storage only (``storage_gb_s`` = checkpoint GiB x paused seconds)."""
+
+    paused_at: datetime
+    resumed_at: datetime | None = None    # None while still paused (or ended while paused: see ended_at)
+    checkpoint_bytes: int
+    storage_gb_s: float = 0.0
+
+
 class HistoryRecord(_Response):
     """One sandbox in the usage history (running ones with their cost so far)."""
 
@@ -237,6 +254,7 @@ class HistoryRecord(_Response):
     state: SandboxState
     end_reason: EndReason | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    pauses: list[PauseInterval] = Field(default_factory=list)
 
 
 class HistoryPage(_Response):

@@ -69,11 +69,23 @@ class NodeSandboxStatus(_Model):
     # (milliseconds of running time), so the control plane bills each report exactly once.
     run_s: float | None = None
     seq: int | None = None
+    checkpoint_bytes: int | None = None     # paused: the checkpoint's size on this node's disk
 
 
 class NodeDeadline(_Model):
     end_at: datetime
     timeout_s: float | None = None
+
+
+class NodeResume(_Model):
+    """Resume a paused sandbox here: from this node's own checkpoint, or fetched from ``source_url`` (the
+    node that paused it, same node token) when it moves. ``run_s`` is the running time already billed,
+    so usage reports continue from it; ``timeout_s`` is the time left (paused time does not count)."""
+
+    spec: NodeSandboxSpec
+    run_s: float = 0.0
+    timeout_s: float
+    source_url: str | None = None
 
 
 class NodeEvent(_Model):

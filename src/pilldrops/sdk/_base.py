@@ -364,6 +364,21 @@ class RetryPolicy:
 # ---------------------------------------------------------------------------------------------- run
 
 
+class hybridmethod:  # noqa: N801 - reads like classmethod
+    """A method with one name on the class and on its instances (``Sandbox.resume(id)`` and
+    ``sb.resume()``): the first function is bound to the class, the second to the instance."""
+
+    def __init__(self, on_class: Callable[..., Any], on_instance: Callable[..., Any]) -> None:
+        self.on_class, self.on_instance = on_class, on_instance
+        self.__doc__ = on_instance.__doc__
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Callable[..., Any]:
+        import types
+        if obj is None:
+            return types.MethodType(self.on_class, objtype)
+        return types.MethodType(self.on_instance, obj)
+
+
 @dataclass(frozen=True)
 class RunResult:
     """What a finished command produced.
@@ -371,7 +386,8 @@ class RunResult:
     ``stdout``/``stderr`` are UTF-8 decoded with replacement characters; the raw bytes are in
     ``stdout_bytes``/``stderr_bytes``. ``duration`` is in seconds. ``truncated`` means output passed
     ``max_output_bytes`` and the rest was dropped; ``timed_out`` means the command hit its ``timeout``
-    (``exit_code`` is then 124). A non-zero exit is data; call :meth:`check_returncode` to raise.
+    (``exit_code`` is then 124); ``paused`` means the sandbox was paused while the command ran, which
+    ended it (``exit_code`` 137). A non-zero exit is data; call :meth:`check_returncode` to raise.
     """
 
     exit_code: int
@@ -382,6 +398,7 @@ class RunResult:
     duration: float = 0.0
     truncated: bool = False
     timed_out: bool = False
+    paused: bool = False
     cmd: str | list[str] | None = field(default=None, compare=False)
 
     @property
@@ -391,7 +408,8 @@ class RunResult:
     def check_returncode(self) -> RunResult:
         """Raise :class:`CommandFailed` (with ``.result``) when ``exit_code`` is not 0; else return self."""
         if self.exit_code != 0:
-            what = "timed out" if self.timed_out else f"exited with code {self.exit_code}"
+            what = ("timed out" if self.timed_out else "was ended by a pause of its sandbox" if self.paused
+                    else f"exited with code {self.exit_code}")
             tail = self.stderr.strip().splitlines()[-1:] if self.stderr.strip() else []
             msg = f"command {self.cmd!r} {what}" + (f": {tail[0][:300]}" if tail else "")
             raise CommandFailed(msg, result=self)
@@ -400,7 +418,8 @@ class RunResult:
     def __repr__(self) -> str:
         return (f"RunResult(exit_code={self.exit_code}, stdout={len(self.stdout_bytes)}B, "
                 f"stderr={len(self.stderr_bytes)}B, duration={self.duration:.3f}s"
-                + (", truncated" if self.truncated else "") + (", timed_out" if self.timed_out else "") + ")")
+                + (", truncated" if self.truncated else "") + (", timed_out" if self.timed_out else "")
+                + (", paused" if self.paused else "") + ")")
 
 
 class _Stream:
@@ -488,7 +507,7 @@ class RunDecoder:
             stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
             stdout_bytes=out, stderr_bytes=err, duration=float(ev.duration or 0.0),
             truncated=bool(ev.truncated) or self._out.truncated or self._err.truncated,
-            timed_out=bool(ev.timed_out), cmd=self.cmd,
+            timed_out=bool(ev.timed_out), paused=bool(ev.paused), cmd=self.cmd,
         )
 
 

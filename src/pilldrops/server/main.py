@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import anyio
@@ -18,6 +19,9 @@ from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.sql import Store
 
+log = logging.getLogger("pilldrops.server")
+DEFAULT_PAUSED_RETENTION_S = 30 * 24 * 3600.0
+
 
 @dataclass
 class ControlPlane:
@@ -26,13 +30,25 @@ class ControlPlane:
     store: Store
     node_client: NodeClient
 
+    paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S
+
     async def run(self) -> None:
-        """Background duties of a control-plane process (credit enforcement, node liveness) until cancelled."""
+        """Background duties of a control-plane process (credit enforcement, node liveness, expiry of old
+        paused sandboxes) until cancelled."""
         sbx = self.services.sandboxes
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.services.billing.run_enforcer,
                           lambda team_id, sid: sbx.kill(team_id, sid, EndReason.credits_exhausted))
             tg.start_soon(self.services.nodes.run_liveness)
+            tg.start_soon(self._expire_paused)
+
+    async def _expire_paused(self) -> None:
+        while True:
+            try:
+                await self.services.sandboxes.expire_paused(self.paused_retention_s)
+            except Exception:  # noqa: BLE001 - a store outage must not kill the loop
+                log.exception("paused-sandbox expiry pass failed")
+            await anyio.sleep(min(60.0, max(0.5, self.paused_retention_s / 10)))
 
     async def aclose(self) -> None:
         await self.node_client.aclose()
@@ -43,7 +59,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               node_transport: httpx.AsyncBaseTransport | None = None,
                               billing: BillingSettings | None = None,
                               heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
-                              lost_after: float = 300.0, unreachable_after: float | None = None) -> ControlPlane:
+                              lost_after: float = 300.0, unreachable_after: float | None = None,
+                              paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -54,4 +71,4 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after),
                         billing=billing_service)
-    return ControlPlane(create_app(services), services, store, node_client)
+    return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)

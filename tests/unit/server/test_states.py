@@ -14,9 +14,15 @@ LEGAL = {
     (S.pending, S.starting), (S.pending, S.failed), (S.pending, S.stopped),
     (S.starting, S.running), (S.starting, S.failed), (S.starting, S.stopping), (S.starting, S.stopped),
     (S.starting, S.lost),
-    (S.running, S.paused), (S.running, S.stopping), (S.running, S.stopped), (S.running, S.lost),
+    (S.running, S.pausing), (S.running, S.stopping), (S.running, S.stopped), (S.running, S.lost),
     (S.running, S.failed),
-    (S.paused, S.running), (S.paused, S.stopping), (S.paused, S.stopped), (S.paused, S.lost),
+    # pause: running -> pausing -> paused -> resuming -> running; a failed checkpoint goes back to running,
+    # a failed restore back to paused (the image is intact)
+    (S.pausing, S.paused), (S.pausing, S.running), (S.pausing, S.stopped), (S.pausing, S.lost),
+    (S.pausing, S.failed),
+    (S.paused, S.resuming), (S.paused, S.stopping), (S.paused, S.stopped), (S.paused, S.lost),
+    (S.resuming, S.running), (S.resuming, S.paused), (S.resuming, S.stopped), (S.resuming, S.lost),
+    (S.resuming, S.failed),
     (S.stopping, S.stopped), (S.stopping, S.lost), (S.stopping, S.failed),
     (S.lost, S.running), (S.lost, S.stopped),
 }

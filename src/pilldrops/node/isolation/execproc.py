@@ -84,7 +84,7 @@ class OutputRelay:
     async def read(self) -> tuple[StreamName, bytes] | None:
         try:
             return await self._recv.receive()
-        except anyio.EndOfStream:
+        except (anyio.EndOfStream, anyio.ClosedResourceError):   # ended, or killed (kill() closes it)
             return None
 
 

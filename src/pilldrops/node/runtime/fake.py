@@ -6,12 +6,17 @@ env. It keeps the same ``ExecProcess`` semantics as crun (chunks in arrival orde
 ``kill`` of the whole tree) and needs no root. Never a product path (ARCHITECTURE.md §4).
 
 Knobs for failure tests: ``fail_create`` (bool, or an exception to raise) makes the next creates fail;
-``simulate_exit(handle, code)`` / ``simulate_oom(handle)`` make ``state`` report a stopped sandbox.
+``simulate_exit(handle, code)`` / ``simulate_oom(handle)`` make ``state`` report a stopped sandbox;
+``fail_checkpoint`` / ``fail_restore`` make those fail; ``checkpoint_delay`` slows checkpoints down.
+
+Checkpoint/restore keeps the sandbox's files (moved into the image) but, unlike CRIU, not its processes:
+commands still running are killed. Unit tests use it for the agent's and control plane's logic only.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -42,7 +47,8 @@ class FakeRuntime:
 
     name = "fake"
 
-    def __init__(self, root: Path | None = None, *, fail_create: bool | BaseException = False) -> None:
+    def __init__(self, root: Path | None = None, *, fail_create: bool | BaseException = False,
+                 checkpoint: bool = True) -> None:
         self._own_root = root is None
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="pilldrops-fake-"))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -50,6 +56,10 @@ class FakeRuntime:
         self._boxes: dict[str, _Sandbox] = {}
         self._execs: dict[str, list[PipeExec]] = {}
         self._pids = itertools.count(100_000)
+        self.checkpoint_supported = checkpoint
+        self.fail_checkpoint = False
+        self.fail_restore = False
+        self.checkpoint_delay = 0.0
 
     async def create(self, spec: SandboxSpec) -> Handle:
         if self.fail_create:
@@ -110,6 +120,35 @@ class FakeRuntime:
 
     async def list_ids(self) -> list[str]:
         return sorted(self._boxes)
+
+    def checkpoint_unsupported(self) -> str | None:
+        return None if self.checkpoint_supported else "the fake runtime was made with checkpoint=False"
+
+    async def checkpoint(self, handle: Handle, image_dir: Path) -> int:
+        box = self._box(handle)
+        if self.checkpoint_delay:
+            await anyio.sleep(self.checkpoint_delay)
+        if self.fail_checkpoint:
+            raise RuntimeFailure(f"fake checkpoint of {handle.id} failed", detail="fail_checkpoint is set")
+        for proc in self._execs.pop(handle.id, []):
+            await proc.kill()
+        (image_dir / "spec.json").write_text(json.dumps({"id": box.spec.id, "hostname": box.spec.hostname}))
+        shutil.move(str(box.dir), image_dir / "fs")
+        self._boxes.pop(handle.id, None)
+        return sum(f.stat().st_size for f in image_dir.rglob("*") if f.is_file())
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        if self.fail_restore:
+            raise RuntimeFailure(f"fake restore of {spec.id} failed", detail="fail_restore is set")
+        if spec.id in self._boxes:
+            raise RuntimeFailure(f"sandbox {spec.id} already exists")
+        if json.loads((image_dir / "spec.json").read_text())["id"] != spec.id:
+            raise RuntimeFailure(f"image in {image_dir} is not of {spec.id}")
+        d = self.root / spec.id
+        shutil.copytree(image_dir / "fs", d, symlinks=True)     # the image stays intact (retryable)
+        pid = next(self._pids)
+        self._boxes[spec.id] = _Sandbox(spec=spec, dir=d, pid=pid)
+        return Handle(id=spec.id, pid=pid, pid_start_time=pid, bundle=str(d))
 
     # -- test knobs ----------------------------------------------------------------------------
     async def simulate_exit(self, handle: Handle, code: int = 0) -> None:

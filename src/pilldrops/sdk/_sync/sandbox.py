@@ -44,6 +44,7 @@ from pilldrops.sdk._base import (
     check_remote_path,
     data_target,
     download_tempfile,
+    hybridmethod,
     extract_download,
     history_params,
     list_params,
@@ -290,6 +291,46 @@ class Sandbox:
         """
         resp = self._client.request("DELETE", sandbox_path(self.id), idempotent=True)
         return self._update(parse_model(SandboxInfo, resp))
+
+    def _pause_instance(self) -> SandboxInfo:
+        """Pause the sandbox: its processes and memory are written to disk and it holds no RAM or CPU,
+        billing storage only (``storage_gb_s``) until :meth:`resume`. Paused time does not count against
+        its timeout. A command running at that moment ends with ``RunResult.paused`` set.
+
+        Raises :class:`InvalidState` (409, naming both states) unless it is running, and
+        :class:`NotSupported` when its node cannot checkpoint.
+        """
+        resp = self._client.request("POST", sandbox_path(self.id, "/pause"), idempotent=False)
+        return self._update(parse_model(SandboxInfo, resp))
+
+    @classmethod
+    def _pause_by_id(cls, sandbox_id: str, *, api_key: str | None = None, api_url: str | None = None,
+                           request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S, transport: Any = None) -> SandboxInfo:
+        """Pause a running sandbox by id (``Sandbox.pause("sb_...")``); returns its record."""
+        client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        resp = client.request("POST", sandbox_path(sandbox_id, "/pause"), idempotent=False)
+        return parse_model(SandboxInfo, resp)
+
+    pause = hybridmethod(_pause_by_id.__func__, _pause_instance)  # type: ignore[attr-defined]
+
+    def _resume_instance(self) -> SandboxInfo:
+        """Resume this paused sandbox exactly where it left off (processes, memory, files); it may come
+        back on another node, so its data-plane address is refreshed. Of two concurrent resumes exactly
+        one succeeds; the other raises :class:`InvalidState`."""
+        resp = self._client.request("POST", sandbox_path(self.id, "/resume"), idempotent=False)
+        return self._update(parse_model(SandboxInfo, resp))
+
+    @classmethod
+    def _resume_by_id(cls, sandbox_id: str, *, api_key: str | None = None, api_url: str | None = None,
+                            request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S, transport: Any = None) -> Self:
+        """Resume a paused sandbox by id and return it connected (``Sandbox.resume("sb_...")``)."""
+        client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        resp = client.request("POST", sandbox_path(sandbox_id, "/resume"), idempotent=False)
+        return cls(parse_model(SandboxInfo, resp), client=client)
+
+    resume = hybridmethod(_resume_by_id.__func__, _resume_instance)  # type: ignore[attr-defined]
 
     def __enter__(self) -> Self:
         return self

@@ -126,6 +126,14 @@ def create_app(services: Services) -> FastAPI:
     async def kill(sandbox_id: str, p: Caller) -> SandboxInfo:
         return await sbx.info(await sbx.kill(p.team_id, sandbox_id))
 
+    @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+    async def pause(sandbox_id: str, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.pause(p.team_id, sandbox_id))
+
+    @api.post("/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+    async def resume(sandbox_id: str, p: Caller) -> SandboxInfo:
+        return await sbx.info(await sbx.resume(p.team_id, sandbox_id), with_token=True)
+
     # ---- data plane, proxied to the sandbox's node ----------------------------------------------------
 
     async def proxy(request: Request, p: Principal, sandbox_id: str, tail: str) -> StreamingResponse:

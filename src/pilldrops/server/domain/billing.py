@@ -40,6 +40,11 @@ def running_usage(vcpu: float, memory_mb: int, seconds: float) -> Usage:
     return Usage(vcpu_s=vcpu * seconds, gb_s=memory_mb / 1024 * seconds)
 
 
+def storage_usage(checkpoint_bytes: int, seconds: float) -> Usage:
+    """A paused sandbox bills its checkpoint's size (GiB) x paused seconds, nothing else."""
+    return Usage(storage_gb_s=max(0, checkpoint_bytes) / 1024**3 * max(0.0, seconds))
+
+
 def billable(reported_run_s: float, already_billed_s: float, wall_s: float) -> tuple[float, float]:
     """``(new_billed_total, delta)``: the node's cumulative running seconds, capped by the wall interval,
     minus what is already billed. Resends and out-of-order reports give a delta of 0."""

@@ -8,8 +8,10 @@ from pilldrops.schema.api import SandboxState as S
 TRANSITIONS: dict[S, frozenset[S]] = {
     S.pending: frozenset({S.starting, S.failed, S.stopped}),
     S.starting: frozenset({S.running, S.failed, S.stopping, S.stopped, S.lost}),
-    S.running: frozenset({S.paused, S.stopping, S.stopped, S.lost, S.failed}),
-    S.paused: frozenset({S.running, S.stopping, S.stopped, S.lost}),
+    S.running: frozenset({S.pausing, S.stopping, S.stopped, S.lost, S.failed}),
+    S.pausing: frozenset({S.paused, S.running, S.stopped, S.lost, S.failed}),   # running: the checkpoint failed
+    S.paused: frozenset({S.resuming, S.stopping, S.stopped, S.lost}),
+    S.resuming: frozenset({S.running, S.paused, S.stopped, S.lost, S.failed}),  # paused: the restore failed
     S.stopping: frozenset({S.stopped, S.lost, S.failed}),
     S.stopped: frozenset(),
     S.failed: frozenset(),
@@ -17,7 +19,9 @@ TRANSITIONS: dict[S, frozenset[S]] = {
 }
 
 ENDED: frozenset[S] = frozenset({S.stopped, S.failed, S.lost})
-LIVE: frozenset[S] = frozenset({S.pending, S.starting, S.running, S.paused, S.stopping})
+LIVE: frozenset[S] = frozenset({S.pending, S.starting, S.running, S.pausing, S.paused, S.resuming, S.stopping})
+# states that hold a node's CPU and memory (a paused sandbox is only a checkpoint on disk)
+HOLDING: frozenset[S] = LIVE - {S.paused}
 
 
 def can_transition(current: S, target: S) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from pilldrops import errors
-from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 
 
 class NodeClient:
@@ -63,6 +63,24 @@ class NodeClient:
                                 content=deadline.model_dump_json(),
                                 headers={"content-type": "application/json"})
         return NodeSandboxStatus.model_validate(data)
+
+    async def pause(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus:
+        data = await self._call("POST", f"{node_url}/node/v1/sandboxes/{sandbox_id}/pause",
+                                timeout=httpx.Timeout(600.0, connect=5.0))
+        return NodeSandboxStatus.model_validate(data)
+
+    async def resume(self, node_url: str, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
+        data = await self._call("POST", f"{node_url}/node/v1/sandboxes/{sandbox_id}/resume",
+                                content=body.model_dump_json(), headers={"content-type": "application/json"},
+                                timeout=httpx.Timeout(600.0, connect=5.0))
+        return NodeSandboxStatus.model_validate(data)
+
+    async def forget(self, node_url: str, sandbox_id: str) -> None:
+        """Drop a checkpoint that moved to another node (no end is recorded: the sandbox lives on)."""
+        try:
+            await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}/checkpoint")
+        except errors.NotFound:
+            return
 
     @asynccontextmanager
     async def proxy(self, method: str, url: str, *, headers: dict[str, str], params: Any,

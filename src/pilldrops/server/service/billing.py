@@ -21,11 +21,11 @@ import anyio
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import EndReason, HistoryPage, HistoryRecord, SandboxState, UsageSummary
+from pilldrops.schema.api import EndReason, HistoryPage, HistoryRecord, PauseInterval, SandboxState, UsageSummary
 from pilldrops.schema.node import NodeSandboxStatus
-from pilldrops.server.domain.billing import Rates, running_usage
+from pilldrops.server.domain.billing import Rates, running_usage, storage_usage
 from pilldrops.server.domain.states import LIVE
-from pilldrops.server.store.models import Sandbox
+from pilldrops.server.store.models import Sandbox, SandboxPause
 from pilldrops.server.store.sql import Store
 
 log = logging.getLogger("pilldrops.billing")
@@ -74,7 +74,7 @@ class BillingService:
         run_s = max(st.run_s if st.run_s is not None else 0.0, row.billed_run_s)   # never before what was billed
         if st.run_s is None and row.billed_run_s == 0:
             return now
-        return min(now, row.started_at + timedelta(seconds=run_s))
+        return min(now, row.started_at + timedelta(seconds=run_s + (row.paused_s or 0.0)))
 
     async def commit(self, st: NodeSandboxStatus) -> None:
         if st.run_s is None or st.seq is None:
@@ -82,6 +82,14 @@ class BillingService:
         await self.store.commit_usage(st.id, st.seq, st.run_s, now=self.clock.now(), rates=self.settings.rates,
                                       charge_credits=self.settings.credits_enabled,
                                       before_commit=self._before_commit)
+
+    async def close_pause(self, sandbox_id: str, *, from_states: list[str], until: datetime, resumed: bool,
+                          **values: object) -> Sandbox | None:
+        """End the sandbox's current paused interval (if any) at ``until``, billing its storage exactly once,
+        and apply ``values`` in the same transaction (see ``Store.close_pause``)."""
+        return await self.store.close_pause(sandbox_id, from_states=from_states, until=until,
+                                            rates=self.settings.rates, charge_credits=self.settings.credits_enabled,
+                                            resumed=resumed, **values)
 
     # ---- credits -------------------------------------------------------------------------------------
 
@@ -125,19 +133,34 @@ class BillingService:
         """(vcpu_s, gb_s, storage_gb_s, cost_usd): committed for ended sandboxes, accrued so far for live
         ones (the wall time since start, or what was committed if that is more)."""
         if SandboxState(row.state) in LIVE and row.started_at is not None:
-            so_far = running_usage(row.vcpu, row.memory_mb, (self.clock.now() - row.started_at).total_seconds())
-            if so_far.vcpu_s > row.vcpu_s:
-                return so_far.vcpu_s, so_far.gb_s, so_far.storage_gb_s, so_far.cost(self.settings.rates)
+            now = self.clock.now()
+            paused_now = (now - row.paused_at).total_seconds() if row.paused_at is not None else 0.0
+            running = (now - row.started_at).total_seconds() - (row.paused_s or 0.0) - paused_now
+            so_far = running_usage(row.vcpu, row.memory_mb, running)
+            vcpu_s, gb_s = max(so_far.vcpu_s, row.vcpu_s), max(so_far.gb_s, row.gb_s)
+            storage = storage_usage(row.checkpoint_bytes or 0, paused_now)
+            rates = self.settings.rates
+            extra = ((vcpu_s - row.vcpu_s) * rates.vcpu_s_usd + (gb_s - row.gb_s) * rates.gb_s_usd
+                     + storage.cost(rates))
+            return vcpu_s, gb_s, row.storage_gb_s + storage.storage_gb_s, row.cost_usd + extra
         return row.vcpu_s, row.gb_s, row.storage_gb_s, row.cost_usd
 
-    def record(self, row: Sandbox) -> HistoryRecord:
+    def record(self, row: Sandbox, pauses: list[SandboxPause] | None = None) -> HistoryRecord:
         vcpu_s, gb_s, storage_gb_s, cost = self.usage_of(row)
+        intervals = [PauseInterval(paused_at=p.paused_at, resumed_at=p.resumed_at, checkpoint_bytes=p.checkpoint_bytes,
+                                   storage_gb_s=round(self._pause_storage(row, p), 6)) for p in pauses or []]
         return HistoryRecord(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                              vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
                              cost_usd=round(cost, 12), started_at=row.started_at, ended_at=row.ended_at,
                              state=SandboxState(row.state),
                              end_reason=EndReason(row.end_reason) if row.end_reason else None,
-                             metadata=row.metadata_ or {})
+                             metadata=row.metadata_ or {}, pauses=intervals)
+
+    def _pause_storage(self, row: Sandbox, p: SandboxPause) -> float:
+        """A closed interval's billed storage, or what the open one (the current pause) has accrued."""
+        if p.resumed_at is None and row.paused_at == p.paused_at:
+            return storage_usage(p.checkpoint_bytes, (self.clock.now() - p.paused_at).total_seconds()).storage_gb_s
+        return p.storage_gb_s
 
     async def history(self, team_id: str, *, since: datetime | None, until: datetime | None, states: list[str],
                       template: str | None, labels: dict[str, str], limit: int, cursor: str | None) -> HistoryPage:
@@ -146,7 +169,8 @@ class BillingService:
                                                    cursor=cursor, template=template, since=since, until=until)
         except ValueError as exc:
             raise errors.InvalidRequest(str(exc)) from exc
-        return HistoryPage(items=[self.record(r) for r in page.items], next_cursor=page.next_cursor)
+        pauses = await self.store.pauses_of(r.id for r in page.items if r.pause_count)
+        return HistoryPage(items=[self.record(r, pauses.get(r.id)) for r in page.items], next_cursor=page.next_cursor)
 
     async def usage(self, team_id: str, since: datetime | None, until: datetime | None) -> UsageSummary:
         n, vcpu_s, gb_s, storage_gb_s, cost = await self.store.usage_totals(team_id, since, until)

@@ -20,7 +20,7 @@ from pilldrops import errors
 from pilldrops._internal.clock import Clock
 from pilldrops._internal.ids import new_id
 from pilldrops.schema.api import CreateSandboxRequest, EndReason, SandboxInfo, SandboxList, SandboxState
-from pilldrops.schema.node import NodeDeadline, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
@@ -30,6 +30,7 @@ from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
 S = SandboxState
 log = logging.getLogger("pilldrops.sandboxes")
+IN_FLIGHT = (S.pausing.value, S.resuming.value)     # a request is moving these; reconciliation leaves them
 _REPLAY_WAIT_S = 60.0
 NODE_READY_WINDOW = timedelta(seconds=30)
 
@@ -62,7 +63,8 @@ class SandboxService:
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
             envd_url=envd_url, access_token=row.access_token if with_token else None,
             vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
-            cost_usd=round(cost, 12),
+            cost_usd=round(cost, 12), paused_at=row.paused_at, checkpoint_bytes=row.checkpoint_bytes,
+            timeout_left=round(row.timeout_left, 3) if row.timeout_left is not None else None,
         )
 
     async def get_row(self, team_id: str, sandbox_id: str) -> Sandbox:
@@ -99,9 +101,7 @@ class SandboxService:
             existing = await self.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
             assert existing is not None
             return await self._replay(existing, req_hash), False
-        spec = NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
-                               end_at=self.clock.now() + timedelta(seconds=req.timeout), envs=row.envs,
-                               access_token=row.access_token, team_id=team_id, timeout_s=float(req.timeout))
+        spec = self._node_spec(row, float(req.timeout))
         try:
             status = await self.nodes.create(node.url, spec)
         except BaseException as exc:
@@ -124,6 +124,11 @@ class SandboxService:
                 except errors.PillDropsError as exc:
                     log.warning("could not stop %s, killed while starting: %s", row.id, exc)
         return (updated or await self.get_row(team_id, row.id)), True
+
+    def _node_spec(self, row: Sandbox, timeout_s: float) -> NodeSandboxSpec:
+        return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
+                               end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
+                               access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s)
 
     def _choose(self, req: CreateSandboxRequest, nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
         now = self.clock.now()
@@ -171,7 +176,8 @@ class SandboxService:
     async def connect(self, team_id: str, sandbox_id: str) -> Sandbox:
         row = await self.get_row(team_id, sandbox_id)
         if row.state != S.running.value:
-            raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running",
+            hint = "; resume it first (`pilldrops sandbox resume ID`, sb.resume())" if row.state == "paused" else ""
+            raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running{hint}",
                                       current=row.state, target=S.running.value)
         return row
 
@@ -184,6 +190,12 @@ class SandboxService:
     # ---- changes -------------------------------------------------------------------------------------
 
     async def set_timeout(self, team_id: str, sandbox_id: str, timeout: int) -> Sandbox:
+        row = await self.get_row(team_id, sandbox_id)
+        if row.state == S.paused.value:        # paused time does not count: this is the time left after resume
+            updated = await self.store.update_sandbox(row.id, from_states=[S.paused.value],
+                                                      timeout_left=float(timeout), timeout=timeout)
+            if updated is not None:
+                return updated
         row = await self.connect(team_id, sandbox_id)
         end_at = self.clock.now() + timedelta(seconds=timeout)
         node = await self.node_for(row)
@@ -200,14 +212,118 @@ class SandboxService:
         if row.node_id:
             node = await self.node_for(row)
             final = await self.nodes.kill(node.url, row.id)
-        ended_at = self.billing.end_time(row, final) if final else self.clock.now()
+        now = self.clock.now()
+        row = await self.get_row(team_id, sandbox_id)         # a pause may have completed meanwhile
+        ended_at = now if row.paused_at is not None or final is None else self.billing.end_time(row, final)
         if final is not None and final.end_reason not in (None, EndReason.killed):
             reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
-        updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), state=S.stopped.value,
-                                                  end_reason=reason.value, ended_at=ended_at)
-        if final is not None:
-            await self.billing.commit(final)      # the answer already carries the final cost
+        if final is not None:       # billed before it shows as stopped: a stopped sandbox shows its final cost
+            await self.billing.commit(final)
+        # a paused one: its paused interval closes here and its storage is billed in the same transaction
+        updated = await self.billing.close_pause(row.id, from_states=_from(S.stopped), until=now, resumed=False,
+                                                 state=S.stopped.value, end_reason=reason.value, ended_at=ended_at)
         return await self.get_row(team_id, sandbox_id) if updated or final else row
+
+    # ---- pause / resume --------------------------------------------------------------------------------
+
+    async def _move(self, row: Sandbox, src: S, via: S, target: S) -> Sandbox:
+        """Compare-and-set ``src`` -> ``via``; anything else is a 409 naming the state it is in and the one
+        asked for (of two concurrent requests exactly one passes)."""
+        if row.state == src.value:
+            moved = await self.store.update_sandbox(row.id, from_states=[src.value], state=via.value)
+            if moved is not None:
+                return moved
+            row = await self.get_row(row.team_id, row.id)
+        raise errors.InvalidState(f"sandbox {row.id} is {row.state}: only a {src.value} sandbox can go to "
+                                  f"{target.value}", current=row.state, target=target.value)
+
+    async def pause(self, team_id: str, sandbox_id: str) -> Sandbox:
+        """running -> pausing -> paused: the node checkpoints it to disk; it then holds no CPU or memory and
+        bills storage only. Paused time does not count against its timeout."""
+        row = await self._move(await self.get_row(team_id, sandbox_id), S.running, S.pausing, S.paused)
+        try:
+            node = await self.node_for(row)
+            st = await self.nodes.pause(node.url, row.id)
+        except BaseException:
+            with anyio.CancelScope(shield=True):   # the node's contract: a failed checkpoint leaves it running
+                await self.store.update_sandbox(row.id, from_states=[S.pausing.value], state=S.running.value)
+            raise
+        if st.state in ENDED:                 # it ended on its own first (deadline, exit)
+            await self.apply_node_status(node.id, st)
+            return await self.get_row(team_id, sandbox_id)
+        await self.billing.commit(st)         # running time up to the checkpoint
+        now = self.clock.now()
+        left = max(0.0, ((row.end_at or now) - now).total_seconds())
+        paused = await self.store.record_pause(row.id, paused_at=now, checkpoint_bytes=st.checkpoint_bytes or 0,
+                                               timeout_left=left)
+        if paused is None:                    # killed while pausing: drop the checkpoint too
+            with anyio.CancelScope(shield=True):
+                await self._quiet_kill(node, row.id)
+            return await self.get_row(team_id, sandbox_id)
+        return paused
+
+    async def resume(self, team_id: str, sandbox_id: str) -> Sandbox:
+        """paused -> resuming -> running, on its own node when it has room, else on another node with the
+        template (the checkpoint moves there; the old node drops its copy and never runs it again)."""
+        row = await self._move(await self.get_row(team_id, sandbox_id), S.paused, S.resuming, S.running)
+        old = await self.store.get_node(row.node_id or "")
+        try:
+            if old is None:
+                raise errors.NodeUnavailable(f"the node holding {row.id}'s checkpoint is gone")
+            node = await self.store.place_existing(row.id, S.resuming.value,
+                                                   lambda nodes, allocs: self._choose_resume(row, nodes, allocs))
+            if node is None:
+                raise errors.InvalidState(f"sandbox {row.id} changed state while resuming",
+                                          current=(await self.get_row(team_id, sandbox_id)).state, target="running")
+            left = row.timeout_left if row.timeout_left is not None else float(row.timeout)
+            body = NodeResume(spec=self._node_spec(row, max(left, 1.0)), run_s=row.billed_run_s,
+                              timeout_s=max(left, 1.0), source_url=None if node.id == old.id else old.url)
+            st = await self.nodes.resume(node.url, row.id, body)
+        except BaseException:
+            with anyio.CancelScope(shield=True):    # the checkpoint is intact where it was: still paused
+                await self.store.update_sandbox(row.id, from_states=[S.resuming.value], state=S.paused.value,
+                                                node_id=row.node_id)
+            raise
+        now = self.clock.now()
+        resumed = await self.billing.close_pause(
+            row.id, from_states=[S.resuming.value], until=now, resumed=True, state=S.running.value,
+            end_at=st.end_at or now + timedelta(seconds=body.timeout_s), timeout_left=None)
+        with anyio.CancelScope(shield=True):
+            if body.source_url and old is not None:      # moved: the old node forgets its copy
+                try:
+                    await self.nodes.forget(old.url, row.id)
+                except errors.PillDropsError as exc:
+                    log.warning("node %s keeps a stale checkpoint of %s (dropped at its next heartbeat): %s",
+                                old.name, row.id, exc)
+            if resumed is None:                          # killed while resuming: stop it where it now runs
+                await self._quiet_kill(node, row.id)
+                return await self.get_row(team_id, sandbox_id)
+        return resumed
+
+    def _choose_resume(self, row: Sandbox, nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
+        req = CreateSandboxRequest(template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb)
+        own = [n for n in nodes if n.id == row.node_id]
+        try:
+            return self._choose(req, own, allocs)       # its own node first: no checkpoint to move
+        except errors.PillDropsError:
+            return self._choose(req, nodes, allocs)
+
+    async def _quiet_kill(self, node: Node, sandbox_id: str) -> None:
+        try:
+            await self.nodes.kill(node.url, sandbox_id)
+        except errors.PillDropsError as exc:
+            log.warning("could not stop %s on %s: %s", sandbox_id, node.name, exc)
+
+    async def expire_paused(self, retention_s: float) -> int:
+        """Delete sandboxes paused for longer than the retention (``end_reason = paused_expired``)."""
+        n = 0
+        for row in await self.store.paused_before(self.clock.now() - timedelta(seconds=retention_s)):
+            try:
+                await self.kill(row.team_id, row.id, EndReason.paused_expired)
+                n += 1
+            except errors.PillDropsError as exc:
+                log.warning("could not expire paused sandbox %s: %s", row.id, exc)
+        return n
 
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
         """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
@@ -220,27 +336,38 @@ class SandboxService:
             started = self.clock.now() - timedelta(seconds=max(st.run_s or 0.0, 0.0))
             await self.store.update_sandbox(st.id, from_states=[S.starting.value], state=S.running.value,
                                             started_at=max(started, row.created_at), end_at=st.end_at or row.end_at)
+        await self.billing.commit(st)        # before the end is visible, so an ended sandbox shows its cost
         if st.state in ENDED:
-            await self.store.update_sandbox(
-                st.id, from_states=_from(st.state), state=st.state.value,
-                end_reason=(st.end_reason or EndReason.exited).value, ended_at=self.billing.end_time(row, st),
-                error=st.error)
-        await self.billing.commit(st)
+            now = self.clock.now()
+            ended_at = now if row.paused_at is not None else self.billing.end_time(row, st)
+            await self.billing.close_pause(
+                st.id, from_states=_from(st.state), until=now, resumed=False, state=st.state.value,
+                end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error)
 
     async def mark_lost(self, node_id: str, last_seen: datetime) -> None:
         """The node is gone: its live sandboxes are ``lost`` (``node_lost``), ended and billed up to when
         the node was last heard from."""
         for row in await self.store.live_sandboxes_on(node_id):
             ended_at = max(last_seen, row.started_at) if row.started_at else last_seen
-            await self.store.update_sandbox(row.id, from_states=_from(S.lost), state=S.lost.value,
-                                            end_reason=EndReason.node_lost.value, ended_at=ended_at,
-                                            error="the node stopped heartbeating")
+            if row.paused_at is not None:
+                ended_at = max(last_seen, row.paused_at)
+            await self.billing.close_pause(row.id, from_states=_from(S.lost), until=ended_at, resumed=False,
+                                           state=S.lost.value, end_reason=EndReason.node_lost.value,
+                                           ended_at=ended_at, error="the node stopped heartbeating")
 
     async def stop_orphans(self, node: Node, statuses: list[NodeSandboxStatus]) -> None:
         """A node runs sandboxes whose record has ended (declared lost while the node was away; a create that
         failed or timed out on our side after the node made it; killed while starting): stop them there.
         They were billed up to their recorded end and their owners were told they ended; nothing runs twice."""
         for st in statuses:
+            if st.state == S.paused:
+                row = await self.store.get_sandbox(st.id)
+                if row is None or row.node_id != node.id or SandboxState(row.state) in ENDED:
+                    try:      # a checkpoint that moved to another node (or whose sandbox ended): drop it
+                        await self.nodes.forget(node.url, st.id)
+                    except errors.PillDropsError as exc:
+                        log.warning("could not drop stale checkpoint %s on %s: %s", st.id, node.name, exc)
+                continue
             if st.state != S.running:
                 continue
             row = await self.store.get_sandbox(st.id)
@@ -255,10 +382,11 @@ class SandboxService:
         from when the report was received, so a report composed before a create finished does not count)."""
         cutoff = (received or self.clock.now()) - NODE_READY_WINDOW
         for row in await self.store.live_sandboxes_on(node_id):
-            if row.id in live_ids or row.created_at > cutoff:
+            if row.id in live_ids or row.created_at > cutoff or row.state in IN_FLIGHT:
                 continue
-            await self.store.update_sandbox(row.id, from_states=_from(S.lost), state=S.lost.value,
-                                            end_reason=EndReason.node_lost.value, ended_at=self.clock.now(),
-                                            error="the node no longer has this sandbox")
+            now = self.clock.now()
+            await self.billing.close_pause(row.id, from_states=_from(S.lost), until=now, resumed=False,
+                                           state=S.lost.value, end_reason=EndReason.node_lost.value,
+                                           ended_at=now, error="the node no longer has this sandbox")
 
 

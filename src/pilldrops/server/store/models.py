@@ -93,9 +93,16 @@ class Sandbox(Base):
     cost_usd: Mapped[float] = mapped_column(Float, default=0.0)
     billed_run_s: Mapped[float] = mapped_column(Float, default=0.0)
     billed_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    # pause: the current one (None while not paused), the timeout left for after resume, and totals
+    paused_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    checkpoint_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    timeout_left: Mapped[float | None] = mapped_column(Float, nullable=True)
+    paused_s: Mapped[float] = mapped_column(Float, default=0.0)
+    pause_count: Mapped[int] = mapped_column(Integer, default=0)
 
     __table_args__ = (
         Index("ix_sandboxes_team_created", "team_id", "created_at", "id"),
+        Index("ix_sandboxes_state_paused", "state", "paused_at"),
         Index("ux_sandboxes_team_idem", "team_id", "idempotency_key", unique=True),
     )
 
@@ -109,6 +116,20 @@ class SandboxLabel(Base):
     value: Mapped[str] = mapped_column(Text)
 
     __table_args__ = (Index("ix_labels_key_value", "key", "value"),)
+
+
+class SandboxPause(Base):
+    """One paused interval of a sandbox (``idx`` counts from 1). Its storage is billed exactly once, when
+    the interval closes (resume, kill or expiry), as the ledger row ``(sandbox, seq = -idx)``."""
+
+    __tablename__ = "sandbox_pauses"
+    sandbox_id: Mapped[str] = mapped_column(ForeignKey("sandboxes.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    paused_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    resumed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    checkpoint_bytes: Mapped[int] = mapped_column(BigInteger)
+    storage_gb_s: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class UsageEntry(Base):

@@ -22,9 +22,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from pilldrops._internal.ids import new_id
-from pilldrops.server.domain.states import LIVE
-from pilldrops.server.domain.billing import Rates, billable, running_usage
-from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, Team, UsageEntry
+from pilldrops.server.domain.billing import Rates, billable, running_usage, storage_usage
+from pilldrops.server.domain.states import HOLDING, LIVE
+from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, SandboxPause, Team, UsageEntry
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -84,7 +84,7 @@ async def _write_lock(s: Any) -> None:
 
 async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
     q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
-         .where(Sandbox.state.in_([st.value for st in LIVE]), Sandbox.node_id.is_not(None))
+         .where(Sandbox.state.in_([st.value for st in HOLDING]), Sandbox.node_id.is_not(None))
          .group_by(Sandbox.node_id))
     return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
 
@@ -245,7 +245,8 @@ class Store:
         return await self.get_node(node_id)
 
     async def allocations(self) -> dict[str, tuple[float, int]]:
-        """(vCPU, MiB) held per node by sandboxes not yet ended, reservations in flight included."""
+        """(vCPU, MiB) held per node by sandboxes not yet ended, reservations in flight included (paused
+        ones hold nothing: they are a checkpoint on disk)."""
         async with self.session() as s:
             return await _allocations(s)
 
@@ -268,6 +269,25 @@ class Store:
             if row.idempotency_key:
                 raise DuplicateIdempotencyKey(row.idempotency_key) from exc
             raise
+        return node
+
+    async def place_existing(self, sandbox_id: str, from_state: str,
+                             choose: Callable[[list[Node], dict[str, tuple[float, int]]], Node]) -> Node | None:
+        """Like ``place_and_insert`` for a sandbox that already exists (a resume): choose a node with the
+        node rows locked and move the sandbox's reservation there, while it is still in ``from_state``.
+        ``choose`` sees the allocations without this sandbox's own. None when the state changed meanwhile."""
+        async with self.session.begin() as s:
+            await _write_lock(s)
+            nodes = list((await s.scalars(select(Node).order_by(Node.id).with_for_update())).all())
+            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
+            if sb is None or sb.state != from_state:
+                return None
+            allocs = await _allocations(s)
+            if sb.node_id in allocs and sb.state in {st.value for st in HOLDING}:
+                c, m = allocs[sb.node_id]
+                allocs[sb.node_id] = (c - sb.vcpu, m - sb.memory_mb)
+            node = choose(nodes, allocs)
+            sb.node_id = node.id
         return node
 
     # ---- sandboxes -----------------------------------------------------------------------------------
@@ -345,7 +365,7 @@ class Store:
             sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
             if sb is None or sb.started_at is None or seq <= sb.billed_seq:
                 return None
-            wall = ((sb.ended_at or now) - sb.started_at).total_seconds()
+            wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
             total, delta = billable(run_s, sb.billed_run_s, wall)
             if delta <= 0:                 # nothing new to bill: remember the report, write no ledger row
                 sb.billed_seq = seq
@@ -372,6 +392,79 @@ class Store:
             if before_commit is not None:
                 before_commit()
         return entry
+
+    # ---- pauses --------------------------------------------------------------------------------------
+
+    async def record_pause(self, sandbox_id: str, *, paused_at: datetime, checkpoint_bytes: int,
+                           timeout_left: float) -> Sandbox | None:
+        """``pausing`` -> ``paused`` with a new paused interval, in one transaction."""
+        async with self.session.begin() as s:
+            await _write_lock(s)
+            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
+            if sb is None or sb.state != "pausing":
+                return None
+            sb.state = "paused"
+            sb.pause_count = (sb.pause_count or 0) + 1
+            sb.paused_at, sb.checkpoint_bytes, sb.timeout_left = paused_at, checkpoint_bytes, timeout_left
+            s.add(SandboxPause(sandbox_id=sb.id, idx=sb.pause_count, node_id=sb.node_id, paused_at=paused_at,
+                               checkpoint_bytes=checkpoint_bytes))
+        return await self.get_sandbox(sandbox_id)
+
+    async def close_pause(self, sandbox_id: str, *, from_states: Iterable[str], until: datetime, rates: Rates,
+                          charge_credits: bool, resumed: bool, **values: Any) -> Sandbox | None:
+        """End the current paused interval at ``until`` and bill its storage, exactly once (the ledger row
+        ``(sandbox, -idx)`` and the cleared ``paused_at`` commit together), applying ``values`` (e.g. the
+        new state) in the same transaction while the row is in ``from_states``. None when it was not."""
+        async with self.session.begin() as s:
+            await _write_lock(s)
+            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
+            if sb is None or sb.state not in set(from_states):
+                return None
+            if sb.paused_at is not None:
+                secs = max(0.0, (until - sb.paused_at).total_seconds())
+                use = storage_usage(sb.checkpoint_bytes or 0, secs)
+                cost = use.cost(rates)
+                pause = await s.get(SandboxPause, (sb.id, sb.pause_count))
+                if pause is not None:
+                    pause.storage_gb_s = use.storage_gb_s
+                    if resumed:
+                        pause.resumed_at = until
+                s.add(UsageEntry(sandbox_id=sb.id, seq=-(sb.pause_count or 0), team_id=sb.team_id, state="paused",
+                                 vcpu=sb.vcpu, memory_mb=sb.memory_mb,
+                                 storage_gb=(sb.checkpoint_bytes or 0) / 1024**3, from_s=0.0, to_s=secs,
+                                 vcpu_s=0.0, gb_s=0.0, storage_gb_s=use.storage_gb_s, cost_usd=cost,
+                                 committed_at=until))
+                sb.storage_gb_s += use.storage_gb_s
+                sb.cost_usd += cost
+                sb.paused_s = (sb.paused_s or 0.0) + secs
+                sb.paused_at = None
+                sb.checkpoint_bytes = None
+                if charge_credits and cost > 0:
+                    await s.execute(update(Team).where(Team.id == sb.team_id)
+                                    .values(credits_usd=Team.credits_usd - cost))
+                    await s.execute(update(Team).where(Team.id == sb.team_id, Team.credits_usd <= 0,
+                                                       Team.credits_exhausted_at.is_(None))
+                                    .values(credits_exhausted_at=until))
+            for k, v in values.items():
+                setattr(sb, k, v)
+        return await self.get_sandbox(sandbox_id)
+
+    async def pauses_of(self, sandbox_ids: Iterable[str]) -> dict[str, list[SandboxPause]]:
+        ids = list(sandbox_ids)
+        if not ids:
+            return {}
+        out: dict[str, list[SandboxPause]] = {}
+        async with self.session() as s:
+            q = select(SandboxPause).where(SandboxPause.sandbox_id.in_(ids)).order_by(SandboxPause.idx)
+            for p in (await s.scalars(q)).all():
+                out.setdefault(p.sandbox_id, []).append(p)
+        return out
+
+    async def paused_before(self, cutoff: datetime, limit: int = 500) -> list[Sandbox]:
+        async with self.session() as s:
+            q = (select(Sandbox).where(Sandbox.state == "paused", Sandbox.paused_at < cutoff)
+                 .order_by(Sandbox.paused_at).limit(limit))
+            return list((await s.scalars(q)).all())
 
     async def usage_totals(self, team_id: str, since: datetime | None, until: datetime | None
                            ) -> tuple[int, float, float, float, float]:
