@@ -42,6 +42,8 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node is unreachable [default: 3 heartbeats]"),
         click.option("--lost-after", type=float, default=300.0, show_default=True,
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
+        click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
+                     help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -50,7 +52,7 @@ def _control_plane_options(f: Any) -> Any:
 
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
-            "lost_after": kw.pop("lost_after")}
+            "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention")}
 
 
 def _billing(kw: dict[str, Any]) -> Any:
