@@ -67,6 +67,7 @@ def cli(ctx: click.Context, api_url: str | None, api_key: str | None, debug: boo
 def _register() -> None:
     from pilldrops.cli.billing import history, usage
     from pilldrops.cli.nodes import nodes
+    from pilldrops.cli.pools import pools
     from pilldrops.cli.keys import keys
     from pilldrops.cli.sandbox import sandbox
     from pilldrops.cli.templates import template
@@ -77,6 +78,7 @@ def _register() -> None:
     cli.add_command(history)
     cli.add_command(usage)
     cli.add_command(nodes)
+    cli.add_command(pools)
     try:
         from pilldrops.cli import local
     except ImportError as exc:  # only a missing module is tolerated; a broken one must be loud

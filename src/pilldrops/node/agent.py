@@ -30,10 +30,12 @@ from pilldrops import errors
 from pilldrops._version import __version__
 from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Entry, Journal, boot_id
+from pilldrops.node.pools import WarmPools
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
-    NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered, NodeResume, NodeSandboxSpec, NodeSandboxStatus,
+    NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodePoolSpec, NodeRegister, NodeRegistered, NodeResume,
+    NodeSandboxSpec, NodeSandboxStatus,
 )
 
 log = logging.getLogger("pilldrops.node")
@@ -112,11 +114,13 @@ class Settings:
     node_token: str = ""
     create_concurrency: int = 8
     keep_on_exit: bool = False
+    pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
 
 
 @dataclass
 class Stats:
     created: int = 0
+    claimed: int = 0                   # of ``created``: taken from a warm pool
     failed: int = 0
     ended: dict[str, int] = field(default_factory=dict)
 
@@ -147,6 +151,8 @@ class NodeAgent:
         self._tg: anyio.abc.TaskGroup | None = None
         self.creating: set[str] = set()      # in flight: reported as starting, so never taken for lost
         self._wake_heartbeat = anyio.Event()
+        self.pools = WarmPools(runtime, self._member_spec, self._has_template,
+                               concurrency=settings.pool_concurrency)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -158,12 +164,15 @@ class NodeAgent:
             tg.start_soon(self._deadline_loop)
             tg.start_soon(self._monitor_loop)
             tg.start_soon(self._template_watch)
+            tg.start_soon(self.pools.run)
             if self.settings.control_plane_url:
                 tg.start_soon(self._control_plane_loop)
             task_status.started()
 
     async def shutdown(self) -> None:
-        """Tear down every sandbox this agent holds, unless asked to keep them (they then outlive us)."""
+        """Tear down every sandbox this agent holds, unless asked to keep them (they then outlive us).
+        Warm-pool members are always destroyed (nobody's yet; a restarted agent would reap them anyway)."""
+        await self.pools.close()
         if not self.settings.keep_on_exit:
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
@@ -178,6 +187,7 @@ class NodeAgent:
         this_boot = boot_id()
         for entry in self.journal.entries():
             known.add(entry.id)
+            known.add(str(entry.handle.get("id") or entry.id))   # a claimed warm-pool member keeps its name
             if entry.boot_id != this_boot:
                 entry.started_mono = None      # another boot: its monotonic clock says nothing here
             handle = entry.runtime_handle()
@@ -247,6 +257,9 @@ class NodeAgent:
         rt_spec = self._runtime_spec(spec)
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
+        member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+        if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
+            return self._adopt_new(spec, member, claimed=True)
         self.journal.write(Entry(id=spec.id, phase="creating", spec=spec.model_dump(mode="json")))
         self.creating.add(spec.id)
         try:
@@ -258,11 +271,26 @@ class NodeAgent:
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
         finally:
             self.creating.discard(spec.id)
+        return self._adopt_new(spec, handle, claimed=False)
+
+    def _adopt_new(self, spec: NodeSandboxSpec, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
         live = Live(spec, self._target(spec, handle), self.now(), spec.end_at, time.monotonic())
         self.journal.write(live.journal_entry())
         self.live[spec.id] = live
         self.stats.created += 1
+        self.stats.claimed += claimed
         return live.status()
+
+    def _member_spec(self, pool: NodePoolSpec, member_id: str) -> SandboxSpec:
+        base = NodeSandboxSpec(id=member_id, template=pool.template, vcpu=pool.vcpu, memory_mb=pool.memory_mb,
+                               end_at=self.now(), access_token="-")
+        return self._runtime_spec(base)
+
+    def _has_template(self, name: str) -> bool:
+        return name in self._tpl_cache
+
+    def configure_pools(self, pools: list[NodePoolSpec]) -> None:
+        self.pools.configure(pools)
 
     def _runtime_spec(self, spec: NodeSandboxSpec) -> SandboxSpec:
         try:
@@ -343,19 +371,27 @@ class NodeAgent:
         self.resuming.add(sandbox_id)
         try:
             p = self.paused.get(sandbox_id)
+            fetched = p is None
             if p is None:
                 if not body.source_url:
                     raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.settings.name}")
                 p = await self._fetch_checkpoint(sandbox_id, body)
-            spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
-            rt_spec = self._runtime_spec(spec)
-            self.journal.write(p.journal_entry("resuming"))
             try:
-                async with self._create_slots:
-                    handle = await self.runtime.restore(rt_spec, p.image)
-            except RuntimeFailure as exc:
-                self.journal.write(p.journal_entry())
-                raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
+                spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
+                rt_spec = self._runtime_spec(spec)
+                self.journal.write(p.journal_entry("resuming"))
+                try:
+                    async with self._create_slots:
+                        handle = await self.runtime.restore(rt_spec, p.image)
+                except RuntimeFailure as exc:
+                    raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
+            except BaseException:
+                if fetched:     # a copy: the source node's checkpoint stays the sandbox's, this one goes
+                    self.journal.remove(sandbox_id)
+                    self._drop_image(p.image)
+                else:
+                    self.journal.write(p.journal_entry())
+                raise
             live = Live(spec, self._target(spec, handle), p.started_at or self.now(), spec.end_at,
                         time.monotonic() - max(p.run_s, body.run_s))
             self.journal.write(live.journal_entry())
@@ -591,6 +627,7 @@ class NodeAgent:
         resp.raise_for_status()
         reg = NodeRegistered.model_validate(resp.json())
         self.node_id = reg.node_id
+        self.pools.configure(reg.pools)
         for st in body.sandboxes:           # only what was sent: ends recorded meanwhile stay queued
             if st.state != SandboxState.running and self.outbox.get(st.id) == st:
                 del self.outbox[st.id]
@@ -603,10 +640,11 @@ class NodeAgent:
 
     async def _heartbeat(self) -> None:
         sent = dict(self.outbox)
-        used_cpu = sum(lv.spec.vcpu for lv in self.live.values())
-        used_mem = sum(lv.spec.memory_mb for lv in self.live.values())
+        pool_cpu, pool_mem = self.pools.reserved()
+        used_cpu = sum(lv.spec.vcpu for lv in self.live.values()) + pool_cpu
+        used_mem = sum(lv.spec.memory_mb for lv in self.live.values()) + pool_mem
         hb = NodeHeartbeat(templates=self.refresh_templates(), sandboxes=self.statuses(), used_vcpu=used_cpu,
-                           used_memory_mb=used_mem)
+                           used_memory_mb=used_mem, pools=self.pools.statuses())
         resp = await self._http.post(f"{self.settings.control_plane_url}/internal/v1/nodes/{self.node_id}/heartbeat",
                                      content=hb.model_dump_json(), headers={"content-type": "application/json"})
         if resp.status_code == 404:
@@ -615,6 +653,8 @@ class NodeAgent:
         resp.raise_for_status()
         for sid in sent:
             self.outbox.pop(sid, None)
+        if resp.content:
+            self.pools.configure(NodeHeartbeatReply.model_validate(resp.json()).pools)
 
     async def _report(self, status: NodeSandboxStatus) -> None:
         if not self.settings.control_plane_url or self.node_id is None:

@@ -14,7 +14,9 @@ from pilldrops._version import __version__
 from pilldrops.node.agent import NodeAgent
 from pilldrops.node.dataplane import DataPlane, Target
 from pilldrops.schema.api import FileInfo, RunRequest
-from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import (
+    NodeDeadline, NodePoolSpec, NodePoolStatus, NodeResume, NodeSandboxSpec, NodeSandboxStatus,
+)
 from pilldrops._internal.ids import same_secret as same
 
 
@@ -41,7 +43,8 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     async def healthz() -> dict[str, object]:
         st = agent.stats
         return {"ok": True, "node_id": agent.node_id, "sandboxes": len(agent.live), "created": st.created,
-                "failed_starts": st.failed, "ended": st.ended}
+                "claimed_from_pools": st.claimed, "failed_starts": st.failed, "ended": st.ended,
+                "paused": len(agent.paused)}
 
     node = APIRouter(prefix="/node/v1", dependencies=[Depends(node_auth)])
 
@@ -77,6 +80,11 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
         agent.forget(sandbox_id)
         return {"ok": True}
+
+    @node.put("/pools")
+    async def set_pools(body: list[NodePoolSpec]) -> dict[str, list[NodePoolStatus]]:
+        agent.configure_pools(body)
+        return {"items": agent.pools.statuses()}
 
     app.include_router(node)
 

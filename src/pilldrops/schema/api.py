@@ -229,6 +229,35 @@ class WhoAmI(_Response):
     key_id: str
 
 
+class PoolSetRequest(_Request):
+    """Keep ``size`` ready sandboxes of this template and shape on every node that has the template
+    (0 removes the pool)."""
+
+    template: str = Field(..., min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    vcpu: float = Field(1, gt=0, le=64)
+    memory_mb: int = Field(512, ge=16, le=262_144)
+    size: int = Field(..., ge=0, le=10_000)
+
+
+class PoolInfo(_Response):
+    template: str
+    vcpu: float
+    memory_mb: int
+    size: int                       # per node
+    nodes: int = 0                  # nodes that reported this pool
+    ready: int = 0
+    starting: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float | None = None   # hits / (hits + misses), None before any create of this shape
+    breaker_open: bool = False
+    last_error: str | None = None
+
+
+class PoolList(_Response):
+    items: list[PoolInfo]
+
+
 class PauseInterval(_Response):
     """One paused interval: billed as storage only (``storage_gb_s`` = checkpoint GiB x paused seconds)."""
 

@@ -29,9 +29,34 @@ class NodeRegister(_Model):
     instance: str = Field("", description="the agent's identity, kept in its state dir across restarts")
 
 
+class NodePoolSpec(_Model):
+    """A warm pool every node with the template keeps: ``size`` ready sandboxes of this shape."""
+
+    template: str
+    vcpu: float
+    memory_mb: int
+    size: int = Field(..., ge=0)
+
+
+class NodePoolStatus(NodePoolSpec):
+    ready: int = 0
+    starting: int = 0
+    hits: int = 0
+    misses: int = 0
+    failures: int = 0                  # consecutive failed refills
+    breaker_open: bool = False         # refills paused after repeated failures (retried after a back-off)
+    last_error: str | None = None
+
+
 class NodeRegistered(_Model):
     node_id: str
     heartbeat_interval: float = 5.0
+    pools: list[NodePoolSpec] = Field(default_factory=list)
+
+
+class NodeHeartbeatReply(_Model):
+    ok: bool = True
+    pools: list[NodePoolSpec] = Field(default_factory=list)
 
 
 class NodeHeartbeat(_Model):
@@ -39,6 +64,7 @@ class NodeHeartbeat(_Model):
     sandboxes: list["NodeSandboxStatus"] = Field(default_factory=list)
     used_vcpu: float = 0
     used_memory_mb: int = 0
+    pools: list["NodePoolStatus"] = Field(default_factory=list)
 
 
 class NodeSandboxSpec(_Model):

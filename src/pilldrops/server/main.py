@@ -16,6 +16,7 @@ from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
+from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.sql import Store
 
@@ -66,9 +67,11 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     store = await Store.open(db_url)
     node_client = NodeClient(node_token, transport=node_transport)
     billing_service = BillingService(store, clock, billing)
-    sandboxes = SandboxService(store, node_client, clock, billing_service)
+    pools = PoolService(store, node_client, clock)
+    sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
-                                          unreachable_after=unreachable_after, lost_after=lost_after),
-                        billing=billing_service)
+                                          unreachable_after=unreachable_after, lost_after=lost_after,
+                                          pools=pools),
+                        billing=billing_service, pools=pools)
     return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)

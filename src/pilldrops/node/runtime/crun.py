@@ -178,6 +178,10 @@ class CrunRuntime:
             for p in (rootfs, upper, work, d / "exec"):
                 p.mkdir(parents=True)
             (d / "pd").mkdir(mode=0o700)
+            # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
+            # members included, never share an identity. Written into the empty upper layer: no copy-up.
+            (upper / "etc").mkdir()
+            (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
             try:
                 mount_overlay(rootfs, [Path(p) for p in spec.layers], upper, work)
             except (MountError, ValueError) as e:

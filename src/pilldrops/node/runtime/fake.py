@@ -60,8 +60,23 @@ class FakeRuntime:
         self.fail_checkpoint = False
         self.fail_restore = False
         self.checkpoint_delay = 0.0
+        self.create_delay = 0.0            # seconds each create takes (concurrency tests)
+        self.create_calls = 0
+        self.creating_now = 0
+        self.max_concurrent_creates = 0
 
     async def create(self, spec: SandboxSpec) -> Handle:
+        self.create_calls += 1
+        self.creating_now += 1
+        self.max_concurrent_creates = max(self.max_concurrent_creates, self.creating_now)
+        try:
+            if self.create_delay:
+                await anyio.sleep(self.create_delay)
+            return self._create(spec)
+        finally:
+            self.creating_now -= 1
+
+    def _create(self, spec: SandboxSpec) -> Handle:
         if self.fail_create:
             if isinstance(self.fail_create, BaseException):
                 raise self.fail_create

@@ -16,13 +16,15 @@ from pilldrops import errors
 from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops.schema.api import (
-    CreateSandboxRequest, HistoryPage, KeyCreated, NodeInfo, NodeList, Rates, SandboxState, UsageSummary, KeyCreateRequest, KeyInfo, SandboxInfo, SandboxList, SetTimeoutRequest,
-    TemplateList, WhoAmI,
+    CreateSandboxRequest, HistoryPage, KeyCreated, KeyCreateRequest, KeyInfo, NodeInfo, NodeList, PoolInfo, PoolList,
+    PoolSetRequest, Rates, SandboxInfo, SandboxList, SandboxState, SetTimeoutRequest, TemplateList, UsageSummary,
+    WhoAmI,
 )
-from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeRegister, NodeRegistered
+from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
 from pilldrops.server.service.auth import AuthService, Principal
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
+from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 
 
@@ -32,6 +34,7 @@ class Services:
     sandboxes: SandboxService
     nodes: NodeService
     billing: BillingService
+    pools: PoolService
 
 
 class _Relay(StreamingResponse):
@@ -212,6 +215,15 @@ def create_app(services: Services) -> FastAPI:
         p.require_admin()
         return await services.nodes.set_draining(node_id, False)
 
+    @api.get("/pools", response_model=PoolList)
+    async def list_pools(p: Caller) -> PoolList:
+        return PoolList(items=await services.pools.list())
+
+    @api.put("/pools", response_model=PoolInfo)
+    async def set_pool(body: PoolSetRequest, p: Caller) -> PoolInfo:
+        p.require_admin()
+        return await services.pools.set(body)
+
     @api.get("/templates", response_model=TemplateList)
     async def templates(p: Caller) -> TemplateList:
         return TemplateList(items=await services.nodes.templates())
@@ -226,10 +238,9 @@ def create_app(services: Services) -> FastAPI:
     async def register(body: NodeRegister) -> NodeRegistered:
         return await services.nodes.register(body)
 
-    @internal.post("/nodes/{node_id}/heartbeat")
-    async def heartbeat(node_id: str, body: NodeHeartbeat) -> dict[str, bool]:
-        await services.nodes.heartbeat(node_id, body)
-        return {"ok": True}
+    @internal.post("/nodes/{node_id}/heartbeat", response_model=NodeHeartbeatReply)
+    async def heartbeat(node_id: str, body: NodeHeartbeat) -> NodeHeartbeatReply:
+        return await services.nodes.heartbeat(node_id, body)
 
     @internal.post("/nodes/{node_id}/events")
     async def event(node_id: str, body: NodeEvent) -> dict[str, bool]:

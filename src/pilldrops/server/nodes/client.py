@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from pilldrops import errors
-from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodePoolSpec, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 
 
 class NodeClient:
@@ -74,6 +74,10 @@ class NodeClient:
                                 content=body.model_dump_json(), headers={"content-type": "application/json"},
                                 timeout=httpx.Timeout(600.0, connect=5.0))
         return NodeSandboxStatus.model_validate(data)
+
+    async def set_pools(self, node_url: str, pools: list[NodePoolSpec]) -> None:
+        await self._call("PUT", f"{node_url}/node/v1/pools", content="[" + ",".join(
+            p.model_dump_json() for p in pools) + "]", headers={"content-type": "application/json"})
 
     async def forget(self, node_url: str, sandbox_id: str) -> None:
         """Drop a checkpoint that moved to another node (no end is recorded: the sandbox lives on)."""

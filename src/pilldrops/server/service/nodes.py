@@ -8,8 +8,9 @@ from datetime import datetime
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
 from pilldrops.schema.api import NodeInfo, TemplateInfo
-from pilldrops.schema.node import NodeHeartbeat, NodeRegister, NodeRegistered
+from pilldrops.schema.node import NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
 from pilldrops._internal.ids import same_secret as same
+from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.sql import Store
 
@@ -20,7 +21,7 @@ log = logging.getLogger("pilldrops.nodes")
 class NodeService:
     def __init__(self, store: Store, sandboxes: SandboxService, clock: Clock, node_token: str,
                  heartbeat_interval: float = HEARTBEAT_INTERVAL_S, unreachable_after: float | None = None,
-                 lost_after: float = 300.0) -> None:
+                 lost_after: float = 300.0, pools: PoolService | None = None) -> None:
         self.store = store
         self.sandboxes = sandboxes
         self.clock = clock
@@ -29,6 +30,7 @@ class NodeService:
         self.unreachable_after = unreachable_after or 3 * heartbeat_interval
         self.lost_after = lost_after
         self._store_ok_since: datetime | None = None   # this process has reached the store since then
+        self.pools = pools
 
     def check_token(self, presented: str | None) -> None:
         if not presented or not same(presented, self._token):
@@ -46,14 +48,16 @@ class NodeService:
             capacity_memory_mb=req.capacity_memory_mb,
             templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now())
         await self._absorb(node.id, req.sandboxes)
-        return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval)
+        return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval,
+                              pools=await self.pools.specs() if self.pools else [])
 
-    async def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> None:
+    async def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeHeartbeatReply:
         node = await self.store.heartbeat(node_id, [t.model_dump(mode="json") for t in hb.templates],
-                                          self.clock.now())
+                                          self.clock.now(), [p.model_dump(mode="json") for p in hb.pools])
         if node is None:
             raise errors.NotFound(f"unknown node {node_id!r}: register again")
         await self._absorb(node_id, hb.sandboxes)
+        return NodeHeartbeatReply(pools=await self.pools.specs() if self.pools else [])
 
     async def _absorb(self, node_id: str, statuses: list) -> None:  # type: ignore[type-arg]
         received = self.clock.now()

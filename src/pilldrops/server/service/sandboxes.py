@@ -13,6 +13,7 @@ import hashlib
 import logging
 import secrets
 from datetime import datetime, timedelta
+from typing import Any
 
 import anyio
 
@@ -25,6 +26,7 @@ from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.billing import BillingService
+from pilldrops.server.service.pools import PoolService, shape
 from pilldrops.server.store.models import Node, Sandbox
 from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
@@ -41,11 +43,13 @@ def _from(target: SandboxState) -> list[str]:
 
 
 class SandboxService:
-    def __init__(self, store: Store, nodes: NodeClient, clock: Clock, billing: BillingService) -> None:
+    def __init__(self, store: Store, nodes: NodeClient, clock: Clock, billing: BillingService,
+                 pools: PoolService | None = None) -> None:
         self.store = store
         self.nodes = nodes
         self.clock = clock
         self.billing = billing
+        self.pools = pools
         self._place_lock = anyio.Lock()
 
     # ---- views ---------------------------------------------------------------------------------------
@@ -91,9 +95,11 @@ class SandboxService:
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
             created_at=now, end_at=now + timedelta(seconds=req.timeout),
         )
+        specs = await self.pools.specs() if self.pools else []
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
-                node = await self.store.place_and_insert(row, lambda nodes, allocs: self._choose(req, nodes, allocs))
+                node = await self.store.place_and_insert(
+                    row, lambda nodes, allocs: self._choose(req, nodes, allocs, specs))
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True
@@ -130,19 +136,38 @@ class SandboxService:
                                end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
                                access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s)
 
-    def _choose(self, req: CreateSandboxRequest, nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
+    def _choose(self, req: CreateSandboxRequest, nodes: list[Node], allocs: dict[str, tuple[float, int]],
+                pool_specs: list[Any] = ()) -> Node:  # type: ignore[assignment]
+        """Best fit by vCPU and memory, with warm pools' target sizes counted as used; a create of a pooled
+        shape goes to a node with a ready member first (it converts that member's reservation)."""
         now = self.clock.now()
         if not any(req.template in {t.get("name") for t in n.templates} for n in nodes):
             known = sorted({t.get("name") for n in nodes for t in n.templates})
             raise errors.TemplateNotFound(
                 f"template {req.template!r} is not built on any node (available: {', '.join(known) or 'none'}); "
                 f"build it with `pilldrops template build {req.template}`")
-        views = [scheduler.NodeView(
-            id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
-            used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],
-            ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-            templates=frozenset(t.get("name") for t in n.templates)) for n in nodes]
-        result = scheduler.place(scheduler.Request(req.template, req.vcpu, req.memory_mb), views)
+        want = shape(req.template, req.vcpu, req.memory_mb)
+        pooled = any(shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
+        views, warm = [], set()
+        for n in nodes:
+            names = frozenset(t.get("name") for t in n.templates)
+            cpu = sum(p.size * p.vcpu for p in pool_specs if p.template in names)
+            mem = sum(p.size * p.memory_mb for p in pool_specs if p.template in names)
+            if pooled and req.template in names and PoolService.ready_on(n, *want) > 0:
+                warm.add(n.id)
+                cpu, mem = cpu - req.vcpu, mem - req.memory_mb      # the claim takes a reserved member
+            used = allocs.get(n.id, (0.0, 0))
+            views.append(scheduler.NodeView(
+                id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
+                used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
+                ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
+                templates=names))
+        request = scheduler.Request(req.template, req.vcpu, req.memory_mb)
+        if warm:
+            first = scheduler.place(request, [v for v in views if v.id in warm])
+            if not isinstance(first, scheduler.Unschedulable):
+                return next(n for n in nodes if n.id == first.node_id)
+        result = scheduler.place(request, views)
         if isinstance(result, scheduler.Unschedulable):
             if result.never:
                 raise errors.InvalidRequest(f"request is larger than any node ({result.explain()})",
@@ -362,6 +387,8 @@ class SandboxService:
         for st in statuses:
             if st.state == S.paused:
                 row = await self.store.get_sandbox(st.id)
+                if row is not None and row.state in IN_FLIGHT:
+                    continue  # a resume elsewhere may still be copying this checkpoint: resume() drops it
                 if row is None or row.node_id != node.id or SandboxState(row.state) in ENDED:
                     try:      # a checkpoint that moved to another node (or whose sandbox ended): drop it
                         await self.nodes.forget(node.url, st.id)

@@ -63,6 +63,18 @@ class Node(Base):
     templates: Mapped[list[Any]] = mapped_column(JSON, default=list)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    pool_status: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)   # the node's last report
+
+
+class Pool(Base):
+    """A warm pool: every node with the template keeps ``size`` ready sandboxes of this shape."""
+
+    __tablename__ = "pools"
+    template: Mapped[str] = mapped_column(String(128), primary_key=True)
+    vcpu: Mapped[float] = mapped_column(Float, primary_key=True)
+    memory_mb: Mapped[int] = mapped_column(Integer, primary_key=True)
+    size: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class Sandbox(Base):

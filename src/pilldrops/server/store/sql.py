@@ -24,7 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from pilldrops._internal.ids import new_id
 from pilldrops.server.domain.billing import Rates, billable, running_usage, storage_usage
 from pilldrops.server.domain.states import HOLDING, LIVE
-from pilldrops.server.store.models import ApiKey, Node, Sandbox, SandboxLabel, SandboxPause, Team, UsageEntry
+from pilldrops.server.store.models import (
+    ApiKey, Node, Pool, Sandbox, SandboxLabel, SandboxPause, Team, UsageEntry,
+)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -211,7 +213,8 @@ class Store:
             node.last_heartbeat_at = now
             return node
 
-    async def heartbeat(self, node_id: str, templates: list[dict[str, Any]], now: datetime) -> Node | None:
+    async def heartbeat(self, node_id: str, templates: list[dict[str, Any]], now: datetime,
+                        pool_status: list[dict[str, Any]] | None = None) -> Node | None:
         async with self.session.begin() as s:
             node = await s.get(Node, node_id)
             if node is None:
@@ -219,6 +222,7 @@ class Store:
             node.templates = templates
             node.state = "ready"
             node.last_heartbeat_at = now
+            node.pool_status = pool_status or []
             return node
 
     async def get_node(self, node_id: str) -> Node | None:
@@ -392,6 +396,24 @@ class Store:
             if before_commit is not None:
                 before_commit()
         return entry
+
+    # ---- warm pools ----------------------------------------------------------------------------------
+
+    async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None:
+        """Create, resize or (size 0) remove a pool."""
+        async with self.session.begin() as s:
+            row = await s.get(Pool, (template, vcpu, memory_mb))
+            if size == 0:
+                if row is not None:
+                    await s.delete(row)
+            elif row is None:
+                s.add(Pool(template=template, vcpu=vcpu, memory_mb=memory_mb, size=size, updated_at=now))
+            else:
+                row.size, row.updated_at = size, now
+
+    async def list_pools(self) -> list[Pool]:
+        async with self.session() as s:
+            return list((await s.scalars(select(Pool).order_by(Pool.template, Pool.vcpu, Pool.memory_mb))).all())
 
     # ---- pauses --------------------------------------------------------------------------------------
 

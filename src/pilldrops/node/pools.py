@@ -1,0 +1,194 @@
+"""Warm pools on one node: per (template, vcpu, memory_mb), ``size`` ready sandboxes that a create of that
+shape claims instead of booting one (ARCHITECTURE.md, issue 5).
+
+- A member is a sandbox made exactly like a cold one (own overlay, cgroup, namespaces, machine-id and
+  hostname) that belongs to nobody yet: no deadline, no journal entry, never billed (billing starts at
+  the claim). A restarted agent reaps unclaimed members like any unrecorded container, then refills.
+- A claim hands a member to exactly one sandbox and it never returns to the pool: when that sandbox ends
+  its container is destroyed like any other, so nothing of one tenant reaches another.
+- Refill keeps ``ready + starting == size`` with at most ``concurrency`` creates in flight across all
+  pools (a burst of claims never becomes a burst of boots that starves cold creates), oldest deficit
+  first. After ``BREAKER_FAILURES`` consecutive failed refills a pool's breaker opens: no refills for a
+  back-off that doubles from 2 s up to 5 minutes, then one trial create (half-open) that closes it again
+  on success.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from pilldrops.node.runtime.base import Handle, Runtime, SandboxSpec
+from pilldrops.schema.node import NodePoolSpec, NodePoolStatus
+
+log = logging.getLogger("pilldrops.node.pools")
+Key = tuple[str, float, int]
+BREAKER_FAILURES = 5
+BACKOFF_MIN_S = 2.0
+BACKOFF_MAX_S = 300.0
+TICK_S = 1.0
+
+
+def key_of(template: str, vcpu: float, memory_mb: int) -> Key:
+    return (template, round(float(vcpu), 3), int(memory_mb))
+
+
+@dataclass
+class Pool:
+    spec: NodePoolSpec
+    ready: deque[Handle] = field(default_factory=deque)
+    starting: int = 0
+    hits: int = 0
+    misses: int = 0
+    failures: int = 0
+    open_until: float = 0.0            # breaker open until then (monotonic); 0 = closed
+    backoff: float = BACKOFF_MIN_S
+    last_error: str | None = None
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.failures >= BREAKER_FAILURES
+
+    def status(self) -> NodePoolStatus:
+        return NodePoolStatus(**self.spec.model_dump(), ready=len(self.ready), starting=self.starting,
+                              hits=self.hits, misses=self.misses, failures=self.failures,
+                              breaker_open=self.breaker_open, last_error=self.last_error)
+
+
+class WarmPools:
+    """Owned by the node agent. ``make_spec(pool_spec, member_id)`` builds a member's runtime spec (or
+    raises when the template is not built here); ``has_template(name)`` filters the fleet-wide config."""
+
+    def __init__(self, runtime: Runtime, make_spec: Callable[[NodePoolSpec, str], SandboxSpec],
+                 has_template: Callable[[str], bool], *, concurrency: int = 2) -> None:
+        self.runtime = runtime
+        self.make_spec = make_spec
+        self.has_template = has_template
+        self.concurrency = max(1, concurrency)
+        self.pools: dict[Key, Pool] = {}
+        self.in_flight = 0
+        self._wake = anyio.Event()
+        self._closing = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ---- configuration and claims --------------------------------------------------------------------
+
+    def configure(self, specs: list[NodePoolSpec]) -> None:
+        """Apply the fleet's pool config (from the control plane). Removed or shrunk pools give their
+        surplus members back (destroyed by the refill loop); counters of kept pools carry on."""
+        wanted = {key_of(s.template, s.vcpu, s.memory_mb): s for s in specs if s.size > 0}
+        for key, spec in wanted.items():
+            pool = self.pools.get(key)
+            if pool is None:
+                self.pools[key] = Pool(spec)
+            elif pool.spec.size != spec.size:
+                pool.spec = spec
+        for key, pool in self.pools.items():
+            if key not in wanted:
+                pool.spec = pool.spec.model_copy(update={"size": 0})
+        self.wake()
+
+    def claim(self, template: str, vcpu: float, memory_mb: int) -> Handle | None:
+        """A ready member of this shape, now the caller's (never handed out twice), or None (a miss)."""
+        pool = self.pools.get(key_of(template, vcpu, memory_mb))
+        if pool is None or pool.spec.size == 0:
+            return None
+        self.wake()
+        if pool.ready:
+            pool.hits += 1
+            return pool.ready.popleft()
+        pool.misses += 1
+        return None
+
+    def statuses(self) -> list[NodePoolStatus]:
+        return [p.status() for p in self.pools.values() if p.spec.size > 0 and self.has_template(p.spec.template)]
+
+    def reserved(self) -> tuple[float, int]:
+        """(vCPU, MiB) the pools hold: their target size, whatever is ready right now."""
+        pools = [p for p in self.pools.values() if self.has_template(p.spec.template)]
+        return (sum(p.spec.size * p.spec.vcpu for p in pools), sum(p.spec.size * p.spec.memory_mb for p in pools))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- refill loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            while True:
+                await self._reconcile(tg)
+                with anyio.move_on_after(TICK_S):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+
+    async def _reconcile(self, tg: anyio.abc.TaskGroup) -> None:
+        for key, pool in list(self.pools.items()):
+            while len(pool.ready) > pool.spec.size:            # shrunk or removed: destroy the surplus
+                await self._destroy(pool.ready.pop())
+            if pool.spec.size == 0 and pool.starting == 0:
+                del self.pools[key]
+        now = time.monotonic()
+        for pool in sorted(self.pools.values(), key=lambda p: len(p.ready) + p.starting - p.spec.size):
+            if not self.has_template(pool.spec.template):
+                continue
+            deficit = pool.spec.size - len(pool.ready) - pool.starting
+            if pool.breaker_open:
+                if now < pool.open_until or pool.starting:
+                    continue
+                deficit = min(deficit, 1)                      # half-open: one trial
+            while deficit > 0 and self.in_flight < self.concurrency and not self._closing:
+                pool.starting += 1
+                self.in_flight += 1
+                deficit -= 1
+                tg.start_soon(self._refill_one, pool)
+
+    async def _refill_one(self, pool: Pool) -> None:
+        member_id = f"pd-{uuid.uuid4().hex[:16]}"
+        handle: Handle | None = None
+        try:
+            handle = await self.runtime.create(self.make_spec(pool.spec, member_id))
+        except Exception as exc:  # noqa: BLE001 - any failure counts towards the breaker
+            pool.failures += 1
+            pool.last_error = str(exc)[:500]
+            if pool.breaker_open:
+                pool.open_until = time.monotonic() + pool.backoff
+                log.warning("warm pool %s/%g/%d: %d failed refills, pausing refills for %.0f s: %s",
+                            pool.spec.template, pool.spec.vcpu, pool.spec.memory_mb, pool.failures,
+                            pool.backoff, exc)
+                pool.backoff = min(pool.backoff * 2, BACKOFF_MAX_S)
+        else:
+            pool.failures, pool.backoff, pool.last_error = 0, BACKOFF_MIN_S, None
+        finally:
+            pool.starting -= 1
+            self.in_flight -= 1
+            self.wake()
+        if handle is not None:
+            current = self.pools.get(key_of(pool.spec.template, pool.spec.vcpu, pool.spec.memory_mb))
+            if current is pool and len(pool.ready) < pool.spec.size and not self._closing:
+                pool.ready.append(handle)
+            else:
+                await self._destroy(handle)
+
+    async def _destroy(self, handle: Handle) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.runtime.destroy(handle)
+            except Exception:  # noqa: BLE001 - a restarted agent reaps it as unrecorded
+                log.exception("destroying pool member %s failed", handle.id)
+
+    async def close(self) -> None:
+        """Destroy every ready member (agent shutdown); refills in flight destroy theirs when they finish."""
+        self._closing = True
+        for pool in self.pools.values():
+            while pool.ready:
+                await self._destroy(pool.ready.pop())
+        with anyio.move_on_after(30):
+            while self.in_flight:
+                await anyio.sleep(0.02)

@@ -1,0 +1,152 @@
+"""Warm pools through the control plane and the node agent on the FakeRuntime: claims, misses, refill
+with bounded concurrency, the circuit breaker, reserved capacity, billing from the claim, resizing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from pilldrops.node import pools as pools_mod
+from tests.stack import Stack, stack
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _until(pred: Any, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(0.02)
+
+
+def _pool(s: Stack, template: str = "tiny", vcpu: float = 1, memory_mb: int = 256) -> pools_mod.Pool:
+    return s.agent.pools.pools[pools_mod.key_of(template, vcpu, memory_mb)]
+
+
+async def _set(c: httpx.AsyncClient, size: int, **kw: Any) -> dict[str, Any]:
+    r = await c.put("/v1/pools", json={"template": "tiny", "vcpu": 1, "memory_mb": 256, "size": size, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        await _set(c, 3)
+        await _until(lambda: len(_pool(s).ready) == 3)
+        members = {h.id for h in _pool(s).ready}
+        await anyio.sleep(0.5)                        # pool time is never billed
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
+        assert sb["state"] == "running"
+        live = s.agent.live[sb["id"]]
+        assert live.target.handle.id in members and s.agent.stats.claimed == 1
+        info = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert info["vcpu_s"] < 0.4
+        r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo hi"})
+        assert '"exit_code":0' in r.text.replace(" ", "")
+        await _until(lambda: len(_pool(s).ready) == 3)          # refilled with a new member
+        assert live.target.handle.id not in {h.id for h in _pool(s).ready}
+        # a claimed member is never handed out again, even after its sandbox ended
+        await c.delete(f"/v1/sandboxes/{sb['id']}")
+        assert live.target.handle.id not in {h.id for h in _pool(s).ready}
+        assert live.target.handle.id not in await s.runtime.list_ids()
+        listed = (await c.get("/v1/pools")).json()["items"]
+        await _until(lambda: True)
+        assert listed[0]["template"] == "tiny" and listed[0]["size"] == 3
+
+
+async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        s.runtime.create_delay = 0.3
+        await _set(c, 1)
+        await _until(lambda: len(_pool(s).ready) == 1)
+        codes: list[int] = []
+
+        async def create() -> None:
+            r = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})
+            codes.append(r.status_code)
+
+        async with anyio.create_task_group() as tg:      # at once: one claims, two boot cold
+            for _ in range(3):
+                tg.start_soon(create)
+        assert codes == [201] * 3
+        other = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})
+        assert other.status_code == 201                           # another shape: not pooled, not a miss
+        pool = _pool(s)
+        assert (pool.hits, pool.misses) == (1, 2) and s.agent.stats.claimed == 1
+        await s.agent._heartbeat()
+        info = (await c.get("/v1/pools")).json()["items"][0]
+        assert info["hits"] == 1 and info["misses"] == 2 and info["hit_rate"] == pytest.approx(1 / 3, abs=1e-3)
+
+
+async def test_refill_concurrency_is_bounded(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        s.runtime.create_delay = 0.05
+        await _set(c, 12)
+        await _until(lambda: len(_pool(s).ready) == 12)
+        assert s.runtime.max_concurrent_creates <= s.agent.settings.pool_concurrency
+        assert s.runtime.create_calls == 12                      # no runaway: exactly the deficit
+        await _set(c, 4)                                         # shrink: the surplus is destroyed
+        await _until(lambda: len(_pool(s).ready) == 4 and len(s.runtime._boxes) == 4)
+        await _set(c, 0)                                         # remove
+        await _until(lambda: not s.agent.pools.pools and not s.runtime._boxes)
+
+
+async def test_circuit_breaker_stops_refills_after_repeated_failures(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(pools_mod, "BACKOFF_MIN_S", 0.5)
+    async with stack(tmp_path) as s, s.client() as c:
+        s.runtime.fail_create = True
+        await _set(c, 4)
+        await _until(lambda: _pool(s).breaker_open)
+        calls = s.runtime.create_calls
+        assert pools_mod.BREAKER_FAILURES <= calls <= pools_mod.BREAKER_FAILURES + 1
+        await anyio.sleep(0.3)                                   # open: no refills at all
+        assert s.runtime.create_calls == calls
+        assert "fail_create" in (_pool(s).last_error or "")
+        await s.agent._heartbeat()
+        assert (await c.get("/v1/pools")).json()["items"][0]["breaker_open"] is True
+        s.runtime.fail_create = False                            # half-open trial succeeds: closed again
+        await _until(lambda: len(_pool(s).ready) == 4)
+        assert not _pool(s).breaker_open and _pool(s).failures == 0
+
+
+async def test_pool_members_are_reserved_capacity(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path, capacity_vcpu=4, capacity_memory_mb=4096) as s, s.client() as c:
+        await _set(c, 2)                                          # 2 x 1 vCPU reserved of 4
+        r = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 3, "memory_mb": 256})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "capacity_unavailable"
+        assert (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})).status_code == 201
+
+
+async def test_pools_need_admin_and_a_known_template(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        r = await c.put("/v1/pools", json={"template": "nope", "size": 1})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "template_not_found"
+        assert (await c.put("/v1/pools", json={"template": "tiny", "size": -1})).status_code == 400
+        other = await s.new_team_key("other")
+        async with s.client(key=other) as c2:
+            r = await c2.put("/v1/pools", json={"template": "tiny", "size": 1})
+            assert r.status_code == 403
+            assert (await c2.get("/v1/pools")).status_code == 200
+
+
+async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        await _set(c, 2)
+        await _until(lambda: len(_pool(s).ready) == 2)
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
+        member = s.agent.live[sb["id"]].target.handle.id
+        await _until(lambda: len(_pool(s).ready) == 2)
+        unclaimed = {h.id for h in _pool(s).ready}
+        # a new agent on the same state dir and runtime: adopts the claimed one, reaps the unclaimed ones
+        from pilldrops.node.agent import NodeAgent
+        again = NodeAgent(s.agent.settings, s.runtime, s.agent.templates, tmp_path / "node")
+        await again._recover()
+        assert sb["id"] in again.live and again.live[sb["id"]].target.handle.id == member
+        assert not unclaimed & set(await s.runtime.list_ids())
