@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import PID, Phase, Up, check_leaks, machine, pct, run_phase
+from _harness import PID, Phase, Up, check_leaks, machine, pct, profiled, run_phase
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -156,8 +156,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=16, help="untimed rollouts of each kind first")
     ap.add_argument("--host-python", default="/usr/bin/python3" if Path("/usr/bin/python3").exists()
                     else sys.executable)
+    ap.add_argument("--profile", type=Path, help="py-spy record the `up` process during the PillDrops phase "
+                    "into this dir (raw format; `bench/live.py --profile` prints summaries)")
     ap.add_argument("--json", type=Path, help="write raw numbers here")
     a = ap.parse_args()
+    if a.profile:
+        a.profile.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         sys.exit("bench/fanout.py needs root (crun, mounts, cgroups)")
     tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
@@ -183,8 +187,9 @@ def main() -> int:
                                          lambda p: host_rollout(p, a.host_python, scratch), a.threads,
                                          up.proc.pid, st)
             res["host_steps"], w1 = check(res["host"], out, policies)
-            res["pd"], out = run_phase("PillDrops", policies, lambda p: sandbox_rollout(p, a, up), a.threads,
-                                       up.proc.pid, st)
+            with profiled(up.proc.pid, a.profile / "fanout.txt" if a.profile else None):
+                res["pd"], out = run_phase("PillDrops", policies, lambda p: sandbox_rollout(p, a, up), a.threads,
+                                           up.proc.pid, st)
             res["pd_steps"], w2 = check(res["pd"], out, policies)
             res["wrong"] = w1 + w2
     except KeyboardInterrupt:
