@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TIMEOUT_S = 86_400
 DEFAULT_TIMEOUT_S = 300
+MAX_BATCH = 1000
 DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
 
 
@@ -97,6 +98,20 @@ class CreateSandboxRequest(_Request):
         return _check_string_map(_check_env(v), "envs", max_items=1024)
 
 
+class BatchCreateRequest(CreateSandboxRequest):
+    """``count`` sandboxes of one spec. They queue on the server under admission control (and wait up to
+    ``capacity_wait`` seconds for room) instead of failing fast; each succeeds or fails on its own."""
+
+    count: int = Field(..., ge=1, le=MAX_BATCH)
+    capacity_wait: float = Field(60.0, ge=0, le=600, description="seconds each item may wait for capacity")
+
+
+class ErrorInfo(_Response):
+    code: str
+    message: str
+    details: Any = None
+
+
 class SandboxInfo(_Response):
     id: str
     template: str
@@ -126,6 +141,18 @@ class SandboxInfo(_Response):
     # Only returned by create and connect (never in listings).
     envd_url: str | None = None
     access_token: str | None = Field(default=None, repr=False)  # a secret: never in repr()/str()
+
+
+class BatchItem(_Response):
+    index: int
+    sandbox: SandboxInfo | None = None     # with its access token, like a single create
+    error: ErrorInfo | None = None
+
+
+class BatchCreateResponse(_Response):
+    items: list[BatchItem]
+    created: int
+    failed: int
 
 
 class SandboxList(_Response):

@@ -361,6 +361,16 @@ class RetryPolicy:
         return delay
 
 
+# ---------------------------------------------------------------------------------------------- batch
+
+BATCH_CHUNK = 100     # items per POST /v1/sandboxes/batch
+
+
+def batch_timeout(config: Any, count: int, capacity_wait: float) -> httpx.Timeout:
+    """A batch answers once every item is made or failed: allow the waiting plus ~0.5 s per item."""
+    return httpx.Timeout(config.request_timeout + capacity_wait + 0.5 * count, connect=10.0)
+
+
 # ---------------------------------------------------------------------------------------------- run
 
 

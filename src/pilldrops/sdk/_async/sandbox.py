@@ -14,10 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pilldrops.errors import PillDropsError, SandboxNotFound
+from pilldrops.errors import PillDropsError, SandboxNotFound, from_wire
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
+    BatchCreateRequest,
+    BatchCreateResponse,
     CreateSandboxRequest,
     HistoryPage,
     HistoryRecord,
@@ -31,12 +33,14 @@ from pilldrops.schema.api import (
 from pilldrops.sdk._async.client import AsyncAPIClient
 from pilldrops.sdk._async.files import AsyncFiles
 from pilldrops.sdk._base import (
+    BATCH_CHUNK,
     AsyncBlocking,
     AsyncCleanup,
     RunDecoder,
     RunResult,
     Target,
     aiter_file,
+    batch_timeout,
     build_model,
     check_capacity_wait,
     check_limit,
@@ -141,6 +145,50 @@ class AsyncSandbox:
                                     headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
                                     capacity_wait=capacity_wait)
         return cls(parse_model(SandboxInfo, resp), client=client)
+
+    @classmethod
+    async def create_many(cls, count: int, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
+                          timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
+                          envs: dict[str, str] | None = None, capacity_wait: float = 60.0,
+                          return_exceptions: bool = False, api_key: str | None = None, api_url: str | None = None,
+                          request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+                          transport: Any = None) -> builtins.list[Any]:
+        """Create ``count`` sandboxes of one spec with ``POST /v1/sandboxes/batch`` (chunks of up to
+        ``BATCH_CHUNK``), in order. They queue on the server under admission control, each waiting up to
+        ``capacity_wait`` seconds for room, and each succeeds or fails on its own.
+
+        With ``return_exceptions=False`` (default) the result is all sandboxes, or, if any item failed,
+        the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
+        failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
+        in the list, and the sandboxes that were made are yours to kill.
+        """
+        capacity_wait = check_capacity_wait(capacity_wait)
+        body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
+                           timeout=timeout, metadata=metadata or {}, envs=envs or {},
+                           capacity_wait=min(capacity_wait, 600.0))
+        client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
+                                             transport=transport)
+        out: builtins.list[Any] = []
+        for start in range(0, count, BATCH_CHUNK):
+            n = min(BATCH_CHUNK, count - start)
+            resp = await client.request(
+                "POST", "/v1/sandboxes/batch", json={**body.model_dump(mode="json"), "count": n},
+                headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
+                timeout=batch_timeout(client.config, n, capacity_wait))
+            for item in parse_model(BatchCreateResponse, resp).items:
+                out.append(cls(item.sandbox, client=client) if item.sandbox is not None else
+                           from_wire(0, {"error": item.error.model_dump() if item.error else {}}))
+        failed = {i: e for i, e in enumerate(out) if isinstance(e, PillDropsError)}
+        if failed and not return_exceptions:
+            for sb in out:
+                if not isinstance(sb, PillDropsError):
+                    await sb._kill_on_exit(PillDropsError)   # logged, never raised
+            first = next(iter(failed.values()))
+            first.details = {"errors": {i: f"{e.code}: {e.message}" for i, e in failed.items()},
+                             "first": first.details}
+            first.message = f"{len(failed)} of {count} creates failed; first: {first.message}"
+            raise first
+        return out
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, api_key: str | None = None, api_url: str | None = None,

@@ -16,7 +16,7 @@ from pilldrops import errors
 from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops.schema.api import (
-    CreateSandboxRequest, HistoryPage, KeyCreated, KeyCreateRequest, KeyInfo, NodeInfo, NodeList, PoolInfo, PoolList,
+    BatchCreateRequest, BatchCreateResponse, CreateSandboxRequest, HistoryPage, KeyCreated, KeyCreateRequest, KeyInfo, NodeInfo, NodeList, PoolInfo, PoolList,
     PoolSetRequest, Rates, SandboxInfo, SandboxList, SandboxState, SetTimeoutRequest, TemplateList, UsageSummary,
     WhoAmI,
 )
@@ -104,6 +104,12 @@ def create_app(services: Services) -> FastAPI:
         if not created:
             response.status_code = 200
         return await sbx.info(row, with_token=True)
+
+    @api.post("/sandboxes/batch", response_model=BatchCreateResponse)
+    async def create_batch(body: BatchCreateRequest, p: Caller,
+                           idempotency_key: Annotated[str | None, Header(max_length=200)] = None
+                           ) -> BatchCreateResponse:
+        return await sbx.create_batch(p.team_id, body, idempotency_key)
 
     @api.get("/sandboxes", response_model=SandboxList)
     async def list_sandboxes(request: Request, p: Caller, state: Annotated[list[str] | None, Query()] = None,

@@ -20,7 +20,10 @@ import anyio
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
 from pilldrops._internal.ids import new_id
-from pilldrops.schema.api import CreateSandboxRequest, EndReason, SandboxInfo, SandboxList, SandboxState
+from pilldrops.schema.api import (
+    BatchCreateRequest, BatchCreateResponse, BatchItem, CreateSandboxRequest, EndReason, ErrorInfo, SandboxInfo,
+    SandboxList, SandboxState,
+)
 from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
@@ -32,9 +35,14 @@ from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
 S = SandboxState
 log = logging.getLogger("pilldrops.sandboxes")
+ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
 IN_FLIGHT = (S.pausing.value, S.resuming.value)     # a request is moving these; reconciliation leaves them
 _REPLAY_WAIT_S = 60.0
 NODE_READY_WINDOW = timedelta(seconds=30)
+
+
+def _error_info(exc: errors.PillDropsError) -> ErrorInfo:
+    return ErrorInfo(code=exc.code, message=exc.message, details=exc.details)
 
 
 def _from(target: SandboxState) -> list[str]:
@@ -51,6 +59,7 @@ class SandboxService:
         self.billing = billing
         self.pools = pools
         self._place_lock = anyio.Lock()
+        self._admission = anyio.Semaphore(ADMISSION)
 
     # ---- views ---------------------------------------------------------------------------------------
 
@@ -109,7 +118,8 @@ class SandboxService:
             return await self._replay(existing, req_hash), False
         spec = self._node_spec(row, float(req.timeout))
         try:
-            status = await self.nodes.create(node.url, spec)
+            async with self._admission:    # bursts queue here (in order) instead of piling onto the nodes
+                status = await self.nodes.create(node.url, spec)
         except BaseException as exc:
             # the key is released so that a retry makes a fresh attempt instead of replaying a failure; if the
             # node did create it after all, its next heartbeat reports it running and it is stopped there
@@ -130,6 +140,40 @@ class SandboxService:
                 except errors.PillDropsError as exc:
                     log.warning("could not stop %s, killed while starting: %s", row.id, exc)
         return (updated or await self.get_row(team_id, row.id)), True
+
+    async def create_batch(self, team_id: str, req: BatchCreateRequest,
+                           idempotency_key: str | None = None) -> BatchCreateResponse:
+        """``count`` creates of one spec, each on its own: a full fleet makes an item wait (up to
+        ``capacity_wait``) rather than fail, other errors fail only that item. Item ``i`` uses the
+        idempotency key ``<key>:<i>``, so a retried batch replays the same sandboxes."""
+        single = CreateSandboxRequest(**req.model_dump(exclude={"count", "capacity_wait"}))
+        items: list[BatchItem] = [BatchItem(index=i) for i in range(req.count)]
+        await self.billing.check_can_create(team_id)       # a team without credits: one clear 402
+
+        async def one(i: int) -> None:
+            key = f"{idempotency_key}:{i}" if idempotency_key else None
+            waited, delay = 0.0, 0.05
+            while True:
+                try:
+                    row, _ = await self.create(team_id, single, key)
+                    items[i] = BatchItem(index=i, sandbox=await self.info(row, with_token=True))
+                    return
+                except errors.CapacityUnavailable as exc:
+                    if waited >= req.capacity_wait:
+                        items[i] = BatchItem(index=i, error=_error_info(exc))
+                        return
+                    await anyio.sleep(delay)
+                    waited += delay
+                    delay = min(delay * 2, 2.0)
+                except errors.PillDropsError as exc:
+                    items[i] = BatchItem(index=i, error=_error_info(exc))
+                    return
+
+        async with anyio.create_task_group() as tg:
+            for i in range(req.count):
+                tg.start_soon(one, i)
+        created = sum(1 for it in items if it.sandbox is not None)
+        return BatchCreateResponse(items=items, created=created, failed=req.count - created)
 
     def _node_spec(self, row: Sandbox, timeout_s: float) -> NodeSandboxSpec:
         return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,

@@ -1,0 +1,167 @@
+"""``pilldrops.map`` / ``pilldrops.amap``: one fresh sandbox per item, fanned out, with a progress bar and
+per-item errors.
+
+    import pilldrops
+
+    def rollout(sb, seed):
+        sb.upload("./env", "/env")
+        return float(sb.run(f"python /env/episode.py --seed {seed}", check=True).stdout)
+
+    rewards = pilldrops.map(rollout, range(1000), template="code-interpreter", concurrency=64)
+    print(rewards.ok, "ok,", rewards.failed, "failed;", sum(rewards.values()) / rewards.ok)
+
+Each item gets its own sandbox, created for it and killed after it whatever happens (a claimed warm-pool
+member when a pool of that shape exists). Creates queue on the server under admission control and wait
+for capacity (``capacity_wait``) instead of failing. A failing item never stops the others.
+
+The blocking ``map`` uses threads and the async ``amap`` tasks: two concurrency models, so each is
+written once here (not generated from the other).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+from pilldrops.schema.api import DEFAULT_TIMEOUT_S
+from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._sync.sandbox import Sandbox
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class MapResult(list, Generic[R]):  # type: ignore[type-arg]
+    """Results in item order. A failed item's slot holds its exception (also in :attr:`errors`)."""
+
+    def __init__(self, results: list[Any], errors: dict[int, BaseException], elapsed: float) -> None:
+        super().__init__(results)
+        self.errors = errors
+        self.elapsed = elapsed
+
+    @property
+    def ok(self) -> int:
+        return len(self) - len(self.errors)
+
+    @property
+    def failed(self) -> int:
+        return len(self.errors)
+
+    def values(self) -> list[R]:
+        """The results of the items that succeeded, in order."""
+        return [r for i, r in enumerate(self) if i not in self.errors]
+
+    def raise_for_errors(self) -> MapResult[R]:
+        """Raise the first item's error (with every failed index in its notes) if any item failed."""
+        if self.errors:
+            i, first = next(iter(sorted(self.errors.items())))
+            first.add_note(f"pilldrops.map: {self.failed} of {len(self)} items failed (indices "
+                           f"{sorted(self.errors)[:20]}{'...' if self.failed > 20 else ''}); this is item {i}")
+            raise first
+        return self
+
+
+class _Progress:
+    """A rich progress bar on stderr (done / failed / rate), or nothing."""
+
+    def __init__(self, total: int, enabled: bool | None, label: str) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.failed = 0
+        self._lock = threading.Lock()
+        self._bar: Any = None
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+            )
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[failed]} failed"), TextColumn("{task.fields[rate]}/s"),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
+            self._task = self._bar.add_task(label, total=total, failed=0, rate="-")
+            self._t0 = time.monotonic()
+
+    def __enter__(self) -> _Progress:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def advance(self, failed: bool) -> None:
+        with self._lock:
+            self.failed += failed
+            if self._bar is not None:
+                done = self._bar.tasks[0].completed + 1
+                rate = done / max(time.monotonic() - self._t0, 1e-9)
+                self._bar.update(self._task, advance=1, failed=self.failed, rate=f"{rate:.1f}")
+
+
+def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "base",  # noqa: A001
+        vcpu: float = 1, memory_mb: int = 512, timeout: int = DEFAULT_TIMEOUT_S, concurrency: int = 64,
+        envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+        capacity_wait: float = 600.0, progress: bool | None = None, api_key: str | None = None,
+        api_url: str | None = None) -> MapResult[R]:
+    """Call ``fn(sandbox, item)`` for every item, each in a fresh sandbox, ``concurrency`` at a time
+    (threads). Returns a :class:`MapResult` in item order; ``progress`` shows a bar on stderr (default:
+    when stderr is a terminal). ``capacity_wait`` is how long a create may wait for room in the fleet."""
+    work = list(items)
+    results: list[Any] = [None] * len(work)
+    errors: dict[int, BaseException] = {}
+    opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
+                metadata=metadata, capacity_wait=capacity_wait, api_key=api_key, api_url=api_url)
+    t0 = time.monotonic()
+
+    def one(i: int, bar: _Progress) -> None:
+        try:
+            with Sandbox.create(**opts) as sb:  # type: ignore[arg-type]
+                results[i] = fn(sb, work[i])
+        except Exception as exc:  # noqa: BLE001 - per-item errors are data
+            results[i] = errors[i] = exc
+        bar.advance(i in errors)
+
+    with _Progress(len(work), progress, f"{template} x{len(work)}") as bar, \
+            ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(work) or 1))) as pool:
+        for f in [pool.submit(one, i, bar) for i in range(len(work))]:
+            f.result()
+    return MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+
+
+async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T], *, template: str = "base",
+               vcpu: float = 1, memory_mb: int = 512, timeout: int = DEFAULT_TIMEOUT_S, concurrency: int = 64,
+               envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+               capacity_wait: float = 600.0, progress: bool | None = None, api_key: str | None = None,
+               api_url: str | None = None) -> MapResult[R]:
+    """The asyncio twin of :func:`map`: ``await fn(sandbox, item)`` per item, ``concurrency`` tasks."""
+    work = list(items)
+    results: list[Any] = [None] * len(work)
+    errors: dict[int, BaseException] = {}
+    opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
+                metadata=metadata, capacity_wait=capacity_wait, api_key=api_key, api_url=api_url)
+    limit = anyio.Semaphore(max(1, concurrency))
+    t0 = time.monotonic()
+
+    async def one(i: int, bar: _Progress) -> None:
+        async with limit:
+            try:
+                async with await AsyncSandbox.create(**opts) as sb:  # type: ignore[arg-type]
+                    results[i] = await fn(sb, work[i])
+            except Exception as exc:  # noqa: BLE001 - per-item errors are data
+                results[i] = errors[i] = exc
+            bar.advance(i in errors)
+
+    with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(work)):
+                tg.start_soon(one, i, bar)
+    return MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+
+
+__all__ = ["MapResult", "amap", "map"]
