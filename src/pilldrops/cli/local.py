@@ -36,6 +36,9 @@ def _control_plane_options(f: Any) -> Any:
         click.option("--rate-gb-s", type=float, default=0.0000045, show_default=True, help="USD per GB-second"),
         click.option("--rate-storage-gb-month", type=float, default=0.15, show_default=True,
                      help="USD per GB-month of paused storage"),
+        click.option("--usage-commit-interval", type=float, default=30.0, show_default=True,
+                     help="seconds of new running time after which a running sandbox's usage is committed to "
+                          "the ledger (ends and pauses are committed at once; views accrue in between)"),
         click.option("--heartbeat-interval", type=float, default=5.0, show_default=True,
                      help="seconds between node heartbeats (which carry usage reports)"),
         click.option("--unreachable-after", type=float, default=None,
@@ -62,7 +65,7 @@ def _billing(kw: dict[str, Any]) -> Any:
         rates=Rates(vcpu_s_usd=kw.pop("rate_vcpu_s"), gb_s_usd=kw.pop("rate_gb_s"),
                     storage_gb_month_usd=kw.pop("rate_storage_gb_month")),
         credits_enabled=not kw.pop("unlimited_credits"), initial_credits=kw.pop("initial_credits"),
-        grace_s=kw.pop("credits_grace"))
+        grace_s=kw.pop("credits_grace"), commit_every_s=kw.pop("usage_commit_interval"))
 
 
 def _templates_dir_option(f: Any) -> Any:

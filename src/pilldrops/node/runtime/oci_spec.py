@@ -9,6 +9,8 @@ profile denying the kernel-admin / namespace / introspection syscalls, the maske
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +90,9 @@ def personality_allowed(x: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
 def seccomp_profile() -> dict[str, Any]:
+    """The profile (built once per process and shared: callers must not mutate it)."""
     syscalls: list[dict[str, Any]] = [
         {"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},

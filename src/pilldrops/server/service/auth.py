@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ from pilldrops.server.store.models import ApiKey, Team
 from pilldrops.server.store.sql import Store
 
 _TOUCH_EVERY = timedelta(seconds=60)
+KEY_CACHE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -37,17 +39,28 @@ class AuthService:
         self.store = store
         self.clock = clock
         self.initial_credits = initial_credits
+        # key lookups, cached briefly (one query less per request); a revocation through this process
+        # clears it, one through another control plane takes effect within KEY_CACHE_S
+        self._keys: dict[str, tuple[float, ApiKey]] = {}
 
     async def authenticate(self, secret: str | None) -> Principal:
         if not secret:
             raise errors.AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>' (see `pilldrops up` or PILLDROPS_API_KEY)")
-        key = await self.store.key_by_hash(keyrules.hash_key(secret))
+        digest = keyrules.hash_key(secret)
+        cached = self._keys.get(digest)
+        if cached is not None and time.monotonic() - cached[0] < KEY_CACHE_S:
+            key = cached[1]
+        else:
+            key = await self.store.key_by_hash(digest)
+            if key is not None:
+                self._keys[digest] = (time.monotonic(), key)
         if key is None or key.revoked_at is not None:
             raise errors.AuthenticationError("invalid or revoked API key")
         now = self.clock.now()
         if key.last_used_at is None or now - key.last_used_at > _TOUCH_EVERY:
             await self.store.touch_key(key.id, now)
+            key.last_used_at = now
         return Principal(team_id=key.team_id, key_id=key.id, admin=key.admin)
 
     async def create_team(self, name: str, credits_usd: float | None = None) -> Team:
@@ -65,6 +78,7 @@ class AuthService:
 
     async def revoke_key(self, team_id: str, key_id: str) -> KeyInfo:
         k = await self.store.revoke_key(team_id, key_id, self.clock.now())
+        self._keys.clear()
         if k is None:
             raise errors.NotFound(f"no key {key_id!r}")
         return key_info(k)

@@ -39,6 +39,9 @@ class BillingSettings:
     initial_credits: float = 5.0
     grace_s: float = 60.0
     enforce_every_s: float = 1.0
+    # running sandboxes are billed at most this often from heartbeats (always at pause and end); their
+    # cost in views is accrued from the clock in between
+    commit_every_s: float = 30.0
 
 
 def _fault_hook() -> Callable[[], None] | None:
@@ -75,6 +78,17 @@ class BillingService:
         if st.run_s is None and row.billed_run_s == 0:
             return now
         return min(now, row.started_at + timedelta(seconds=run_s + (row.paused_s or 0.0)))
+
+    async def commit_running(self, reports: list[NodeSandboxStatus], rows: dict[str, Sandbox]) -> None:
+        """Usage of running sandboxes from one heartbeat, in one transaction; a sandbox is billed once
+        ``commit_every_s`` of new running time has accrued (its end and pauses are billed at once)."""
+        due = [(st.id, st.seq, st.run_s) for st in reports
+               if st.run_s is not None and st.seq is not None and st.id in rows
+               and st.seq > rows[st.id].billed_seq
+               and st.run_s - rows[st.id].billed_run_s >= self.settings.commit_every_s]
+        await self.store.commit_usage_many(due, now=self.clock.now(), rates=self.settings.rates,  # type: ignore[arg-type]
+                                           charge_credits=self.settings.credits_enabled,
+                                           before_commit=self._before_commit)
 
     async def commit(self, st: NodeSandboxStatus) -> None:
         if st.run_s is None or st.seq is None:

@@ -61,12 +61,9 @@ class NodeService:
 
     async def _absorb(self, node_id: str, statuses: list) -> None:  # type: ignore[type-arg]
         received = self.clock.now()
-        for st in statuses:
-            await self.sandboxes.apply_node_status(node_id, st)
-        await self.sandboxes.reconcile_node(node_id, {st.id for st in statuses}, received)
         node = await self.store.get_node(node_id)
         if node is not None:
-            await self.sandboxes.stop_orphans(node, statuses)
+            await self.sandboxes.absorb(node, statuses, received)
 
     async def templates(self) -> list[TemplateInfo]:
         merged: dict[str, TemplateInfo] = {}

@@ -394,9 +394,28 @@ class SandboxService:
                 log.warning("could not expire paused sandbox %s: %s", row.id, exc)
         return n
 
-    async def apply_node_status(self, node_id: str, st: NodeSandboxStatus) -> None:
+    async def absorb(self, node: Node, statuses: list[NodeSandboxStatus], received: datetime) -> None:
+        """A node's full report (register or heartbeat), in a few queries whatever the number of sandboxes:
+        steady running ones only have their usage committed (together, in one transaction); state changes
+        take the per-sandbox path; then missing ones are reconciled and orphans stopped."""
+        rows = await self.store.get_sandboxes(st.id for st in statuses)
+        steady: list[NodeSandboxStatus] = []
+        for st in statuses:
+            row = rows.get(st.id)
+            if row is not None and row.node_id == node.id and (
+                    (row.state == S.running.value and st.state == S.running)
+                    or (row.state in (S.paused.value, *IN_FLIGHT) and st.state == S.paused)):
+                if st.state == S.running:
+                    steady.append(st)
+                continue
+            await self.apply_node_status(node.id, st, row)
+        await self.billing.commit_running(steady, rows)
+        await self.reconcile_node(node.id, {st.id for st in statuses}, received)
+        await self.stop_orphans(node, statuses, rows)
+
+    async def apply_node_status(self, node_id: str, st: NodeSandboxStatus, row: Sandbox | None = None) -> None:
         """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
-        row = await self.store.get_sandbox(st.id)
+        row = row or await self.store.get_sandbox(st.id)
         if row is None or row.node_id != node_id or SandboxState(row.state) in (S.lost, S.failed, S.stopped):
             return                           # ended rows stay as recorded; see stop_orphans
         if row.state == S.starting.value and st.state == S.running:
@@ -424,12 +443,18 @@ class SandboxService:
                                            state=S.lost.value, end_reason=EndReason.node_lost.value,
                                            ended_at=ended_at, error="the node stopped heartbeating")
 
-    async def stop_orphans(self, node: Node, statuses: list[NodeSandboxStatus]) -> None:
+    async def stop_orphans(self, node: Node, statuses: list[NodeSandboxStatus],
+                           rows: dict[str, Sandbox] | None = None) -> None:
         """A node runs sandboxes whose record has ended (declared lost while the node was away; a create that
         failed or timed out on our side after the node made it; killed while starting): stop them there.
-        They were billed up to their recorded end and their owners were told they ended; nothing runs twice."""
+        They were billed up to their recorded end and their owners were told they ended; nothing runs twice.
+        ``rows``: the records as read for this report (re-read here for the few that look orphaned)."""
         for st in statuses:
             if st.state == S.paused:
+                row = (rows or {}).get(st.id)
+                if rows is not None and row is not None and row.node_id == node.id and row.state not in (
+                        S.stopped.value, S.failed.value, S.lost.value):
+                    continue
                 row = await self.store.get_sandbox(st.id)
                 if row is not None and row.state in IN_FLIGHT:
                     continue  # a resume elsewhere may still be copying this checkpoint: resume() drops it
@@ -441,7 +466,11 @@ class SandboxService:
                 continue
             if st.state != S.running:
                 continue
-            row = await self.store.get_sandbox(st.id)
+            row = (rows or {}).get(st.id)
+            if rows is not None and row is not None and not (row.node_id == node.id
+                                                             and SandboxState(row.state) in ENDED):
+                continue
+            row = await self.store.get_sandbox(st.id)     # fresh: it may have changed since the report
             if row is None or (row.node_id == node.id and SandboxState(row.state) in ENDED):
                 try:
                     await self.nodes.kill(node.url, st.id)

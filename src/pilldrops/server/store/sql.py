@@ -364,38 +364,68 @@ class Store:
         before the commit leaves nothing, and the node's resend (same or later cumulative value) bills it
         then; a resend after the commit finds ``seq <= billed_seq`` and adds nothing.
         """
+        entries = await self.commit_usage_many([(sandbox_id, seq, run_s)], now=now, rates=rates,
+                                               charge_credits=charge_credits, before_commit=before_commit)
+        return entries[0] if entries else None
+
+    async def commit_usage_many(self, reports: list[tuple[str, int, float]], *, now: datetime, rates: Rates,
+                                charge_credits: bool, before_commit: Callable[[], None] | None = None
+                                ) -> list[UsageEntry]:
+        """``commit_usage`` for many ``(sandbox_id, seq, run_s)`` reports (a node's heartbeat) in ONE
+        transaction: one locked read of the rows, the ledger rows, and one credit update per team."""
+        if not reports:
+            return []
+        entries: list[UsageEntry] = []
         async with self.session.begin() as s:
             await _write_lock(s)
-            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
-            if sb is None or sb.started_at is None or seq <= sb.billed_seq:
-                return None
-            wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
-            total, delta = billable(run_s, sb.billed_run_s, wall)
-            if delta <= 0:                 # nothing new to bill: remember the report, write no ledger row
+            ids = sorted({sid for sid, _, _ in reports})
+            rows = {r.id: r for r in (await s.scalars(
+                select(Sandbox).where(Sandbox.id.in_(ids)).order_by(Sandbox.id).with_for_update())).all()}
+            charges: dict[str, float] = {}
+            for sid, seq, run_s in reports:
+                sb = rows.get(sid)
+                if sb is None or sb.started_at is None or seq <= sb.billed_seq:
+                    continue
+                wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
+                total, delta = billable(run_s, sb.billed_run_s, wall)
+                if delta <= 0:             # nothing new to bill: remember the report, write no ledger row
+                    sb.billed_seq = seq
+                    continue
+                use = running_usage(sb.vcpu, sb.memory_mb, delta)
+                cost = use.cost(rates)
+                entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
+                                   memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
+                                   vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s,
+                                   cost_usd=cost, committed_at=now)
+                s.add(entry)
+                entries.append(entry)
+                sb.vcpu_s += use.vcpu_s
+                sb.gb_s += use.gb_s
+                sb.cost_usd += cost
+                sb.billed_run_s = total
                 sb.billed_seq = seq
-                return None
-            use = running_usage(sb.vcpu, sb.memory_mb, delta)
-            cost = use.cost(rates)
-            entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
-                               memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
-                               vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s, cost_usd=cost,
-                               committed_at=now)
-            s.add(entry)
-            sb.vcpu_s += use.vcpu_s
-            sb.gb_s += use.gb_s
-            sb.cost_usd += cost
-            sb.billed_run_s = total
-            sb.billed_seq = seq
-            if charge_credits and cost > 0:       # in SQL: never a read-modify-write of the balance
-                await s.execute(update(Team).where(Team.id == sb.team_id)
-                                .values(credits_usd=Team.credits_usd - cost))
-                await s.execute(update(Team).where(Team.id == sb.team_id, Team.credits_usd <= 0,
-                                                   Team.credits_exhausted_at.is_(None))
-                                .values(credits_exhausted_at=now))
+                charges[sb.team_id] = charges.get(sb.team_id, 0.0) + cost
+            for team_id, cost in sorted(charges.items()):
+                if charge_credits and cost > 0:      # in SQL: never a read-modify-write of the balance
+                    await s.execute(update(Team).where(Team.id == team_id)
+                                    .values(credits_usd=Team.credits_usd - cost))
+                    await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0,
+                                                       Team.credits_exhausted_at.is_(None))
+                                    .values(credits_exhausted_at=now))
             await s.flush()
-            if before_commit is not None:
+            if before_commit is not None and entries:
                 before_commit()
-        return entry
+        return entries
+
+    async def get_sandboxes(self, ids: Iterable[str]) -> dict[str, Sandbox]:
+        """Many sandboxes by id in a few queries (chunks of 500)."""
+        wanted = list(dict.fromkeys(ids))
+        out: dict[str, Sandbox] = {}
+        async with self.session() as s:
+            for i in range(0, len(wanted), 500):
+                for row in (await s.scalars(select(Sandbox).where(Sandbox.id.in_(wanted[i:i + 500])))).all():
+                    out[row.id] = row
+        return out
 
     # ---- warm pools ----------------------------------------------------------------------------------
 
