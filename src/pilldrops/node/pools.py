@@ -132,8 +132,8 @@ class WarmPools:
         for key, pool in list(self.pools.items()):
             while len(pool.ready) > pool.spec.size:            # shrunk or removed: destroy the surplus
                 await self._destroy(pool.ready.pop())
-            if pool.spec.size == 0 and pool.starting == 0:
-                del self.pools[key]
+            if pool.spec.size == 0 and pool.starting == 0 and not pool.ready:
+                self.pools.pop(key, None)
         now = time.monotonic()
         for pool in sorted(self.pools.values(), key=lambda p: len(p.ready) + p.starting - p.spec.size):
             if not self.has_template(pool.spec.template):
@@ -186,7 +186,7 @@ class WarmPools:
     async def close(self) -> None:
         """Destroy every ready member (agent shutdown); refills in flight destroy theirs when they finish."""
         self._closing = True
-        for pool in self.pools.values():
+        for pool in list(self.pools.values()):       # the refill loop may drop emptied pools meanwhile
             while pool.ready:
                 await self._destroy(pool.ready.pop())
         with anyio.move_on_after(30):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -25,10 +26,11 @@ from pilldrops.schema.api import EndReason, HistoryPage, HistoryRecord, PauseInt
 from pilldrops.schema.node import NodeSandboxStatus
 from pilldrops.server.domain.billing import Rates, running_usage, storage_usage
 from pilldrops.server.domain.states import LIVE
-from pilldrops.server.store.models import Sandbox, SandboxPause
+from pilldrops.server.store.models import Sandbox, SandboxPause, UsageEntry
 from pilldrops.server.store.sql import Store
 
 log = logging.getLogger("pilldrops.billing")
+CREDITS_CACHE_S = 1.0
 FAULT_ENV = "PILLDROPS_FAULT_CRASH_BEFORE_USAGE_COMMIT"   # test hook: os._exit on the N-th usage commit
 
 
@@ -66,6 +68,7 @@ class BillingService:
         self.clock = clock
         self.settings = settings or BillingSettings()
         self._before_commit = _fault_hook()
+        self._balances: dict[str, tuple[float, float]] = {}    # team -> (when read, balance)
 
     # ---- metering ------------------------------------------------------------------------------------
 
@@ -86,21 +89,30 @@ class BillingService:
                if st.run_s is not None and st.seq is not None and st.id in rows
                and st.seq > rows[st.id].billed_seq
                and st.run_s - rows[st.id].billed_run_s >= self.settings.commit_every_s]
-        await self.store.commit_usage_many(due, now=self.clock.now(), rates=self.settings.rates,  # type: ignore[arg-type]
+        entries = await self.store.commit_usage_many(due, now=self.clock.now(), rates=self.settings.rates,  # type: ignore[arg-type]
                                            charge_credits=self.settings.credits_enabled,
                                            before_commit=self._before_commit)
+        self._charged(entries)
+
+    def _charged(self, entries: list[UsageEntry]) -> None:
+        for e in entries:
+            seen = self._balances.get(e.team_id)
+            if seen is not None:
+                self._balances[e.team_id] = (seen[0], seen[1] - e.cost_usd)
 
     async def commit(self, st: NodeSandboxStatus) -> None:
         if st.run_s is None or st.seq is None:
             return
-        await self.store.commit_usage(st.id, st.seq, st.run_s, now=self.clock.now(), rates=self.settings.rates,
-                                      charge_credits=self.settings.credits_enabled,
-                                      before_commit=self._before_commit)
+        entry = await self.store.commit_usage(st.id, st.seq, st.run_s, now=self.clock.now(),
+                                              rates=self.settings.rates, charge_credits=self.settings.credits_enabled,
+                                              before_commit=self._before_commit)
+        self._charged([entry] if entry else [])
 
     async def close_pause(self, sandbox_id: str, *, from_states: list[str], until: datetime, resumed: bool,
                           **values: object) -> Sandbox | None:
         """End the sandbox's current paused interval (if any) at ``until``, billing its storage exactly once,
         and apply ``values`` in the same transaction (see ``Store.close_pause``)."""
+        self._balances.clear()        # storage charged: read balances afresh
         return await self.store.close_pause(sandbox_id, from_states=from_states, until=until,
                                             rates=self.settings.rates, charge_credits=self.settings.credits_enabled,
                                             resumed=resumed, **values)
@@ -110,7 +122,12 @@ class BillingService:
     async def check_can_create(self, team_id: str) -> None:
         if not self.settings.credits_enabled:
             return
+        seen = self._balances.get(team_id)
+        if seen is not None and time.monotonic() - seen[0] < CREDITS_CACHE_S and seen[1] > 0:
+            return       # a positive balance read just now, minus what this process charged since
         team = await self.store.get_team(team_id)
+        if team is not None:
+            self._balances[team_id] = (time.monotonic(), team.credits_usd)
         if team is not None and team.credits_usd <= 0:
             raise errors.InsufficientCredits(
                 f"your team has no credits left (balance ${team.credits_usd:.6f}); new sandboxes are refused "

@@ -47,6 +47,7 @@ class NodeService:
             name=req.name, url=req.url.rstrip("/"), capacity_vcpu=req.capacity_vcpu,
             capacity_memory_mb=req.capacity_memory_mb,
             templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now())
+        self.sandboxes.forget_node(node.id)          # its URL may have changed
         await self._absorb(node.id, req.sandboxes)
         return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval,
                               pools=await self.pools.specs() if self.pools else [])

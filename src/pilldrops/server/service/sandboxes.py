@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,6 +36,7 @@ from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 
 S = SandboxState
 log = logging.getLogger("pilldrops.sandboxes")
+NODE_CACHE_S = 5.0
 ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
 IN_FLIGHT = (S.pausing.value, S.resuming.value)     # a request is moving these; reconciliation leaves them
 _REPLAY_WAIT_S = 60.0
@@ -60,14 +62,30 @@ class SandboxService:
         self.pools = pools
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
+        self._nodes: dict[str, tuple[float, Node]] = {}
 
     # ---- views ---------------------------------------------------------------------------------------
 
+    async def _node(self, node_id: str) -> Node | None:
+        """A node's record, cached for a few seconds (used for its URL and name, which change only when
+        it re-registers)."""
+        hit = self._nodes.get(node_id)
+        if hit is not None and time.monotonic() - hit[0] < NODE_CACHE_S:
+            return hit[1]
+        node = await self.store.get_node(node_id)
+        if node is not None:
+            self._nodes[node_id] = (time.monotonic(), node)
+        return node
+
+    def forget_node(self, node_id: str) -> None:
+        self._nodes.pop(node_id, None)
+
+    async def _node_url(self, node_id: str) -> str | None:
+        node = await self._node(node_id)
+        return node.url if node else None
+
     async def info(self, row: Sandbox, *, with_token: bool = False) -> SandboxInfo:
-        envd_url = None
-        if with_token and row.node_id:
-            node = await self.store.get_node(row.node_id)
-            envd_url = node.url if node else None
+        envd_url = await self._node_url(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.billing.usage_of(row)
         return SandboxInfo(
             id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
@@ -117,6 +135,7 @@ class SandboxService:
             assert existing is not None
             return await self._replay(existing, req_hash), False
         spec = self._node_spec(row, float(req.timeout))
+        self._nodes[node.id] = (time.monotonic(), node)
         try:
             async with self._admission:    # bursts queue here (in order) instead of piling onto the nodes
                 status = await self.nodes.create(node.url, spec)
@@ -129,9 +148,12 @@ class SandboxService:
                     end_reason=EndReason.failed_start.value, ended_at=self.clock.now(), idempotency_key=None,
                     error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
             raise
-        updated = await self.store.update_sandbox(      # billing starts now, on the control plane's clock
-            row.id, from_states=[S.starting.value], state=S.running.value, started_at=self.clock.now(),
-            end_at=status.end_at or spec.end_at)
+        running = dict(state=S.running.value, started_at=self.clock.now(), end_at=status.end_at or spec.end_at)
+        updated = None      # billing starts now, on the control plane's clock
+        if await self.store.set_sandbox(row.id, from_states=[S.starting.value], **running):
+            for k, v in running.items():
+                setattr(row, k, v)
+            updated = row
         if updated is None:
             # killed while it was starting: the node did not know it yet, so stop it there now
             with anyio.CancelScope(shield=True):
@@ -251,7 +273,7 @@ class SandboxService:
         return row
 
     async def node_for(self, row: Sandbox) -> Node:
-        node = await self.store.get_node(row.node_id or "")
+        node = await self._node(row.node_id or "")
         if node is None:
             raise errors.NodeUnavailable(f"sandbox {row.id} has no reachable node")
         return node
@@ -288,10 +310,13 @@ class SandboxService:
             reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
         if final is not None:       # billed before it shows as stopped: a stopped sandbox shows its final cost
             await self.billing.commit(final)
-        # a paused one: its paused interval closes here and its storage is billed in the same transaction
-        updated = await self.billing.close_pause(row.id, from_states=_from(S.stopped), until=now, resumed=False,
-                                                 state=S.stopped.value, end_reason=reason.value, ended_at=ended_at)
-        return await self.get_row(team_id, sandbox_id) if updated or final else row
+        ended = dict(state=S.stopped.value, end_reason=reason.value, ended_at=ended_at)
+        if row.paused_at is not None:   # its paused interval closes here, storage billed in the same transaction
+            updated = await self.billing.close_pause(row.id, from_states=_from(S.stopped), until=now,
+                                                     resumed=False, **ended)
+        else:
+            updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), **ended)
+        return updated or (await self.get_row(team_id, sandbox_id) if final else row)
 
     # ---- pause / resume --------------------------------------------------------------------------------
 

@@ -341,6 +341,12 @@ class Store:
                                       Sandbox.state.in_([st.value for st in LIVE]))
             return list((await s.scalars(q)).all())
 
+    async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
+        """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
+        async with self.session.begin() as s:
+            q = update(Sandbox).where(Sandbox.id == sandbox_id, Sandbox.state.in_(list(from_states)))
+            return bool((await s.execute(q.values(**values))).rowcount)
+
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              **values: Any) -> Sandbox | None:
         """Compare-and-set: update only while the row is in one of ``from_states``; None when it was not."""
