@@ -453,6 +453,9 @@ class NodeAgent:
                 try:
                     async for chunk in proc.stdout:
                         yield chunk
+                    if await proc.wait() != 0:   # abort the response: the receiver sees a broken transfer
+                        raise RuntimeError(f"packing the checkpoint of {sandbox_id} failed (tar exit "
+                                           f"{proc.returncode})")
                 finally:
                     if proc.returncode is None:
                         proc.kill()
