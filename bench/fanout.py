@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from _harness import PID, Phase, Up, check_leaks, machine, pct, profiled, run_phase
+import httpx
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -139,6 +140,10 @@ def report(a: argparse.Namespace, res: dict, info: dict[str, str], left: list[st
                 uniq[e[:300]] = uniq.get(e[:300], 0) + 1
             for e, k in sorted(uniq.items(), key=lambda x: -x[1])[:10]:
                 console.print(f"  {k}× {e}")
+    if res.get("pool"):
+        p = res["pool"]
+        console.print(f"Warm pool: size {a.pool}, hits {p.get('hits')}, misses {p.get('misses')}, "
+                      f"hit rate {p.get('hit_rate')}")
     r = pd.wall / host.wall
     console.print(f"Target: fan-out ≤ 1.5× bare subprocesses (wall; now {r:.2f}×, "
                   f"{'met' if r <= 1.5 else f'NOT met, {r / 1.5:.1f}× over'}); rewards checked against the "
@@ -159,6 +164,8 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="py-spy record the `up` process during the PillDrops phase "
                     "into this dir (raw format; `bench/live.py --profile` prints summaries)")
     ap.add_argument("--json", type=Path, help="write raw numbers here")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="warm pool of this size (of the rollout's shape) for the PillDrops phases (0: cold creates)")
     a = ap.parse_args()
     if a.profile:
         a.profile.mkdir(parents=True, exist_ok=True)
@@ -175,6 +182,11 @@ def main() -> int:
     try:
         console.print(f"starting pilldrops up (data in {tmp}) ...")
         up = Up(tmp, a.template, extra=["--unlimited-credits"], seed=[a.template] if a.template != "tiny" else None)
+        if a.pool:
+            httpx.put(f"{up.url}/v1/pools", headers={"Authorization": f"Bearer {up.key}"}, timeout=30,
+                      json={"template": a.template, "vcpu": a.vcpu, "memory_mb": a.memory_mb,
+                            "size": a.pool}).raise_for_status()
+            time.sleep(5)
         with console.status("") as st:
             warm = list(range(a.warmup))
             run_phase("warm-up host", warm, lambda p: host_rollout(p, a.host_python, scratch), a.threads,
@@ -191,6 +203,13 @@ def main() -> int:
                 res["pd"], out = run_phase("PillDrops", policies, lambda p: sandbox_rollout(p, a, up), a.threads,
                                            up.proc.pid, st)
             res["pd_steps"], w2 = check(res["pd"], out, policies)
+            if a.pool:
+                time.sleep(6)              # one heartbeat: the node reports its pool's hits and misses
+                items = httpx.get(f"{up.url}/v1/pools", headers={"Authorization": f"Bearer {up.key}"},
+                                  timeout=30).json()["items"]
+                res["pool"] = items[0] if items else {}
+                httpx.put(f"{up.url}/v1/pools", headers={"Authorization": f"Bearer {up.key}"}, timeout=30,
+                          json={"template": a.template, "vcpu": a.vcpu, "memory_mb": a.memory_mb, "size": 0})
             res["wrong"] = w1 + w2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: cleaning up")
