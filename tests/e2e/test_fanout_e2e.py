@@ -48,3 +48,18 @@ def test_amap(sdk_env: Server) -> None:
 
     res = anyio.run(main)
     assert list(res) == [str(i) for i in range(6)] and res.failed == 0
+
+
+def test_map_stops_at_once_on_a_create_error_no_item_can_pass(sdk_env: Server) -> None:
+    with pytest.raises(pilldrops.TemplateNotFound):
+        pilldrops.map(lambda sb, i: i, range(50), template="no-such-template", progress=False)
+
+    async def main() -> None:
+        await pilldrops.amap(_echo, range(20), template="no-such-template", progress=False)
+
+    with pytest.raises(pilldrops.TemplateNotFound):
+        anyio.run(main)
+
+
+async def _echo(sb: AsyncSandbox, i: int) -> int:
+    return i

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -93,6 +94,7 @@ class Paused:
     image: Path
     size: int
     started_at: datetime | None = None
+    runtime_id: str = ""        # the container's name in the image (a claimed warm-pool member keeps its own)
 
     def status(self) -> NodeSandboxStatus:
         return NodeSandboxStatus(id=self.spec.id, state=SandboxState.paused, started_at=self.started_at,
@@ -100,6 +102,7 @@ class Paused:
 
     def journal_entry(self, phase: str = "paused") -> Entry:
         return Entry(id=self.spec.id, phase=phase, spec=self.spec.model_dump(mode="json"),  # type: ignore[arg-type]
+                     handle={"id": self.runtime_id or self.spec.id},
                      started_at=self.started_at.isoformat() if self.started_at else None, run_s=self.run_s,
                      checkpoint=str(self.image), checkpoint_bytes=self.size, boot_id=boot_id())
 
@@ -152,7 +155,7 @@ class NodeAgent:
         self.creating: set[str] = set()      # in flight: reported as starting, so never taken for lost
         self._wake_heartbeat = anyio.Event()
         self.pools = WarmPools(runtime, self._member_spec, self._has_template,
-                               concurrency=settings.pool_concurrency)
+                               concurrency=settings.pool_concurrency, template_version=self._template_version)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -227,11 +230,12 @@ class NodeAgent:
         """A paused sandbox survives a restart as its image. A restore the crash interrupted is undone (its
         half-started container destroyed), so the sandbox is simply paused again: the image was kept."""
         if entry.phase == "resuming":
-            await self._destroy_quietly(Handle(id=spec.id))
+            await self._destroy_quietly(Handle(id=str(entry.handle.get("id") or spec.id)))
         image = Path(entry.checkpoint or "")
         if entry.checkpoint and image.is_dir() and entry.phase != "pausing":
             started = datetime.fromisoformat(entry.started_at) if entry.started_at else None
-            p = Paused(spec, entry.run_s or 0.0, image, entry.checkpoint_bytes or 0, started)
+            p = Paused(spec, entry.run_s or 0.0, image, entry.checkpoint_bytes or 0, started,
+                       str(entry.handle.get("id") or spec.id))
             self.paused[spec.id] = p
             self.journal.write(p.journal_entry())
             log.info("recovered paused sandbox %s", spec.id)
@@ -289,6 +293,10 @@ class NodeAgent:
     def _has_template(self, name: str) -> bool:
         return name in self._tpl_cache
 
+    def _template_version(self, name: str) -> object:
+        tpl = self._tpl_cache.get(name)
+        return (tuple(str(p) for p in tpl.layers), getattr(tpl, "built_at", None)) if tpl is not None else None
+
     def configure_pools(self, pools: list[NodePoolSpec]) -> None:
         self.pools.configure(pools)
 
@@ -313,6 +321,9 @@ class NodeAgent:
         return live
 
     async def kill(self, sandbox_id: str) -> NodeSandboxStatus:
+        with anyio.move_on_after(600):
+            while sandbox_id in self.resuming:       # a restore in progress finishes first (it reads the image)
+                await anyio.sleep(0.05)
         if sandbox_id not in self.live:
             if sandbox_id in self.paused:
                 return self._end_paused(sandbox_id, EndReason.killed)
@@ -346,12 +357,25 @@ class NodeAgent:
             self.journal.write(entry)
             try:
                 size = await self.runtime.checkpoint(live.target.handle, image)
-            except RuntimeFailure as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever failed, find out what is left
                 live.target.pausing = False
-                self.journal.write(live.journal_entry())
-                self._drop_image(image)
-                raise errors.ServerError(f"pausing {sandbox_id} failed (it keeps running): {exc}") from exc
-            p = Paused(live.spec, run_s, image, size, live.started_at)
+                state = await self._state_quietly(live.target.handle)
+                if state == "running":                   # the runtime's contract: it keeps running
+                    self.journal.write(live.journal_entry())
+                    self._drop_image(image)
+                    raise errors.ServerError(f"pausing {sandbox_id} failed (it keeps running): {exc}") from exc
+                # its processes are gone (the dump happened, then something after it failed): what the image
+                # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
+                log.exception("pausing %s failed after its processes were gone", sandbox_id)
+                if not any(image.iterdir()):
+                    live.ending = True
+                    self.live.pop(sandbox_id, None)
+                    self.journal.remove(sandbox_id)
+                    self._drop_image(image)
+                    self._record_end(sandbox_id, EndReason.exited, started_at=live.started_at, run_s=run_s)
+                    raise errors.ServerError(f"pausing {sandbox_id} failed and it is gone: {exc}") from exc
+                size = sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
+            p = Paused(live.spec, run_s, image, size, live.started_at, live.target.handle.id)
             self.journal.write(p.journal_entry())
             self.paused[sandbox_id] = p
             self.live.pop(sandbox_id, None)
@@ -370,15 +394,23 @@ class NodeAgent:
             raise errors.NotSupported(f"this node cannot resume sandboxes: {why}")
         self.resuming.add(sandbox_id)
         try:
-            p = self.paused.get(sandbox_id)
+            # a move (source_url) always takes the source's copy: one left here from an earlier pause is stale
+            p = None if body.source_url else self.paused.get(sandbox_id)
             fetched = p is None
             if p is None:
                 if not body.source_url:
                     raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.settings.name}")
+                stale = self.paused.pop(sandbox_id, None)
+                if stale is not None:
+                    self.journal.remove(sandbox_id)
+                    self._drop_image(stale.image)
                 p = await self._fetch_checkpoint(sandbox_id, body)
             try:
                 spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
                 rt_spec = self._runtime_spec(spec)
+                if p.runtime_id and p.runtime_id != rt_spec.id:   # a claimed pool member keeps its own name
+                    rt_spec = dataclasses.replace(rt_spec, id=p.runtime_id,
+                                                  hostname=p.runtime_id.replace("_", "-"))
                 self.journal.write(p.journal_entry("resuming"))
                 try:
                     async with self._create_slots:
@@ -421,6 +453,7 @@ class NodeAgent:
                     if resp.status_code >= 400:
                         await resp.aread()
                         raise errors.from_wire(resp.status_code, _json_or_none(resp))
+                    runtime_id = resp.headers.get("x-pilldrops-runtime-id") or sandbox_id
                     async for chunk in resp.aiter_bytes():
                         await tar.stdin.send(chunk)
                 await tar.stdin.aclose()
@@ -428,7 +461,7 @@ class NodeAgent:
             if code != 0:
                 raise errors.ServerError(f"unpacking the checkpoint of {sandbox_id} failed (tar exit {code})")
             size = sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
-            p = Paused(body.spec, body.run_s, image, size, None)
+            p = Paused(body.spec, body.run_s, image, size, None, runtime_id)
             ok = True
             return p
         except httpx.HTTPError as exc:
@@ -436,6 +469,10 @@ class NodeAgent:
         finally:
             if not ok:
                 self._drop_image(image)
+
+    def runtime_id_of(self, sandbox_id: str) -> str:
+        p = self.paused.get(sandbox_id)
+        return (p.runtime_id or sandbox_id) if p else sandbox_id
 
     async def export_checkpoint(self, sandbox_id: str) -> Any:
         """The checkpoint as a tar stream (for another node resuming it). The copy here stays until the
@@ -549,6 +586,13 @@ class NodeAgent:
         self.outbox[sandbox_id] = status
         self.stats.ended[reason.value] = self.stats.ended.get(reason.value, 0) + 1
         return status
+
+    async def _state_quietly(self, handle: Handle) -> str:
+        try:
+            return (await self.runtime.state(handle)).status
+        except Exception:  # noqa: BLE001
+            log.exception("state of %s", handle.id)
+            return "unknown"
 
     async def _destroy_quietly(self, handle: Any) -> None:
         try:

@@ -74,7 +74,8 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @node.get("/sandboxes/{sandbox_id}/checkpoint", response_class=StreamingResponse)
     async def export_checkpoint(sandbox_id: str) -> StreamingResponse:
-        return StreamingResponse(await agent.export_checkpoint(sandbox_id), media_type="application/x-tar")
+        return StreamingResponse(await agent.export_checkpoint(sandbox_id), media_type="application/x-tar",
+                                 headers={"x-pilldrops-runtime-id": agent.runtime_id_of(sandbox_id)})
 
     @node.delete("/sandboxes/{sandbox_id}/checkpoint")
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:

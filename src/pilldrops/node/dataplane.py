@@ -102,6 +102,10 @@ class DataPlane:
             raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
                                       current="stopped", target="running") from exc
         t.active.add(proc)
+        if t.pausing:            # a pause began while it was starting: it must not run into the checkpoint
+            await _kill_quietly(proc)
+            t.active.discard(proc)
+            raise errors.InvalidState(f"sandbox {t.id} is being paused", current="pausing", target="running")
         return proc
 
     async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,

@@ -39,10 +39,16 @@ def key_of(template: str, vcpu: float, memory_mb: int) -> Key:
     return (template, round(float(vcpu), 3), int(memory_mb))
 
 
+@dataclass(frozen=True)
+class Member:
+    handle: Handle
+    version: object          # the template build it was made from: a rebuilt template retires it
+
+
 @dataclass
 class Pool:
     spec: NodePoolSpec
-    ready: deque[Handle] = field(default_factory=deque)
+    ready: deque[Member] = field(default_factory=deque)
     starting: int = 0
     hits: int = 0
     misses: int = 0
@@ -66,16 +72,19 @@ class WarmPools:
     raises when the template is not built here); ``has_template(name)`` filters the fleet-wide config."""
 
     def __init__(self, runtime: Runtime, make_spec: Callable[[NodePoolSpec, str], SandboxSpec],
-                 has_template: Callable[[str], bool], *, concurrency: int = 2) -> None:
+                 has_template: Callable[[str], bool], *, concurrency: int = 2,
+                 template_version: Callable[[str], object] = lambda name: None) -> None:
         self.runtime = runtime
         self.make_spec = make_spec
         self.has_template = has_template
+        self.template_version = template_version
         self.concurrency = max(1, concurrency)
         self.pools: dict[Key, Pool] = {}
         self.in_flight = 0
         self._wake = anyio.Event()
         self._closing = False
         self._tg: anyio.abc.TaskGroup | None = None
+        self._retired: list[Handle] = []
 
     # ---- configuration and claims --------------------------------------------------------------------
 
@@ -100,9 +109,13 @@ class WarmPools:
         if pool is None or pool.spec.size == 0:
             return None
         self.wake()
-        if pool.ready:
-            pool.hits += 1
-            return pool.ready.popleft()
+        current = self.template_version(template)
+        while pool.ready:
+            member = pool.ready.popleft()
+            if member.version == current:
+                pool.hits += 1
+                return member.handle
+            self._retired.append(member.handle)     # made from an older build: destroyed by the loop
         pool.misses += 1
         return None
 
@@ -129,9 +142,17 @@ class WarmPools:
                 self._wake = anyio.Event()
 
     async def _reconcile(self, tg: anyio.abc.TaskGroup) -> None:
+        while self._retired:
+            await self._destroy(self._retired.pop())
         for key, pool in list(self.pools.items()):
+            if not self.has_template(pool.spec.template):      # the template is gone from this node
+                pool.spec = pool.spec.model_copy(update={"size": 0})
+            current = self.template_version(pool.spec.template)
+            for member in [m for m in pool.ready if m.version != current]:   # rebuilt: retire old members
+                pool.ready.remove(member)
+                await self._destroy(member.handle)
             while len(pool.ready) > pool.spec.size:            # shrunk or removed: destroy the surplus
-                await self._destroy(pool.ready.pop())
+                await self._destroy(pool.ready.pop().handle)
             if pool.spec.size == 0 and pool.starting == 0 and not pool.ready:
                 self.pools.pop(key, None)
         now = time.monotonic()
@@ -152,6 +173,7 @@ class WarmPools:
     async def _refill_one(self, pool: Pool) -> None:
         member_id = f"pd-{uuid.uuid4().hex[:16]}"
         handle: Handle | None = None
+        version = self.template_version(pool.spec.template)
         try:
             handle = await self.runtime.create(self.make_spec(pool.spec, member_id))
         except Exception as exc:  # noqa: BLE001 - any failure counts towards the breaker
@@ -171,8 +193,9 @@ class WarmPools:
             self.wake()
         if handle is not None:
             current = self.pools.get(key_of(pool.spec.template, pool.spec.vcpu, pool.spec.memory_mb))
-            if current is pool and len(pool.ready) < pool.spec.size and not self._closing:
-                pool.ready.append(handle)
+            if current is pool and len(pool.ready) < pool.spec.size and not self._closing \
+                    and version == self.template_version(pool.spec.template):
+                pool.ready.append(Member(handle, version))
             else:
                 await self._destroy(handle)
 
@@ -186,9 +209,11 @@ class WarmPools:
     async def close(self) -> None:
         """Destroy every ready member (agent shutdown); refills in flight destroy theirs when they finish."""
         self._closing = True
+        while self._retired:
+            await self._destroy(self._retired.pop())
         for pool in list(self.pools.values()):       # the refill loop may drop emptied pools meanwhile
             while pool.ready:
-                await self._destroy(pool.ready.pop())
+                await self._destroy(pool.ready.pop().handle)
         with anyio.move_on_after(30):
             while self.in_flight:
                 await anyio.sleep(0.02)

@@ -29,12 +29,22 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
+from pilldrops.errors import (
+    AuthenticationError, InsufficientCredits, InvalidRequest, PermissionDenied, TemplateNotFound,
+)
 from pilldrops.schema.api import DEFAULT_TIMEOUT_S
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 T = TypeVar("T")
 R = TypeVar("R")
+# errors of the *create* that no item can get past (a wrong template, key, shape or no credits): the whole
+# map stops with it at once instead of failing every item the same way
+FATAL_CREATE_ERRORS = (TemplateNotFound, AuthenticationError, PermissionDenied, InvalidRequest, InsufficientCredits)
+
+
+class _Stop(Exception):
+    pass
 
 
 class MapResult(list, Generic[R]):  # type: ignore[type-arg]
@@ -95,6 +105,18 @@ class _Progress:
         if self._bar is not None:
             self._bar.stop()
 
+    def summary(self, result: MapResult[Any]) -> None:
+        """After the bar: what failed, grouped by error (first indices), so failures never pass unseen."""
+        if not self.enabled or not result.errors:
+            return
+        groups: dict[str, list[int]] = {}
+        for i, e in result.errors.items():
+            groups.setdefault(f"{type(e).__name__}: {str(e)[:160]}", []).append(i)
+        lines = [f"{len(result.errors)} of {len(result)} items failed:"]
+        for msg, idx in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:5]:
+            lines.append(f"  {len(idx)}x {msg} (items {idx[:8]}{' ...' if len(idx) > 8 else ''})")
+        print("\n".join(lines), file=sys.stderr)
+
     def advance(self, failed: bool) -> None:
         with self._lock:
             self.failed += failed
@@ -111,27 +133,47 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
         api_url: str | None = None) -> MapResult[R]:
     """Call ``fn(sandbox, item)`` for every item, each in a fresh sandbox, ``concurrency`` at a time
     (threads). Returns a :class:`MapResult` in item order; ``progress`` shows a bar on stderr (default:
-    when stderr is a terminal). ``capacity_wait`` is how long a create may wait for room in the fleet."""
+    when stderr is a terminal) and a summary of failures after it. ``capacity_wait`` is how long a create
+    may wait for room in the fleet. A create error no item can get past (unknown template, bad shape or
+    key, no credits) is raised at once instead."""
     work = list(items)
     results: list[Any] = [None] * len(work)
     errors: dict[int, BaseException] = {}
     opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
                 metadata=metadata, capacity_wait=capacity_wait, api_key=api_key, api_url=api_url)
     t0 = time.monotonic()
+    fatal: list[BaseException] = []
 
     def one(i: int, bar: _Progress) -> None:
+        if fatal:
+            return
         try:
-            with Sandbox.create(**opts) as sb:  # type: ignore[arg-type]
-                results[i] = fn(sb, work[i])
+            sb = Sandbox.create(**opts)  # type: ignore[arg-type]
+        except FATAL_CREATE_ERRORS as exc:
+            fatal.append(exc)
+            return
         except Exception as exc:  # noqa: BLE001 - per-item errors are data
             results[i] = errors[i] = exc
+        else:
+            try:
+                with sb:
+                    results[i] = fn(sb, work[i])
+            except Exception as exc:  # noqa: BLE001 - per-item errors are data
+                results[i] = errors[i] = exc
         bar.advance(i in errors)
 
-    with _Progress(len(work), progress, f"{template} x{len(work)}") as bar, \
-            ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(work) or 1))) as pool:
-        for f in [pool.submit(one, i, bar) for i in range(len(work))]:
-            f.result()
-    return MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+    with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(work) or 1)))
+        try:
+            for f in [pool.submit(one, i, bar) for i in range(len(work))]:
+                f.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)     # Ctrl-C: queued items never start
+    if fatal:
+        raise fatal[0]
+    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+    bar.summary(result)
+    return result
 
 
 async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T], *, template: str = "base",
@@ -151,17 +193,32 @@ async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T]
     async def one(i: int, bar: _Progress) -> None:
         async with limit:
             try:
-                async with await AsyncSandbox.create(**opts) as sb:  # type: ignore[arg-type]
-                    results[i] = await fn(sb, work[i])
+                sb = await AsyncSandbox.create(**opts)  # type: ignore[arg-type]
+            except FATAL_CREATE_ERRORS as exc:
+                raise _Stop() from exc                 # cancels the other items
             except Exception as exc:  # noqa: BLE001 - per-item errors are data
                 results[i] = errors[i] = exc
+            else:
+                try:
+                    async with sb:
+                        results[i] = await fn(sb, work[i])
+                except Exception as exc:  # noqa: BLE001 - per-item errors are data
+                    results[i] = errors[i] = exc
             bar.advance(i in errors)
 
     with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
-        async with anyio.create_task_group() as tg:
-            for i in range(len(work)):
-                tg.start_soon(one, i, bar)
-    return MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(work)):
+                    tg.start_soon(one, i, bar)
+        except BaseExceptionGroup as eg:
+            stop = eg.subgroup(_Stop)
+            if stop is None:
+                raise
+            raise stop.exceptions[0].__cause__ from None  # type: ignore[misc]
+    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+    bar.summary(result)
+    return result
 
 
 __all__ = ["MapResult", "amap", "map"]

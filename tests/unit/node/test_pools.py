@@ -40,7 +40,7 @@ async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:  # noq
     async with stack(tmp_path) as s, s.client() as c:
         await _set(c, 3)
         await _until(lambda: len(_pool(s).ready) == 3)
-        members = {h.id for h in _pool(s).ready}
+        members = {m.handle.id for m in _pool(s).ready}
         await anyio.sleep(0.5)                        # pool time is never billed
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
         assert sb["state"] == "running"
@@ -51,10 +51,10 @@ async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:  # noq
         r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo hi"})
         assert '"exit_code":0' in r.text.replace(" ", "")
         await _until(lambda: len(_pool(s).ready) == 3)          # refilled with a new member
-        assert live.target.handle.id not in {h.id for h in _pool(s).ready}
+        assert live.target.handle.id not in {m.handle.id for m in _pool(s).ready}
         # a claimed member is never handed out again, even after its sandbox ended
         await c.delete(f"/v1/sandboxes/{sb['id']}")
-        assert live.target.handle.id not in {h.id for h in _pool(s).ready}
+        assert live.target.handle.id not in {m.handle.id for m in _pool(s).ready}
         assert live.target.handle.id not in await s.runtime.list_ids()
         listed = (await c.get("/v1/pools")).json()["items"]
         await _until(lambda: True)
@@ -143,10 +143,31 @@ async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:  # noq
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
         member = s.agent.live[sb["id"]].target.handle.id
         await _until(lambda: len(_pool(s).ready) == 2)
-        unclaimed = {h.id for h in _pool(s).ready}
+        unclaimed = {m.handle.id for m in _pool(s).ready}
         # a new agent on the same state dir and runtime: adopts the claimed one, reaps the unclaimed ones
         from pilldrops.node.agent import NodeAgent
         again = NodeAgent(s.agent.settings, s.runtime, s.agent.templates, tmp_path / "node")
         await again._recover()
         assert sb["id"] in again.live and again.live[sb["id"]].target.handle.id == member
         assert not unclaimed & set(await s.runtime.list_ids())
+
+
+async def test_a_rebuilt_template_retires_older_members(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        await _set(c, 2)
+        await _until(lambda: len(_pool(s).ready) == 2)
+        old = {m.handle.id for m in _pool(s).ready}
+        from tests.stack import FakeTemplate
+        s.agent.templates.items["tiny"] = FakeTemplate("tiny", built_at=123.0)      # a new build
+        s.agent.refresh_templates()
+        await _until(lambda: len(_pool(s).ready) == 2 and not old & {m.handle.id for m in _pool(s).ready})
+        assert not old & set(await s.runtime.list_ids())
+
+
+async def test_removing_a_pool_that_does_not_exist_is_404(tmp_path) -> None:  # noqa: ANN001
+    async with stack(tmp_path) as s, s.client() as c:
+        await _set(c, 1)
+        r = await c.put("/v1/pools", json={"template": "tiny", "vcpu": 1, "memory_mb": 999, "size": 0})
+        assert r.status_code == 404 and "tiny 1 vCPU / 256 MiB" in r.json()["error"]["message"]
+        await _set(c, 0)
+        await _until(lambda: not s.agent.pools.pools)

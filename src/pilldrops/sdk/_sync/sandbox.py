@@ -170,15 +170,21 @@ class Sandbox:
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         out: builtins.list[Any] = []
-        for start in range(0, count, BATCH_CHUNK):
-            n = min(BATCH_CHUNK, count - start)
-            resp = client.request(
-                "POST", "/v1/sandboxes/batch", json={**body.model_dump(mode="json"), "count": n},
-                headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
-                timeout=batch_timeout(client.config, n, capacity_wait))
-            for item in parse_model(BatchCreateResponse, resp).items:
-                out.append(cls(item.sandbox, client=client) if item.sandbox is not None else
-                           from_wire(0, {"error": item.error.model_dump() if item.error else {}}))
+        try:
+            for start in range(0, count, BATCH_CHUNK):
+                n = min(BATCH_CHUNK, count - start)
+                resp = client.request(
+                    "POST", "/v1/sandboxes/batch", json={**body.model_dump(mode="json"), "count": n},
+                    headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
+                    timeout=batch_timeout(client.config, n, capacity_wait))
+                for item in parse_model(BatchCreateResponse, resp).items:
+                    out.append(cls(item.sandbox, client=client) if item.sandbox is not None else
+                               from_wire(0, {"error": item.error.model_dump() if item.error else {}}))
+        except BaseException:
+            for sb in out:          # a later chunk failed as a whole: never leave the earlier ones running
+                if not isinstance(sb, PillDropsError):
+                    Cleanup.run(sb._kill_on_exit, PillDropsError)
+            raise
         failed = {i: e for i, e in enumerate(out) if isinstance(e, PillDropsError)}
         if failed and not return_exceptions:
             for sb in out:
@@ -186,7 +192,7 @@ class Sandbox:
                     sb._kill_on_exit(PillDropsError)   # logged, never raised
             first = next(iter(failed.values()))
             first.details = {"errors": {i: f"{e.code}: {e.message}" for i, e in failed.items()},
-                             "first": first.details}
+                             **({"first": first.details} if first.details else {})}
             first.message = f"{len(failed)} of {count} creates failed; first: {first.message}"
             raise first
         return out

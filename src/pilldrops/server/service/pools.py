@@ -47,6 +47,12 @@ class PoolService:
         return self._cache[1]
 
     async def set(self, req: PoolSetRequest) -> PoolInfo:
+        if req.size == 0:
+            existing = [shape(p.template, p.vcpu, p.memory_mb) for p in await self.store.list_pools()]
+            if shape(req.template, req.vcpu, req.memory_mb) not in existing:
+                have = ", ".join(f"{t} {c:g} vCPU / {m} MiB" for t, c, m in existing) or "none"
+                raise errors.NotFound(f"no pool {req.template} {req.vcpu:g} vCPU / {req.memory_mb} MiB to remove "
+                                      f"(a pool is one template and shape; pools: {have})")
         nodes = await self.store.list_nodes()
         if req.size and not any(req.template in {t.get("name") for t in n.templates} for n in nodes):
             raise errors.TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "

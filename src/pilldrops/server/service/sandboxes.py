@@ -37,6 +37,7 @@ from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 S = SandboxState
 log = logging.getLogger("pilldrops.sandboxes")
 NODE_CACHE_S = 5.0
+SETTLE_AFTER = timedelta(seconds=900)   # longer than any pause/resume request (node calls time out at 600 s)
 ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
 IN_FLIGHT = (S.pausing.value, S.resuming.value)     # a request is moving these; reconciliation leaves them
 _REPLAY_WAIT_S = 60.0
@@ -63,6 +64,10 @@ class SandboxService:
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
         self._nodes: dict[str, tuple[float, Node]] = {}
+        self._ops: set[str] = set()          # pauses/resumes this process is carrying out
+        # the last usage report of each running sandbox (billed every commit_every_s): what is billed when
+        # its node is lost before the next commit
+        self._last: dict[str, NodeSandboxStatus] = {}
 
     # ---- views ---------------------------------------------------------------------------------------
 
@@ -190,6 +195,10 @@ class SandboxService:
                 except errors.PillDropsError as exc:
                     items[i] = BatchItem(index=i, error=_error_info(exc))
                     return
+                except Exception as exc:  # noqa: BLE001 - one item's failure never takes the others down
+                    log.exception("batch item %d failed", i)
+                    items[i] = BatchItem(index=i, error=ErrorInfo(code="internal", message=repr(exc)))
+                    return
 
         async with anyio.create_task_group() as tg:
             for i in range(req.count):
@@ -308,14 +317,16 @@ class SandboxService:
         ended_at = now if row.paused_at is not None or final is None else self.billing.end_time(row, final)
         if final is not None and final.end_reason not in (None, EndReason.killed):
             reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
+        self._last.pop(row.id, None)
         if final is not None:       # billed before it shows as stopped: a stopped sandbox shows its final cost
             await self.billing.commit(final)
         ended = dict(state=S.stopped.value, end_reason=reason.value, ended_at=ended_at)
-        if row.paused_at is not None:   # its paused interval closes here, storage billed in the same transaction
+        updated = None
+        if row.paused_at is None:       # the common case: no paused interval to close (checked in the update)
+            updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), not_paused=True, **ended)
+        if updated is None:             # paused (maybe just now): the interval closes, storage billed with it
             updated = await self.billing.close_pause(row.id, from_states=_from(S.stopped), until=now,
                                                      resumed=False, **ended)
-        else:
-            updated = await self.store.update_sandbox(row.id, from_states=_from(S.stopped), **ended)
         return updated or (await self.get_row(team_id, sandbox_id) if final else row)
 
     # ---- pause / resume --------------------------------------------------------------------------------
@@ -324,17 +335,29 @@ class SandboxService:
         """Compare-and-set ``src`` -> ``via``; anything else is a 409 naming the state it is in and the one
         asked for (of two concurrent requests exactly one passes)."""
         if row.state == src.value:
-            moved = await self.store.update_sandbox(row.id, from_states=[src.value], state=via.value)
+            moved = await self.store.update_sandbox(row.id, from_states=[src.value], state=via.value,
+                                                    op_started_at=self.clock.now())
             if moved is not None:
                 return moved
             row = await self.get_row(row.team_id, row.id)
-        raise errors.InvalidState(f"sandbox {row.id} is {row.state}: only a {src.value} sandbox can go to "
-                                  f"{target.value}", current=row.state, target=target.value)
+        already = row.state in (target.value, via.value)
+        raise errors.InvalidState(
+            f"sandbox {row.id} is already {row.state} (asked for: {target.value})" if already else
+            f"sandbox {row.id} is {row.state}, not {src.value}: it cannot go to {target.value}",
+            current=row.state, target=target.value)
 
     async def pause(self, team_id: str, sandbox_id: str) -> Sandbox:
         """running -> pausing -> paused: the node checkpoints it to disk; it then holds no CPU or memory and
         bills storage only. Paused time does not count against its timeout."""
-        row = await self._move(await self.get_row(team_id, sandbox_id), S.running, S.pausing, S.paused)
+        self._ops.add(sandbox_id)          # before the state changes: our own heartbeats never settle it
+        try:
+            row = await self._move(await self.get_row(team_id, sandbox_id), S.running, S.pausing, S.paused)
+            return await self._pause(team_id, row)
+        finally:
+            self._ops.discard(sandbox_id)
+
+    async def _pause(self, team_id: str, row: Sandbox) -> Sandbox:
+        sandbox_id = row.id
         try:
             node = await self.node_for(row)
             st = await self.nodes.pause(node.url, row.id)
@@ -350,8 +373,11 @@ class SandboxService:
         left = max(0.0, ((row.end_at or now) - now).total_seconds())
         paused = await self.store.record_pause(row.id, paused_at=now, checkpoint_bytes=st.checkpoint_bytes or 0,
                                                timeout_left=left)
-        if paused is None:                    # killed while pausing: drop the checkpoint too
-            with anyio.CancelScope(shield=True):
+        if paused is None:
+            current = await self.get_row(team_id, sandbox_id)
+            if current.state == S.paused.value:   # another control plane recorded it from a heartbeat
+                return current
+            with anyio.CancelScope(shield=True):   # killed while pausing: drop the checkpoint too
                 await self._quiet_kill(node, row.id)
             return await self.get_row(team_id, sandbox_id)
         return paused
@@ -359,8 +385,17 @@ class SandboxService:
     async def resume(self, team_id: str, sandbox_id: str) -> Sandbox:
         """paused -> resuming -> running, on its own node when it has room, else on another node with the
         template (the checkpoint moves there; the old node drops its copy and never runs it again)."""
-        row = await self._move(await self.get_row(team_id, sandbox_id), S.paused, S.resuming, S.running)
+        self._ops.add(sandbox_id)
+        try:
+            row = await self._move(await self.get_row(team_id, sandbox_id), S.paused, S.resuming, S.running)
+            return await self._resume(team_id, row)
+        finally:
+            self._ops.discard(sandbox_id)
+
+    async def _resume(self, team_id: str, row: Sandbox) -> Sandbox:
+        sandbox_id = row.id
         old = await self.store.get_node(row.node_id or "")
+        node: Node | None = None
         try:
             if old is None:
                 raise errors.NodeUnavailable(f"the node holding {row.id}'s checkpoint is gone")
@@ -375,6 +410,8 @@ class SandboxService:
             st = await self.nodes.resume(node.url, row.id, body)
         except BaseException:
             with anyio.CancelScope(shield=True):    # the checkpoint is intact where it was: still paused
+                if node is not None and old is not None and node.id != old.id:
+                    await self._quiet_kill(node, row.id)    # a restore there that we never heard of: stop it
                 await self.store.update_sandbox(row.id, from_states=[S.resuming.value], state=S.paused.value,
                                                 node_id=row.node_id)
             raise
@@ -389,8 +426,11 @@ class SandboxService:
                 except errors.PillDropsError as exc:
                     log.warning("node %s keeps a stale checkpoint of %s (dropped at its next heartbeat): %s",
                                 old.name, row.id, exc)
-            if resumed is None:                          # killed while resuming: stop it where it now runs
-                await self._quiet_kill(node, row.id)
+            if resumed is None:
+                current = await self.get_row(team_id, sandbox_id)
+                if current.state == S.running.value:     # another control plane saw it running first
+                    return current
+                await self._quiet_kill(node, row.id)     # killed while resuming: stop it where it now runs
                 return await self.get_row(team_id, sandbox_id)
         return resumed
 
@@ -427,16 +467,45 @@ class SandboxService:
         steady: list[NodeSandboxStatus] = []
         for st in statuses:
             row = rows.get(st.id)
+            if row is not None and row.node_id == node.id and row.id not in self._ops \
+                    and await self._settle(row, st):
+                continue
             if row is not None and row.node_id == node.id and (
                     (row.state == S.running.value and st.state == S.running)
                     or (row.state in (S.paused.value, *IN_FLIGHT) and st.state == S.paused)):
                 if st.state == S.running:
                     steady.append(st)
+                    self._last[st.id] = st
                 continue
             await self.apply_node_status(node.id, st, row)
         await self.billing.commit_running(steady, rows)
         await self.reconcile_node(node.id, {st.id for st in statuses}, received)
         await self.stop_orphans(node, statuses, rows)
+
+    async def _settle(self, row: Sandbox, st: NodeSandboxStatus) -> bool:
+        """A pause or resume whose request died with its control plane (or timed out after the node acted):
+        once it has been in flight for ``SETTLE_AFTER`` (no live request takes that long; a stale report
+        can never undo a live one), the node's report settles it. True when it did something."""
+        now = self.clock.now()
+        if row.state not in IN_FLIGHT or row.op_started_at is None or now - row.op_started_at < SETTLE_AFTER:
+            return False
+        if st.state == S.paused and row.state == S.pausing.value:          # the pause did happen
+            await self.billing.commit(st)
+            left = max(0.0, ((row.end_at or now) - now).total_seconds())
+            await self.store.record_pause(row.id, paused_at=now, checkpoint_bytes=st.checkpoint_bytes or 0,
+                                          timeout_left=left)
+            return True
+        if st.state == S.running and row.state == S.pausing.value:         # it did not
+            await self.store.update_sandbox(row.id, from_states=[S.pausing.value], state=S.running.value)
+            return True
+        if st.state == S.running and row.state == S.resuming.value:        # the resume did happen
+            await self.billing.close_pause(row.id, from_states=[S.resuming.value], until=now, resumed=True,
+                                           state=S.running.value, end_at=st.end_at or now, timeout_left=None)
+            return True
+        if st.state == S.paused and row.state == S.resuming.value:         # it did not: still paused here
+            await self.store.update_sandbox(row.id, from_states=[S.resuming.value], state=S.paused.value)
+            return True
+        return False
 
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus, row: Sandbox | None = None) -> None:
         """A node reported on a sandbox: usage so far, or an end it saw on its own (deadline, exit, OOM)."""
@@ -451,6 +520,7 @@ class SandboxService:
                                             started_at=max(started, row.created_at), end_at=st.end_at or row.end_at)
         await self.billing.commit(st)        # before the end is visible, so an ended sandbox shows its cost
         if st.state in ENDED:
+            self._last.pop(st.id, None)
             now = self.clock.now()
             ended_at = now if row.paused_at is not None else self.billing.end_time(row, st)
             await self.billing.close_pause(
@@ -461,6 +531,8 @@ class SandboxService:
         """The node is gone: its live sandboxes are ``lost`` (``node_lost``), ended and billed up to when
         the node was last heard from."""
         for row in await self.store.live_sandboxes_on(node_id):
+            if (last := self._last.pop(row.id, None)) is not None:
+                await self.billing.commit(last)
             ended_at = max(last_seen, row.started_at) if row.started_at else last_seen
             if row.paused_at is not None:
                 ended_at = max(last_seen, row.paused_at)
@@ -492,11 +564,13 @@ class SandboxService:
             if st.state != S.running:
                 continue
             row = (rows or {}).get(st.id)
-            if rows is not None and row is not None and not (row.node_id == node.id
-                                                             and SandboxState(row.state) in ENDED):
+            if rows is not None and row is not None and row.node_id == node.id \
+                    and SandboxState(row.state) not in ENDED:
                 continue
             row = await self.store.get_sandbox(st.id)     # fresh: it may have changed since the report
-            if row is None or (row.node_id == node.id and SandboxState(row.state) in ENDED):
+            if row is None or (row.node_id == node.id and SandboxState(row.state) in ENDED) or (
+                    row.node_id != node.id and row.state not in IN_FLIGHT):
+                # ended here, or it belongs to another node (a restore here whose answer was lost): stop it
                 try:
                     await self.nodes.kill(node.url, st.id)
                 except errors.PillDropsError as exc:
@@ -509,6 +583,8 @@ class SandboxService:
         for row in await self.store.live_sandboxes_on(node_id):
             if row.id in live_ids or row.created_at > cutoff or row.state in IN_FLIGHT:
                 continue
+            if (last := self._last.pop(row.id, None)) is not None:
+                await self.billing.commit(last)
             now = self.clock.now()
             await self.billing.close_pause(row.id, from_states=_from(S.lost), until=now, resumed=False,
                                            state=S.lost.value, end_reason=EndReason.node_lost.value,

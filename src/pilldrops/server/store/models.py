@@ -111,6 +111,7 @@ class Sandbox(Base):
     timeout_left: Mapped[float | None] = mapped_column(Float, nullable=True)
     paused_s: Mapped[float] = mapped_column(Float, default=0.0)
     pause_count: Mapped[int] = mapped_column(Integer, default=0)
+    op_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)   # pausing/resuming since
 
     __table_args__ = (
         Index("ix_sandboxes_team_created", "team_id", "created_at", "id"),

@@ -348,12 +348,15 @@ class Store:
             return bool((await s.execute(q.values(**values))).rowcount)
 
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
-                             **values: Any) -> Sandbox | None:
-        """Compare-and-set: update only while the row is in one of ``from_states``; None when it was not."""
+                             not_paused: bool = False, **values: Any) -> Sandbox | None:
+        """Compare-and-set: update only while the row is in one of ``from_states`` (and, with
+        ``not_paused``, has no open paused interval); None when it was not."""
         async with self.session.begin() as s:
             q = update(Sandbox).where(Sandbox.id == sandbox_id)
             if from_states is not None:
                 q = q.where(Sandbox.state.in_(list(from_states)))
+            if not_paused:
+                q = q.where(Sandbox.paused_at.is_(None))
             res = await s.execute(q.values(**values))
             if res.rowcount == 0:
                 return None

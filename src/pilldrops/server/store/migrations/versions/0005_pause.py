@@ -19,6 +19,7 @@ def upgrade() -> None:
         t.add_column(sa.Column("timeout_left", sa.Float(), nullable=True))
         t.add_column(sa.Column("paused_s", sa.Float(), nullable=False, server_default="0"))
         t.add_column(sa.Column("pause_count", sa.Integer(), nullable=False, server_default="0"))
+        t.add_column(sa.Column("op_started_at", sa.DateTime(), nullable=True))
     op.create_table(
         "sandbox_pauses",
         sa.Column("sandbox_id", sa.String(40), sa.ForeignKey("sandboxes.id", ondelete="CASCADE"), primary_key=True),
@@ -36,5 +37,5 @@ def downgrade() -> None:
     op.drop_index("ix_sandboxes_state_paused", "sandboxes")
     op.drop_table("sandbox_pauses")
     with op.batch_alter_table("sandboxes") as t:
-        for c in ("pause_count", "paused_s", "timeout_left", "checkpoint_bytes", "paused_at"):
+        for c in ("op_started_at", "pause_count", "paused_s", "timeout_left", "checkpoint_bytes", "paused_at"):
             t.drop_column(c)
