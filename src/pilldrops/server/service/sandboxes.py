@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
+import httpx
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
@@ -37,11 +38,18 @@ from pilldrops.server.store.sql import DuplicateIdempotencyKey, Store
 S = SandboxState
 log = logging.getLogger("pilldrops.sandboxes")
 NODE_CACHE_S = 5.0
-SETTLE_AFTER = timedelta(seconds=900)   # longer than any pause/resume request (node calls time out at 600 s)
+SETTLE_AFTER = timedelta(seconds=660)   # longer than any pause/resume request (node calls time out at 600 s)
 ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
 IN_FLIGHT = (S.pausing.value, S.resuming.value)     # a request is moving these; reconciliation leaves them
 _REPLAY_WAIT_S = 60.0
 NODE_READY_WINDOW = timedelta(seconds=30)
+
+
+def _outcome_unknown(exc: BaseException) -> bool:
+    """The node call may have been carried out (sent, but no answer came back)."""
+    if not isinstance(exc, errors.NodeUnavailable):
+        return False
+    return not isinstance(exc.__cause__, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
 def _error_info(exc: errors.PillDropsError) -> ErrorInfo:
@@ -361,9 +369,11 @@ class SandboxService:
         try:
             node = await self.node_for(row)
             st = await self.nodes.pause(node.url, row.id)
-        except BaseException:
-            with anyio.CancelScope(shield=True):   # the node's contract: a failed checkpoint leaves it running
-                await self.store.update_sandbox(row.id, from_states=[S.pausing.value], state=S.running.value)
+        except BaseException as exc:
+            if not _outcome_unknown(exc):
+                with anyio.CancelScope(shield=True):   # the node's contract: a failed checkpoint leaves it running
+                    await self.store.update_sandbox(row.id, from_states=[S.pausing.value], state=S.running.value)
+            # else the node may have done it: it stays `pausing` until the node's reports settle it (_settle)
             raise
         if st.state in ENDED:                 # it ended on its own first (deadline, exit)
             await self.apply_node_status(node.id, st)
@@ -408,12 +418,15 @@ class SandboxService:
             body = NodeResume(spec=self._node_spec(row, max(left, 1.0)), run_s=row.billed_run_s,
                               timeout_s=max(left, 1.0), source_url=None if node.id == old.id else old.url)
             st = await self.nodes.resume(node.url, row.id, body)
-        except BaseException:
-            with anyio.CancelScope(shield=True):    # the checkpoint is intact where it was: still paused
-                if node is not None and old is not None and node.id != old.id:
-                    await self._quiet_kill(node, row.id)    # a restore there that we never heard of: stop it
-                await self.store.update_sandbox(row.id, from_states=[S.resuming.value], state=S.paused.value,
-                                                node_id=row.node_id)
+        except BaseException as exc:
+            moved = node is not None and old is not None and node.id != old.id
+            if moved or not _outcome_unknown(exc):
+                with anyio.CancelScope(shield=True):    # the checkpoint is intact where it was: still paused
+                    if moved:
+                        await self._quiet_kill(node, row.id)   # a restore there that we never heard of: stop it
+                    await self.store.update_sandbox(row.id, from_states=[S.resuming.value], state=S.paused.value,
+                                                    node_id=row.node_id)
+            # else its own node may have restored it (and used up the image): `resuming` until settled
             raise
         now = self.clock.now()
         resumed = await self.billing.close_pause(
