@@ -201,3 +201,41 @@ async def test_resume_moves_to_another_node_when_its_own_is_full(tmp_path, store
         assert sid not in holder.paused and sid not in holder.live       # the old node dropped its copy
         assert not list((holder.checkpoints).glob(f"{sid}*"))
         assert sid in (other if holder is s.agent else s.agent).live
+
+
+async def test_an_unanswered_pause_or_resume_is_settled_by_the_node_reports(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from datetime import timedelta
+
+    from pilldrops import errors
+    from pilldrops.server.service import sandboxes as svc
+
+    async with stack(tmp_path) as s, s.client() as c:
+        sid = (await _create(c))["id"]
+        nodes = s.cp.node_client
+        real_pause, real_resume = nodes.pause, nodes.resume
+
+        def lost_answer(real: Any) -> Any:
+            async def call(*a: Any, **k: Any) -> Any:
+                await real(*a, **k)                     # the node does it ...
+                try:
+                    raise httpx.ReadTimeout("no answer")
+                except httpx.ReadTimeout as exc:       # ... but the answer never arrives
+                    raise errors.NodeUnavailable("node did not answer") from exc
+            return call
+
+        monkeypatch.setattr(nodes, "pause", lost_answer(real_pause))
+        assert (await c.post(f"/v1/sandboxes/{sid}/pause")).status_code == 502
+        assert (await c.get(f"/v1/sandboxes/{sid}")).json()["state"] == "pausing"    # unknown: not guessed
+        await s.agent._heartbeat()
+        assert (await c.get(f"/v1/sandboxes/{sid}")).json()["state"] == "pausing"    # too early to settle
+        monkeypatch.setattr(svc, "SETTLE_AFTER", timedelta(0))
+        await s.agent._heartbeat()
+        info = (await c.get(f"/v1/sandboxes/{sid}")).json()
+        assert info["state"] == "paused" and info["checkpoint_bytes"] is not None
+
+        monkeypatch.setattr(nodes, "resume", lost_answer(real_resume))
+        assert (await c.post(f"/v1/sandboxes/{sid}/resume")).status_code == 502
+        await s.agent._heartbeat()
+        back = (await c.get(f"/v1/sandboxes/{sid}")).json()
+        assert back["state"] == "running" and back["paused_at"] is None
+        assert len((await c.get("/v1/history")).json()["items"][0]["pauses"]) == 1
