@@ -1,5 +1,5 @@
-"""Warm pools, fleet-wide: the config (admin-set), what nodes report about their pools, and the capacity
-pools reserve on each node for the scheduler.
+"""Warm pools, fleet-wide: the config (admin-set) and what nodes report about their pools (the capacity the
+pools reserve is counted by ``SandboxService._choose`` from ``specs()``).
 
 Nodes get the config with every register/heartbeat answer, and at once when it changes (best effort: a
 node that misses the push catches up at its next heartbeat). Each node with the template keeps ``size``
@@ -101,18 +101,6 @@ class PoolService:
             total = info.hits + info.misses
             info.hit_rate = round(info.hits / total, 4) if total else None
         return list(out.values())
-
-    async def reservations(self, nodes: list[Node]) -> dict[str, tuple[float, int]]:
-        """(vCPU, MiB) the pools hold on each node: the target size of every pool whose template it has."""
-        specs = await self.specs()
-        out: dict[str, tuple[float, int]] = {}
-        for n in nodes:
-            names = {t.get("name") for t in n.templates}
-            cpu = sum(p.size * p.vcpu for p in specs if p.template in names)
-            mem = sum(p.size * p.memory_mb for p in specs if p.template in names)
-            if cpu or mem:
-                out[n.id] = (cpu, mem)
-        return out
 
     @staticmethod
     def ready_on(node: Node, template: str, vcpu: float, memory_mb: int) -> int:
