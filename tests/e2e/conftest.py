@@ -48,6 +48,7 @@ def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple
     port = free_port()
     node_port = free_port()
     env = clean_env(config_home, PYTHONUNBUFFERED="1")
+    mark = len(log.read_text()) if log.exists() else 0     # a restart appends to the same log
     proc = subprocess.Popen(
         [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
          "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", NAME, *extra],
@@ -57,7 +58,7 @@ def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"pilldrops up exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if "is up at" in log.read_text():
+        if "is up at" in log.read_text()[mark:]:
             return proc, url
         time.sleep(0.1)
     proc.kill()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -15,7 +17,14 @@ from rich.table import Table
 
 from pilldrops.errors import PillDropsError
 
-console = Console(highlight=False)
+def _width() -> int | None:
+    """Tables piped to a file or another program keep their rows whole (rich would assume 80 columns)."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return None
+    return 200
+
+
+console = Console(highlight=False, width=_width())
 err_console = Console(stderr=True, highlight=False)
 
 

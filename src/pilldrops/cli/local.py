@@ -96,6 +96,8 @@ def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path
         except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
             pass
         t0 = time.monotonic()
+        if not console.is_terminal:     # no spinner in a log: say what the next minute is spent on
+            console.print(f"building template {name} (first start only, about a minute) ...")
         with console.status(f"[bold]building template {name}[/] (first start only)") as status:
             def progress(line: str, _name: str = name) -> None:
                 status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "
