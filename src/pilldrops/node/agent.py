@@ -360,7 +360,7 @@ class NodeAgent:
             except Exception as exc:  # noqa: BLE001 - whatever failed, find out what is left
                 live.target.pausing = False
                 state = await self._state_quietly(live.target.handle)
-                if state == "running":                   # the runtime's contract: it keeps running
+                if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
                     self.journal.write(live.journal_entry())
                     self._drop_image(image)
                     raise errors.ServerError(f"pausing {sandbox_id} failed (it keeps running): {exc}") from exc
