@@ -9,12 +9,15 @@ PostgreSQL uses a normal pool and row locks.
 from __future__ import annotations
 
 import base64
+import functools
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import anyio
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import and_, event, func, or_, select, text, update
@@ -91,6 +94,25 @@ async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
     return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
 
 
+def _shielded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        with anyio.CancelScope(shield=True):
+            return await fn(*args, **kwargs)
+    return call
+
+
+def _never_abandoned(cls: type) -> type:
+    """Every store call runs to its end even when its caller is cancelled (the cancellation lands right
+    after it): a query cancelled halfway leaves its pooled connection to be torn down by a task of its own,
+    which can outlive the event loop (and hang its shutdown). Store calls take milliseconds."""
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(fn):
+            setattr(cls, name, _shielded(fn))
+    return cls
+
+
+@_never_abandoned
 class Store:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
