@@ -95,10 +95,12 @@ class Paused:
     size: int
     started_at: datetime | None = None
     runtime_id: str = ""        # the container's name in the image (a claimed warm-pool member keeps its own)
+    timeout_left: float | None = None   # its deadline's time left at the moment it was paused (node clock)
 
     def status(self) -> NodeSandboxStatus:
         return NodeSandboxStatus(id=self.spec.id, state=SandboxState.paused, started_at=self.started_at,
-                                 run_s=self.run_s, seq=int(self.run_s * 1000), checkpoint_bytes=self.size)
+                                 run_s=self.run_s, seq=int(self.run_s * 1000), checkpoint_bytes=self.size,
+                                 timeout_left=self.timeout_left)
 
     def journal_entry(self, phase: str = "paused") -> Entry:
         return Entry(id=self.spec.id, phase=phase, spec=self.spec.model_dump(mode="json"),  # type: ignore[arg-type]
@@ -349,6 +351,7 @@ class NodeAgent:
                                           current="stopped", target="paused")
             await live.target.end_commands()
             run_s, _ = usage_point(live.started_mono)
+            left = max(0.0, (live.end_at - self.now()).total_seconds())   # the same instant as run_s
             image = self.checkpoints / sandbox_id
             shutil.rmtree(image, ignore_errors=True)
             image.mkdir(parents=True)
@@ -375,7 +378,7 @@ class NodeAgent:
                     self._record_end(sandbox_id, EndReason.exited, started_at=live.started_at, run_s=run_s)
                     raise errors.ServerError(f"pausing {sandbox_id} failed and it is gone: {exc}") from exc
                 size = sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
-            p = Paused(live.spec, run_s, image, size, live.started_at, live.target.handle.id)
+            p = Paused(live.spec, run_s, image, size, live.started_at, live.target.handle.id, left)
             self.journal.write(p.journal_entry())
             self.paused[sandbox_id] = p
             self.live.pop(sandbox_id, None)

@@ -96,6 +96,7 @@ class NodeSandboxStatus(_Model):
     run_s: float | None = None
     seq: int | None = None
     checkpoint_bytes: int | None = None     # paused: the checkpoint's size on this node's disk
+    timeout_left: float | None = None       # paused: seconds its deadline had left when it was paused
 
 
 class NodeDeadline(_Model):

@@ -380,7 +380,8 @@ class SandboxService:
             return await self.get_row(team_id, sandbox_id)
         await self.billing.commit(st)         # running time up to the checkpoint
         now = self.clock.now()
-        left = max(0.0, ((row.end_at or now) - now).total_seconds())
+        # the node's own count (same instant as its running seconds, its clock), else the record's deadline
+        left = st.timeout_left if st.timeout_left is not None else max(0.0, ((row.end_at or now) - now).total_seconds())
         paused = await self.store.record_pause(row.id, paused_at=now, checkpoint_bytes=st.checkpoint_bytes or 0,
                                                timeout_left=left)
         if paused is None:
@@ -504,7 +505,8 @@ class SandboxService:
             return False
         if st.state == S.paused and row.state == S.pausing.value:          # the pause did happen
             await self.billing.commit(st)
-            left = max(0.0, ((row.end_at or now) - now).total_seconds())
+            left = st.timeout_left if st.timeout_left is not None else max(
+                0.0, ((row.end_at or now) - now).total_seconds())
             await self.store.record_pause(row.id, paused_at=now, checkpoint_bytes=st.checkpoint_bytes or 0,
                                           timeout_left=left)
             return True
