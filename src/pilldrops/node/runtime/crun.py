@@ -68,6 +68,20 @@ def _nofile_limit() -> int:
     return NOFILE if hard == resource.RLIM_INFINITY else min(NOFILE, hard)
 
 
+def _started_init(pid_file: Path, sandbox_id: str, what: str, err_file: Path | None = None) -> tuple[int, int]:
+    """The init's pid from crun's pid file and its start time from /proc: proof that it runs (and a guard
+    against pid reuse), without a `crun state` round trip."""
+    try:
+        pid: int | None = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        pid = None
+    start = procs.start_time(pid) if pid else None
+    if pid is None or start is None:
+        detail = err_file.read_text(errors="replace") if err_file is not None and err_file.exists() else ""
+        raise RuntimeFailure(f"sandbox {sandbox_id} init is not running after {what}", detail=f"pid={pid} {detail}")
+    return pid, start
+
+
 def exec_mode() -> str:
     """``PILLDROPS_EXEC=supervisor`` (default: commands through pd-init's socket when the sandbox has one)
     or ``crun`` (always one ``crun exec`` per command)."""
@@ -182,14 +196,7 @@ class CrunRuntime:
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
             (upper / "etc").mkdir()
             (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
-            try:
-                mount_overlay(rootfs, [Path(p) for p in spec.layers], upper, work)
-            except (MountError, ValueError) as e:
-                raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
-            config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
-                                cgroup_parent=self.cgroup_parent, nofile=_nofile_limit(),
-                                run_dir=d / "pd")
-            (d / "config.json").write_text(json.dumps(config))
+            config = self._mount_and_configure(spec, d)
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
                 r = await anyio.run_process(
@@ -200,14 +207,7 @@ class CrunRuntime:
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
             # The pid file crun writes saves a `crun state` round trip (~6 ms) on the create path;
             # the start time read from /proc proves the init is alive and guards against pid reuse.
-            try:
-                pid: int | None = int(pid_file.read_text().strip())
-            except (OSError, ValueError):
-                pid = None
-            start = procs.start_time(pid) if pid else None
-            if start is None:
-                raise RuntimeFailure(f"sandbox {spec.id} init is not running after start",
-                                     detail=f"pid={pid} " + (d / "crun.err").read_text(errors="replace"))
+            pid, start = _started_init(pid_file, spec.id, "start", err_file=d / "crun.err")
             # pd-init binds its control socket right after it starts; give it that moment so that the
             # first command already takes the fast path (if it never shows up, exec uses crun exec)
             deadline = time.monotonic() + 0.5
@@ -221,6 +221,17 @@ class CrunRuntime:
             if not ok:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
+
+    def _mount_and_configure(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
+        """Overlay ``d/rootfs`` over the template layers and ``d/upper``, and write ``d/config.json``."""
+        try:
+            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], d / "upper", d / "work")
+        except (MountError, ValueError) as e:
+            raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
+        config = build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
+                            nofile=_nofile_limit(), run_dir=d / "pd")
+        (d / "config.json").write_text(json.dumps(config))
+        return config
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
@@ -468,14 +479,7 @@ class CrunRuntime:
                     await anyio.to_thread.run_sync(_copy_tree, image_dir / "upper", upper)
                 except (OSError, subprocess.CalledProcessError) as e:
                     raise RuntimeFailure(f"cannot copy the writable layer of {spec.id}", detail=str(e)) from e
-            try:
-                mount_overlay(rootfs, [Path(p) for p in spec.layers], upper, work)
-            except (MountError, ValueError) as e:
-                raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
-            config = build_spec(spec, rootfs=rootfs, init_path=self.init_path,
-                                cgroup_parent=self.cgroup_parent, nofile=_nofile_limit(),
-                                run_dir=d / "pd")
-            (d / "config.json").write_text(json.dumps(config))
+            config = self._mount_and_configure(spec, d)
             pid_file = d / "init.pid"
             code = await self._userland_crun(
                 "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / 'criu'}",
@@ -484,13 +488,7 @@ class CrunRuntime:
             if code != 0:
                 raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
                                      detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
-            try:
-                pid: int | None = int(pid_file.read_text().strip())
-            except (OSError, ValueError):
-                pid = None
-            start = procs.start_time(pid) if pid else None
-            if pid is None or start is None:
-                raise RuntimeFailure(f"sandbox {spec.id} init is not running after restore", detail=f"pid={pid}")
+            pid, start = _started_init(pid_file, spec.id, "restore")
             await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
             self._defaults[spec.id] = self._defaults_from(config)
             ok = True

@@ -28,7 +28,7 @@ from pilldrops.schema.api import (
 )
 from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 from pilldrops.server import scheduler
-from pilldrops.server.domain.states import ENDED, LIVE, TRANSITIONS
+from pilldrops.server.domain.states import ENDED, TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.pools import PoolService, shape
