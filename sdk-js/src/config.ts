@@ -1,0 +1,91 @@
+/**
+ * Where the SDK finds the API URL and key, exactly like the Python SDK and the CLI:
+ * explicit option > `PILLDROPS_API_URL` / `PILLDROPS_API_KEY` (then `E2B_API_KEY`) > the config file that
+ * `pilldrops up` writes (`$XDG_CONFIG_HOME/pilldrops/config.json`, default `~/.config/pilldrops/config.json`,
+ * holding `{"api_url", "api_key"}`) > default URL `http://127.0.0.1:7070`.
+ */
+import { readFileSync } from 'node:fs'
+import { homedir } from 'node:os'
+import { join } from 'node:path'
+
+import { AuthenticationError, InvalidRequest } from './errors.js'
+
+export const DEFAULT_API_URL = 'http://127.0.0.1:7070'
+export const DEFAULT_REQUEST_TIMEOUT_S = 60
+export const DEFAULT_MAX_RETRIES = 3
+
+const NO_KEY_MESSAGE =
+  'no PillDrops API key found: run `pilldrops up` (it saves one to the config file) or set PILLDROPS_API_KEY'
+
+/** Connection options every call accepts. */
+export interface ConnectionOptions {
+  /** The control plane's URL (default: `PILLDROPS_API_URL`, the config file, then `http://127.0.0.1:7070`). */
+  apiUrl?: string
+  /** The API key (default: `PILLDROPS_API_KEY`, `E2B_API_KEY`, then the config file). */
+  apiKey?: string
+  /** Seconds each non-streaming HTTP call may take (default 60). */
+  requestTimeout?: number
+  /** Retries of a failed idempotent call (default 3). */
+  maxRetries?: number
+  /** A `fetch` implementation (default: the global one). For tests and custom agents. */
+  fetch?: typeof globalThis.fetch
+}
+
+export interface ClientConfig {
+  apiUrl: string
+  apiKey: string
+  requestTimeout: number
+  maxRetries: number
+  fetch: typeof globalThis.fetch
+}
+
+export function configPath(env: NodeJS.ProcessEnv = process.env): string {
+  const base = env.XDG_CONFIG_HOME || join(homedir(), '.config')
+  return join(base, 'pilldrops', 'config.json')
+}
+
+/** The CLI's config file as `{api_url?, api_key?}` (missing or malformed: empty). */
+export function loadConfigFile(env: NodeJS.ProcessEnv = process.env): { api_url?: string; api_key?: string } {
+  let data: unknown
+  try {
+    data = JSON.parse(readFileSync(configPath(env), 'utf8'))
+  } catch {
+    return {}
+  }
+  if (typeof data !== 'object' || data === null || Array.isArray(data)) return {}
+  const out: { api_url?: string; api_key?: string } = {}
+  const rec = data as Record<string, unknown>
+  if (typeof rec.api_url === 'string') out.api_url = rec.api_url
+  if (typeof rec.api_key === 'string') out.api_key = rec.api_key
+  return out
+}
+
+function positive(value: number | undefined, fallback: number, what: string): number {
+  if (value === undefined) return fallback
+  if (typeof value !== 'number' || !Number.isFinite(value) || value <= 0) {
+    throw new InvalidRequest(`${what} must be a positive number of seconds, got ${String(value)}`)
+  }
+  return value
+}
+
+/** Resolve every setting; throws {@link AuthenticationError} when no key is found anywhere. */
+export function resolveConfig(opts: ConnectionOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientConfig {
+  let file: ReturnType<typeof loadConfigFile> | undefined
+  const fromFile = () => (file ??= loadConfigFile(env))
+  const apiKey = opts.apiKey || env.PILLDROPS_API_KEY || env.E2B_API_KEY || fromFile().api_key
+  if (!apiKey) throw new AuthenticationError(NO_KEY_MESSAGE)
+  const apiUrl = (opts.apiUrl || env.PILLDROPS_API_URL || fromFile().api_url || DEFAULT_API_URL).replace(/\/+$/, '')
+  const maxRetries = opts.maxRetries ?? DEFAULT_MAX_RETRIES
+  if (!Number.isInteger(maxRetries) || maxRetries < 0) {
+    throw new InvalidRequest(`maxRetries must be an integer >= 0, got ${String(maxRetries)}`)
+  }
+  const f = opts.fetch ?? globalThis.fetch
+  if (typeof f !== 'function') throw new InvalidRequest('no fetch available: Node.js >= 18 is required')
+  return {
+    apiUrl,
+    apiKey,
+    requestTimeout: positive(opts.requestTimeout, DEFAULT_REQUEST_TIMEOUT_S, 'requestTimeout'),
+    maxRetries,
+    fetch: f,
+  }
+}
