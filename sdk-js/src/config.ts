@@ -10,6 +10,9 @@ import { join } from 'node:path'
 
 import { AuthenticationError, InvalidRequest } from './errors.js'
 
+/** Environment variables (`process.env` by default). */
+export type Env = Record<string, string | undefined>
+
 export const DEFAULT_API_URL = 'http://127.0.0.1:7070'
 export const DEFAULT_REQUEST_TIMEOUT_S = 60
 export const DEFAULT_MAX_RETRIES = 3
@@ -39,13 +42,13 @@ export interface ClientConfig {
   fetch: typeof globalThis.fetch
 }
 
-export function configPath(env: NodeJS.ProcessEnv = process.env): string {
+export function configPath(env: Env = process.env): string {
   const base = env.XDG_CONFIG_HOME || join(homedir(), '.config')
   return join(base, 'pilldrops', 'config.json')
 }
 
 /** The CLI's config file as `{api_url?, api_key?}` (missing or malformed: empty). */
-export function loadConfigFile(env: NodeJS.ProcessEnv = process.env): { api_url?: string; api_key?: string } {
+export function loadConfigFile(env: Env = process.env): { api_url?: string; api_key?: string } {
   let data: unknown
   try {
     data = JSON.parse(readFileSync(configPath(env), 'utf8'))
@@ -69,7 +72,7 @@ function positive(value: number | undefined, fallback: number, what: string): nu
 }
 
 /** Resolve every setting; throws {@link AuthenticationError} when no key is found anywhere. */
-export function resolveConfig(opts: ConnectionOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientConfig {
+export function resolveConfig(opts: ConnectionOptions = {}, env: Env = process.env): ClientConfig {
   let file: ReturnType<typeof loadConfigFile> | undefined
   const fromFile = () => (file ??= loadConfigFile(env))
   const apiKey = opts.apiKey || env.PILLDROPS_API_KEY || env.E2B_API_KEY || fromFile().api_key

@@ -76,7 +76,6 @@ class Attempt {
   arm(timeoutS: number): void {
     this.disarm()
     this.timer = setTimeout(() => this.controller.abort(TIMEOUT), Math.max(0, timeoutS * 1000))
-    this.timer.unref?.()
   }
 
   disarm(): void {
@@ -331,18 +330,25 @@ export class StreamReader {
     const body = this.res.body
     if (!body) return
     const reader = body.getReader()
+    // The caller's abort ends a pending read at once (and closes the stream, so the node stops the command).
+    const signal = this.attempt.controller.signal
+    const onAbort = () => { reader.cancel(signal.reason).catch(() => {}) }
+    signal.addEventListener('abort', onAbort, { once: true })
     try {
       for (;;) {
+        if (signal.aborted) throw mapFetchError(signal.reason, this.url, this.attempt)
         let r: ReadableStreamReadResult<Uint8Array>
         try {
           r = await reader.read()
         } catch (err) {
           throw mapFetchError(err, this.url, this.attempt)
         }
+        if (signal.aborted) throw mapFetchError(signal.reason, this.url, this.attempt)
         if (r.done) return
         yield r.value
       }
     } finally {
+      signal.removeEventListener('abort', onAbort)
       reader.cancel().catch(() => {})
       reader.releaseLock()
     }
