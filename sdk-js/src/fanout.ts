@@ -111,7 +111,8 @@ export async function map<T, R>(fn: (sb: Sandbox, item: T, ctx: MapContext) => P
   const one = async (i: number): Promise<void> => {
     let sb: Sandbox
     try {
-      sb = await Sandbox.create({ capacityWait: 600, ...create, signal: stop.signal })
+      // not aborted mid-way (a create cut off after it was sent could leave a sandbox behind)
+      sb = await Sandbox.create({ capacityWait: 600, ...create })
     } catch (err) {
       if (FATAL_CREATE_ERRORS.some((c) => err instanceof c)) {
         fatal ??= err as Error
@@ -124,6 +125,11 @@ export async function map<T, R>(fn: (sb: Sandbox, item: T, ctx: MapContext) => P
     }
     try {
       await using box = sb
+      if (stop.signal.aborted) {   // the map was stopped while this create was in flight: just kill it
+        results[i] = new AbortError('map was stopped before this item ran', { cause: stop.signal.reason })
+        errors.set(i, results[i] as Error)
+        return
+      }
       results[i] = await fn(box, work[i]!, { index: i, signal: stop.signal })
     } catch (err) {
       const e = err instanceof Error ? err : new Error(String(err))
