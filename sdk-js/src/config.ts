@@ -1,8 +1,9 @@
 /**
  * Where the SDK finds the API URL and key, exactly like the Python SDK and the CLI:
- * explicit option > `PILLDROPS_API_URL` / `PILLDROPS_API_KEY` (then `E2B_API_KEY`) > the config file that
- * `pilldrops up` writes (`$XDG_CONFIG_HOME/pilldrops/config.json`, default `~/.config/pilldrops/config.json`,
- * holding `{"api_url", "api_key"}`) > default URL `http://127.0.0.1:7070`.
+ * the URL: explicit option > `PILLDROPS_API_URL` > the config file that `pilldrops up` writes
+ * (`$XDG_CONFIG_HOME/pilldrops/config.json`, default `~/.config/pilldrops/config.json`, holding
+ * `{"api_url", "api_key"}`) > `http://127.0.0.1:7070`; the key: explicit option > `PILLDROPS_API_KEY` > the
+ * config file > `E2B_API_KEY`. An authentication error names where the key came from.
  */
 import { readFileSync } from 'node:fs'
 import { homedir } from 'node:os'
@@ -24,7 +25,7 @@ const NO_KEY_MESSAGE =
 export interface ConnectionOptions {
   /** The control plane's URL (default: `PILLDROPS_API_URL`, the config file, then `http://127.0.0.1:7070`). */
   apiUrl?: string
-  /** The API key (default: `PILLDROPS_API_KEY`, `E2B_API_KEY`, then the config file). */
+  /** The API key (default: `PILLDROPS_API_KEY`, then the config file, then `E2B_API_KEY`). */
   apiKey?: string
   /** Seconds each non-streaming HTTP call may take (default 60). */
   requestTimeout?: number
@@ -37,6 +38,8 @@ export interface ConnectionOptions {
 export interface ClientConfig {
   apiUrl: string
   apiKey: string
+  /** Where the key came from (named in authentication errors). */
+  keySource: string
   requestTimeout: number
   maxRetries: number
   fetch: typeof globalThis.fetch
@@ -75,7 +78,12 @@ function positive(value: number | undefined, fallback: number, what: string): nu
 export function resolveConfig(opts: ConnectionOptions = {}, env: Env = process.env): ClientConfig {
   let file: ReturnType<typeof loadConfigFile> | undefined
   const fromFile = () => (file ??= loadConfigFile(env))
-  const apiKey = opts.apiKey || env.PILLDROPS_API_KEY || env.E2B_API_KEY || fromFile().api_key
+  // explicit > PILLDROPS_API_KEY > the saved config file > E2B_API_KEY (the CLI's and the Python SDK's order)
+  const found: [string | undefined, string][] = [
+    [opts.apiKey, 'the apiKey option'], [env.PILLDROPS_API_KEY, 'PILLDROPS_API_KEY'],
+    [fromFile().api_key, `the config file ${configPath(env)}`], [env.E2B_API_KEY, 'E2B_API_KEY'],
+  ]
+  const [apiKey, keySource] = found.find(([k]) => k) ?? [undefined, '']
   if (!apiKey) throw new AuthenticationError(NO_KEY_MESSAGE)
   const apiUrl = (opts.apiUrl || env.PILLDROPS_API_URL || fromFile().api_url || DEFAULT_API_URL).replace(/\/+$/, '')
   const maxRetries = opts.maxRetries ?? DEFAULT_MAX_RETRIES
@@ -87,6 +95,7 @@ export function resolveConfig(opts: ConnectionOptions = {}, env: Env = process.e
   return {
     apiUrl,
     apiKey,
+    keySource,
     requestTimeout: positive(opts.requestTimeout, DEFAULT_REQUEST_TIMEOUT_S, 'requestTimeout'),
     maxRetries,
     fetch: f,

@@ -52,6 +52,11 @@ export class MapResult<R> implements Iterable<R | Error> {
   constructor(readonly results: (R | Error)[], readonly errors: ReadonlyMap<number, Error>,
               /** Seconds the map took. */ readonly elapsed: number) {}
 
+  /** The same as {@link results} (the Python `MapResult.items`). */
+  get items(): (R | Error)[] {
+    return this.results
+  }
+
   get length(): number {
     return this.results.length
   }

@@ -7,7 +7,7 @@ import { randomUUID } from 'node:crypto'
 import type { ClientConfig, ConnectionOptions } from './config.js'
 import { resolveConfig } from './config.js'
 import {
-  AbortError, InvalidRequest, PayloadTooLarge, PillDropsError, RequestTimeout, ServerError, TransportError, fromWire,
+  AbortError, AuthenticationError, InvalidRequest, PayloadTooLarge, PillDropsError, RequestTimeout, ServerError, TransportError, fromWire,
 } from './errors.js'
 import { RetryPolicy, parseRetryAfter } from './retry.js'
 import { VERSION } from './version.js'
@@ -258,6 +258,9 @@ export class APIClient {
     }
     if (res.status >= 400 || (res.status >= 300 && res.status < 400)) {
       const err = await errorFromResponse(res, url, attempt)
+      if (err instanceof AuthenticationError && target.headers.Authorization) {
+        err.message += ` (the API key came from ${this.config.keySource})`
+      }
       ;(err as { retryAfter?: number | null }).retryAfter = parseRetryAfter(res.headers.get('retry-after'))
       throw err
     }

@@ -63,6 +63,7 @@ describe('create', () => {
     const err = await Sandbox.create(opts(f)).catch((e) => e)
     assert.ok(err instanceof AuthenticationError)
     assert.equal(err.requestId, 'req-9')
+    assert.match(err.message, /^bad key \(the API key came from the apiKey option\)$/)
     assert.equal(f.calls.length, 1, 'a 401 is not retried')
   })
 

@@ -46,11 +46,14 @@ describe('config', () => {
   mkdirSync(join(dir, 'pilldrops'))
   writeFileSync(join(dir, 'pilldrops', 'config.json'), JSON.stringify({ api_url: 'http://file:1/', api_key: 'filekey' }))
 
-  test('explicit > PILLDROPS_* > E2B_API_KEY > the CLI config file > default', () => {
+  test('explicit > PILLDROPS_* > the CLI config file > E2B_API_KEY > default', () => {
     const env = { XDG_CONFIG_HOME: dir }
     assert.deepEqual([resolveConfig({}, env).apiUrl, resolveConfig({}, env).apiKey], ['http://file:1', 'filekey'])
+    assert.match(resolveConfig({}, env).keySource, /^the config file .*config\.json$/)
     const e2b = { ...env, E2B_API_KEY: 'e2b' }
-    assert.equal(resolveConfig({}, e2b).apiKey, 'e2b')
+    assert.equal(resolveConfig({}, e2b).apiKey, 'filekey', 'the saved config file comes before E2B_API_KEY')
+    const onlyE2b = { XDG_CONFIG_HOME: join(dir, 'none'), E2B_API_KEY: 'e2b' }
+    assert.deepEqual([resolveConfig({}, onlyE2b).apiKey, resolveConfig({}, onlyE2b).keySource], ['e2b', 'E2B_API_KEY'])
     const pd = { ...e2b, PILLDROPS_API_KEY: 'pd', PILLDROPS_API_URL: 'http://env:2' }
     assert.equal(resolveConfig({}, pd).apiKey, 'pd')
     assert.equal(resolveConfig({}, pd).apiUrl, 'http://env:2')
