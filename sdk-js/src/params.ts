@@ -88,13 +88,21 @@ function stringMap(value: unknown, what: string, env: boolean): Record<string, s
   return value as Record<string, string>
 }
 
+/** A sandbox's spec. */
 export interface SpecArgs {
+  /** Template name (default `base`). */
   template?: string
+  /** CPU quota in cores (default 1). */
   vcpu?: number
+  /** Memory limit in MiB (default 512). */
   memoryMb?: number
+  /** Seconds until the sandbox is killed (default 300, max 86400); extend with `setTimeout`. */
   timeout?: number
+  /** Free-form labels, filterable in `Sandbox.list` / `Sandbox.history`. */
   metadata?: Record<string, string>
+  /** Environment variables for every command. */
   envs?: Record<string, string>
+  /** The isolation of the sandbox, where the deployment offers a choice (sent only when given). */
   isolation?: string
 }
 

@@ -32,21 +32,8 @@ export const BATCH_CHUNK = 100
 /** The longest NDJSON line a run stream may send (the node sends 256 KiB chunks, base64-encoded). */
 const MAX_EVENT_LINE = 8 * 1024 * 1024
 
+/** What `Sandbox.create` takes: the sandbox's spec ({@link SpecArgs}) and the connection settings. */
 export interface CreateOptions extends ConnectionOptions, SpecArgs {
-  /** Template name (default `base`). */
-  template?: string
-  /** CPU quota in cores (default 1). */
-  vcpu?: number
-  /** Memory limit in MiB (default 512). */
-  memoryMb?: number
-  /** Seconds until the sandbox is killed (default 300, max 86400); extend with `setTimeout`. */
-  timeout?: number
-  /** Free-form labels, filterable in `Sandbox.list` / `Sandbox.history`. */
-  metadata?: Record<string, string>
-  /** Environment variables for every command. */
-  envs?: Record<string, string>
-  /** The isolation of the sandbox, where the deployment offers a choice (sent only when given). */
-  isolation?: string
   /**
    * Seconds a create may spend waiting for room when the deployment is full (503 capacity_unavailable) or
    * rate limits (429), retrying with backoff and honouring `Retry-After` (default 120; 0: fail at once).
