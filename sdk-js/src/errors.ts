@@ -40,6 +40,8 @@ export class PillDropsError extends Error {
   readonly retryable: boolean
   details: unknown
   requestId: string | null
+  /** Seconds the server asked to wait before a retry (its `Retry-After`), when it said. */
+  retryAfter: number | null = null
 
   constructor(message = '', options: { details?: unknown; requestId?: string | null; cause?: unknown } = {}) {
     const ctor = new.target as typeof PillDropsError

@@ -4,7 +4,7 @@ import { posix } from 'node:path'
 import { FileNotFound } from './errors.js'
 import { checkRemotePath, sandboxPath } from './http.js'
 import type { APIClient, Target } from './http.js'
-import { camelize } from './wire.js'
+import { SHAPES, camelize } from './wire.js'
 import type { FileInfo, WireFileInfo, WireFileList } from './wire.js'
 
 /** The most `files.read` / `files.readBytes` buffers by default (64 MiB); pass `maxBytes` for more. */
@@ -57,7 +57,7 @@ export class Files {
   async write(path: string, data: string | Uint8Array, opts: { signal?: AbortSignal } = {}): Promise<FileInfo> {
     checkRemotePath(path)
     const body = typeof data === 'string' ? new TextEncoder().encode(data) : data
-    const info = await this.owner.client.json<WireFileInfo>('PUT', this.path('/files'), {
+    const info = await this.owner.client.json<WireFileInfo>('PUT', this.path('/files'), { expect: SHAPES.file,
       target: this.owner.dataTarget(), params: [['path', path]], body: () => body,
       headers: { 'Content-Type': 'application/octet-stream' }, idempotent: true, signal: opts.signal,
     })
@@ -67,7 +67,7 @@ export class Files {
   /** Entries of the directory `path`. Throws `FileNotFound`. */
   async list(path: string, opts: { signal?: AbortSignal } = {}): Promise<FileInfo[]> {
     checkRemotePath(path)
-    const page = await this.owner.client.json<WireFileList>('GET', this.path('/files/list'), {
+    const page = await this.owner.client.json<WireFileList>('GET', this.path('/files/list'), { expect: SHAPES.fileList,
       target: this.owner.dataTarget(), params: [['path', path]], idempotent: true, signal: opts.signal,
     })
     return page.items.map((i) => camelize(i))

@@ -42,6 +42,27 @@ export interface RequestOptions {
   signal?: AbortSignal
   /** Most bytes of the answer that are read (default {@link MAX_JSON_BYTES}). */
   maxBytes?: number
+  /** For {@link APIClient.json}: what the answer must look like (else it is a `ServerError`). */
+  expect?: Shape
+}
+
+/** The keys a JSON answer must have; `items` (when given) must be an array of objects with `itemKeys`. */
+export interface Shape {
+  keys: readonly string[]
+  itemKeys?: readonly string[]
+}
+
+function hasKeys(v: unknown, keys: readonly string[]): boolean {
+  return typeof v === 'object' && v !== null && !Array.isArray(v) &&
+    keys.every((k) => (v as Record<string, unknown>)[k] !== undefined)
+}
+
+/** Whether a decoded answer has the expected shape. */
+export function matches(value: unknown, shape: Shape): boolean {
+  if (!hasKeys(value, shape.keys)) return false
+  if (!shape.itemKeys) return true
+  const items = (value as { items?: unknown }).items
+  return Array.isArray(items) && items.every((i) => hasKeys(i, shape.itemKeys!))
 }
 
 export interface StreamOptions extends Omit<RequestOptions, 'maxBytes' | 'capacityWait'> {}
@@ -261,7 +282,7 @@ export class APIClient {
       if (err instanceof AuthenticationError && target.headers.Authorization) {
         err.message += ` (the API key came from ${this.config.keySource})`
       }
-      ;(err as { retryAfter?: number | null }).retryAfter = parseRetryAfter(res.headers.get('retry-after'))
+      err.retryAfter = parseRetryAfter(res.headers.get('retry-after'))
       throw err
     }
     return res
@@ -283,8 +304,7 @@ export class APIClient {
         a.done()
         const e = err instanceof PillDropsError ? err : mapFetchError(err, path, a)
         if (e instanceof AbortError) throw e
-        const retryAfter = (e as { retryAfter?: number | null }).retryAfter ?? null
-        const delay = policy.nextDelay(e, retryAfter)
+        const delay = policy.nextDelay(e, e.retryAfter)
         if (delay === null) throw e
         await timing.sleep(delay, opts.signal)
       }
@@ -304,11 +324,16 @@ export class APIClient {
   /** Send and parse a JSON answer; a malformed one is a {@link ServerError}. */
   async json<T>(method: string, path: string, opts: RequestOptions): Promise<T> {
     const answer = await this.request(method, path, opts)
+    let value: unknown
     try {
-      return JSON.parse(new TextDecoder().decode(answer.body)) as T
+      value = JSON.parse(new TextDecoder().decode(answer.body))
     } catch (err) {
       throw new ServerError(`unexpected response from ${path}: ${(err as Error).message}`)
     }
+    if (opts.expect && !matches(value, opts.expect)) {
+      throw new ServerError(`unexpected response from ${path}: ${new TextDecoder().decode(answer.body.subarray(0, 200))}`)
+    }
+    return value as T
   }
 
   /**

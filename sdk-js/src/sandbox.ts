@@ -22,7 +22,7 @@ import type {
   HistoryRecord, SandboxInfo, UsageSummary, WireBatchResponse, WireHistoryPage, WireSandboxInfo, WireSandboxList,
   WireUsageSummary,
 } from './wire.js'
-import { camelize } from './wire.js'
+import { SHAPES, camelize } from './wire.js'
 
 // Node >= 18.18 has it; older runtimes get the well-known symbol TypeScript's `await using` looks up.
 ;(Symbol as { asyncDispose?: symbol }).asyncDispose ??= Symbol.for('nodejs.asyncDispose')
@@ -169,7 +169,7 @@ export class Sandbox {
     const capacityWait = checkCapacityWait(opts.capacityWait ?? 120)
     const body = createBody(opts)
     const c = client(opts)
-    const info = await c.json<WireSandboxInfo>('POST', '/v1/sandboxes', {
+    const info = await c.json<WireSandboxInfo>('POST', '/v1/sandboxes', { expect: SHAPES.sandbox,
       json: body, headers: { 'Idempotency-Key': newIdempotencyKey() }, idempotent: true, capacityWait,
       signal: opts.signal,
     })
@@ -194,7 +194,7 @@ export class Sandbox {
     try {
       for (let start = 0; start < count; start += BATCH_CHUNK) {
         const n = Math.min(BATCH_CHUNK, count - start)
-        const page = await c.json<WireBatchResponse>('POST', '/v1/sandboxes/batch', {
+        const page = await c.json<WireBatchResponse>('POST', '/v1/sandboxes/batch', { expect: SHAPES.batch,
           json: { ...body, count: n }, headers: { 'Idempotency-Key': newIdempotencyKey() }, idempotent: true,
           timeout: c.config.requestTimeout + capacityWait + 0.5 * n, signal: opts.signal,
         })
@@ -226,28 +226,28 @@ export class Sandbox {
   static async connect(sandboxId: string, opts: CallOptions = {}): Promise<Sandbox> {
     const c = client(opts)
     const info = await c.json<WireSandboxInfo>('POST', sandboxPath(sandboxId, '/connect'),
-      { idempotent: true, signal: opts.signal })
+      { expect: SHAPES.sandbox, idempotent: true, signal: opts.signal })
     return new Sandbox(toSandboxInfo(info), c)
   }
 
   /** One sandbox's record (any state) without connecting. Throws `SandboxNotFound`. */
   static async getInfo(sandboxId: string, opts: CallOptions = {}): Promise<SandboxInfo> {
     const info = await client(opts).json<WireSandboxInfo>('GET', sandboxPath(sandboxId),
-      { idempotent: true, signal: opts.signal })
+      { expect: SHAPES.sandbox, idempotent: true, signal: opts.signal })
     return toSandboxInfo(info)
   }
 
   /** Kill a sandbox by id. Idempotent: killing an ended sandbox returns its final record. */
   static async kill(sandboxId: string, opts: CallOptions = {}): Promise<SandboxInfo> {
     const info = await client(opts).json<WireSandboxInfo>('DELETE', sandboxPath(sandboxId),
-      { idempotent: true, signal: opts.signal })
+      { expect: SHAPES.sandbox, idempotent: true, signal: opts.signal })
     return toSandboxInfo(info)
   }
 
   /** Pause a running sandbox by id; returns its record (state `paused`). */
   static async pause(sandboxId: string, opts: CallOptions = {}): Promise<SandboxInfo> {
     const info = await client(opts).json<WireSandboxInfo>('POST', sandboxPath(sandboxId, '/pause'),
-      { idempotent: false, signal: opts.signal })
+      { expect: SHAPES.sandbox, idempotent: false, signal: opts.signal })
     return toSandboxInfo(info)
   }
 
@@ -255,7 +255,7 @@ export class Sandbox {
   static async resume(sandboxId: string, opts: CallOptions = {}): Promise<Sandbox> {
     const c = client(opts)
     const info = await c.json<WireSandboxInfo>('POST', sandboxPath(sandboxId, '/resume'),
-      { idempotent: false, signal: opts.signal })
+      { expect: SHAPES.sandbox, idempotent: false, signal: opts.signal })
     return new Sandbox(toSandboxInfo(info), c)
   }
 
@@ -263,7 +263,7 @@ export class Sandbox {
   static async setTimeout(sandboxId: string, seconds: number, opts: CallOptions = {}): Promise<SandboxInfo> {
     checkTimeoutSeconds(seconds)
     const info = await client(opts).json<WireSandboxInfo>('POST', sandboxPath(sandboxId, '/timeout'),
-      { json: { timeout: seconds }, idempotent: true, signal: opts.signal })
+      { expect: SHAPES.sandbox, json: { timeout: seconds }, idempotent: true, signal: opts.signal })
     return toSandboxInfo(info)
   }
 
@@ -275,7 +275,7 @@ export class Sandbox {
     const items: SandboxInfo[] = []
     let cursor: string | null = null
     for (;;) {
-      const page: WireSandboxList = await c.json<WireSandboxList>('GET', '/v1/sandboxes', {
+      const page: WireSandboxList = await c.json<WireSandboxList>('GET', '/v1/sandboxes', { expect: SHAPES.sandboxList,
         idempotent: true, params: listParams(opts.state, opts.metadata, pageSize, cursor), signal: opts.signal,
       })
       items.push(...page.items.map(toSandboxInfo))
@@ -306,7 +306,7 @@ export class Sandbox {
       const params = [...period, ...(opts.template ? [['template', opts.template] as [string, string]] : []),
         ...listParams(opts.state, opts.metadata, size, cursor)]
       const page: WireHistoryPage = await c.json<WireHistoryPage>('GET', '/v1/history',
-        { idempotent: true, params, signal: opts.signal })
+        { expect: SHAPES.history, idempotent: true, params, signal: opts.signal })
       items.push(...page.items.map(toHistoryRecord))
       if (opts.limit !== undefined && items.length >= opts.limit) return items.slice(0, opts.limit)
       if (!page.items.length || !page.next_cursor || page.next_cursor === cursor) return items
@@ -318,14 +318,14 @@ export class Sandbox {
   static async usage(opts: UsageOptions = {}): Promise<UsageSummary> {
     const params = periodParams(opts.since, opts.until)
     const u = await client(opts).json<WireUsageSummary>('GET', '/v1/usage',
-      { idempotent: true, params, signal: opts.signal })
+      { expect: SHAPES.usage, idempotent: true, params, signal: opts.signal })
     return camelize(u)
   }
 
   /** Fetch the current record (state, `endAt`, usage so far, ...) and update `info`. */
   async getInfo(opts: { signal?: AbortSignal } = {}): Promise<SandboxInfo> {
     return this.update(await this.client.json<WireSandboxInfo>('GET', sandboxPath(this.id),
-      { idempotent: true, signal: opts.signal }))
+      { expect: SHAPES.sandbox, idempotent: true, signal: opts.signal }))
   }
 
   /** The cost in USD so far (final once ended), fetched now; also refreshes `info`. */
@@ -347,13 +347,13 @@ export class Sandbox {
   async setTimeout(seconds: number, opts: { signal?: AbortSignal } = {}): Promise<SandboxInfo> {
     checkTimeoutSeconds(seconds)
     return this.update(await this.client.json<WireSandboxInfo>('POST', sandboxPath(this.id, '/timeout'),
-      { json: { timeout: seconds }, idempotent: true, signal: opts.signal }))
+      { expect: SHAPES.sandbox, json: { timeout: seconds }, idempotent: true, signal: opts.signal }))
   }
 
   /** Kill the sandbox now. Idempotent; returns (and stores in `info`) the final record with its final cost. */
   async kill(opts: { signal?: AbortSignal } = {}): Promise<SandboxInfo> {
     return this.update(await this.client.json<WireSandboxInfo>('DELETE', sandboxPath(this.id),
-      { idempotent: true, signal: opts.signal }))
+      { expect: SHAPES.sandbox, idempotent: true, signal: opts.signal }))
   }
 
   /**
@@ -363,13 +363,13 @@ export class Sandbox {
    */
   async pause(opts: { signal?: AbortSignal } = {}): Promise<SandboxInfo> {
     return this.update(await this.client.json<WireSandboxInfo>('POST', sandboxPath(this.id, '/pause'),
-      { idempotent: false, signal: opts.signal }))
+      { expect: SHAPES.sandbox, idempotent: false, signal: opts.signal }))
   }
 
   /** Resume exactly where it left off (it may come back on another node: the data-plane address is refreshed). */
   async resume(opts: { signal?: AbortSignal } = {}): Promise<SandboxInfo> {
     return this.update(await this.client.json<WireSandboxInfo>('POST', sandboxPath(this.id, '/resume'),
-      { idempotent: false, signal: opts.signal }))
+      { expect: SHAPES.sandbox, idempotent: false, signal: opts.signal }))
   }
 
   /** `await using sb = await Sandbox.create(...)`: the sandbox is killed when the block ends, whatever happens. */

@@ -67,3 +67,15 @@ export function toHistoryRecord(w: Schemas['HistoryRecord']): HistoryRecord {
   const rec = camelize(w)
   return { ...rec, metadata: rec.metadata ?? {}, pauses: (w.pauses ?? []).map((p) => camelize(p)) }
 }
+
+/** What answers must hold before the SDK reads them (a malformed one is a `ServerError`, never a TypeError). */
+const SANDBOX_KEYS = ['id', 'template', 'state', 'created_at'] as const
+export const SHAPES = {
+  sandbox: { keys: SANDBOX_KEYS },
+  sandboxList: { keys: ['items'], itemKeys: SANDBOX_KEYS },
+  batch: { keys: ['items'], itemKeys: ['index'] },
+  history: { keys: ['items'], itemKeys: ['id', 'state'] },
+  usage: { keys: ['team_id', 'sandboxes', 'cost_usd'] },
+  file: { keys: ['name', 'path', 'type'] },
+  fileList: { keys: ['items'], itemKeys: ['name', 'path', 'type'] },
+} as const
