@@ -6,7 +6,7 @@ import { once } from 'node:events'
 
 import { extractDownload, packUpload } from './archive.js'
 import type { ConnectionOptions } from './config.js'
-import { InvalidRequest, PillDropsError, SandboxNotFound, TransportError, fromWire } from './errors.js'
+import { InvalidRequest, PillDropsError, SandboxNotFound, fromWire } from './errors.js'
 import { Files } from './files.js'
 import { APIClient, checkRemotePath, dataTarget, newIdempotencyKey, sandboxPath } from './http.js'
 import type { Target } from './http.js'
@@ -454,10 +454,11 @@ export class Sandbox {
    */
   async download(remote: string, local: string, opts: { signal?: AbortSignal } = {}): Promise<string> {
     checkRemotePath(remote, 'remote path')
-    const parent = dirname(resolve(local))
-    await mkdir(parent, { recursive: true })
-    const tmp = await mkdtemp(join(parent, '.pilldrops-download-'))
+    let tmp: string | null = null
     try {
+      const parent = dirname(resolve(local))
+      await mkdir(parent, { recursive: true })
+      tmp = await mkdtemp(join(parent, '.pilldrops-download-'))
       const tarPath = join(tmp, 'download.tar')
       const stream = await this.client.stream('GET', sandboxPath(this.id, '/archive'), {
         target: this.dataTarget(), params: [['path', remote]], idempotent: true, signal: opts.signal,
@@ -475,11 +476,14 @@ export class Sandbox {
       return await extractDownload(tarPath, remote, local)
     } catch (err) {
       if (err instanceof PillDropsError) throw err
-      throw new TransportError(`download of ${remote} failed: ${(err as Error).message}`, { cause: err })
+      // a local filesystem failure (permissions, disk full): named with the local path
+      throw new InvalidRequest(`could not write the download of ${remote} to ${local}: ${(err as Error).message}`,
+        { cause: err })
     } finally {
-      await rm(tmp, { recursive: true, force: true })
+      if (tmp) await rm(tmp, { recursive: true, force: true })
     }
   }
+
 }
 
 async function killAll(items: (Sandbox | PillDropsError)[]): Promise<void> {
