@@ -34,8 +34,10 @@ import httpx
 import pydantic
 
 from pilldrops.errors import (
+    AuthenticationError,
     CommandFailed,
     InvalidRequest,
+    InvalidState,
     PillDropsError,
     RequestTimeout,
     ServerError,
@@ -211,6 +213,10 @@ def map_transport_errors(url: str | httpx.URL | None = None) -> Iterator[None]:
     where = f" {str(url).split('?', 1)[0]}" if url else ""
     try:
         yield
+    except httpx.ConnectError as exc:   # nothing listens there: say what usually fixes it
+        at = f" at{where}" if where else ""
+        raise TransportError(f"cannot reach PillDrops{at} — is `pilldrops up` running? (or set "
+                             f"PILLDROPS_API_URL) [{exc.__class__.__name__}: {exc}]") from exc
     except httpx.TimeoutException as exc:
         what = f"request to{where}" if where else "request"
         raise RequestTimeout(f"{what} timed out: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
@@ -223,6 +229,31 @@ def map_transport_errors(url: str | httpx.URL | None = None) -> Iterator[None]:
         raise TransportError(f"HTTP error{at}: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
     except httpx.InvalidURL as exc:
         raise InvalidRequest(f"invalid URL: {exc}") from exc
+
+
+def name_key_source(exc: PillDropsError, config: ClientConfig, target: Target) -> PillDropsError:
+    """A 401 from the control plane says which key was used and where it came from (a stale
+    ``E2B_API_KEY`` in the shell or an old config file are the usual causes)."""
+    if isinstance(exc, AuthenticationError) and "Authorization" in target.headers:
+        hint = f" (API key from {config.api_key_source})"
+        if hint not in exc.message:
+            exc.message = f"{exc.message}{hint}"
+            exc.args = (exc.message,)
+    return exc
+
+
+ENDED_STATES = frozenset({SandboxState.stopping, SandboxState.stopped, SandboxState.failed, SandboxState.lost})
+
+
+def stopped_error(info: SandboxInfo) -> InvalidState | None:
+    """The error for using a sandbox that has ended ("sandbox sb_x is stopped (killed at ...)"), or None."""
+    if info.state not in ENDED_STATES:
+        return None
+    why = info.end_reason.value if info.end_reason is not None else info.state.value
+    when = f" at {info.ended_at.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}" if info.ended_at else ""
+    return InvalidState(f"sandbox {info.id} is {info.state.value} ({why}{when})", current=info.state.value,
+                        details={"from": info.state.value, "end_reason": why,
+                                 "ended_at": info.ended_at.isoformat() if info.ended_at else None})
 
 
 def error_from_response(response: httpx.Response) -> PillDropsError:

@@ -15,7 +15,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pilldrops.errors import PillDropsError, SandboxNotFound, from_wire
+import httpx
+
+from pilldrops.errors import (
+    InvalidState, NodeUnavailable, PillDropsError, SandboxNotFound, TransportError, from_wire,
+)
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
@@ -57,6 +61,7 @@ from pilldrops.sdk._base import (
     parse_model,
     period_params,
     sandbox_path,
+    stopped_error,
     stream_timeout,
 )
 from pilldrops.sdk._config import DEFAULT_REQUEST_TIMEOUT_S
@@ -107,6 +112,33 @@ class Sandbox:
 
     def _data_target(self) -> Target:
         return data_target(self.info, self._client.config)
+
+    def _raise_if_ended(self) -> None:
+        """Using a sandbox this object saw end fails at once, saying so (no request)."""
+        err = stopped_error(self.info)
+        if err is not None:
+            raise err
+
+    def _explain(self, exc: PillDropsError) -> PillDropsError:
+        """A data-plane failure of a sandbox that has ended becomes "sandbox X is stopped (killed at ...)"."""
+        if not isinstance(exc, SandboxNotFound | InvalidState | NodeUnavailable | TransportError):
+            return exc
+        try:
+            info = self.get_info()
+        except PillDropsError:
+            return exc
+        return stopped_error(info) or exc
+
+    def _data_request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request to the sandbox's data plane, with an ended sandbox explained."""
+        self._raise_if_ended()
+        try:
+            return self._client.request(method, path, target=self._data_target(), **kwargs)
+        except PillDropsError as exc:
+            better = self._explain(exc)
+            if better is exc:
+                raise
+            raise better from exc
 
     def _update(self, info: SandboxInfo) -> SandboxInfo:
         # Listings and get never carry the data-plane address or token: keep the ones we have.
@@ -430,14 +462,21 @@ class Sandbox:
                            max_output_bytes=max_output_bytes)
         decoder = RunDecoder(cmd=cmd, on_stdout=on_stdout, on_stderr=on_stderr,
                              max_output_bytes=max_output_bytes)
-        with self._client.stream("POST", sandbox_path(self.id, "/run"), target=self._data_target(),
-                                       json=body.model_dump(mode="json", exclude_none=True),
-                                       timeout=stream_timeout(self._client.config),
-                                       idempotent=False) as resp:
-            for line in resp.iter_lines():
-                decoder.feed(line)
-                if decoder.done:
-                    break
+        self._raise_if_ended()
+        try:
+            with self._client.stream("POST", sandbox_path(self.id, "/run"), target=self._data_target(),
+                                           json=body.model_dump(mode="json", exclude_none=True),
+                                           timeout=stream_timeout(self._client.config),
+                                           idempotent=False) as resp:
+                for line in resp.iter_lines():
+                    decoder.feed(line)
+                    if decoder.done:
+                        break
+        except PillDropsError as exc:
+            better = self._explain(exc)
+            if better is exc:
+                raise
+            raise better from exc
         result = decoder.result()
         return result.check_returncode() if check else result
 
@@ -454,10 +493,10 @@ class Sandbox:
         check_remote_path(remote, "remote path")
         plan = Blocking.run(pack_upload, local, remote)
         try:
-            self._client.request(
-                "PUT", sandbox_path(self.id, "/archive"), target=self._data_target(),
-                params={"path": plan.dest}, content=lambda: iter_file(plan.tar_path),
-                headers={"Content-Type": "application/x-tar"}, idempotent=False)
+            self._data_request(
+                "PUT", sandbox_path(self.id, "/archive"), params={"path": plan.dest},
+                content=lambda: iter_file(plan.tar_path), headers={"Content-Type": "application/x-tar"},
+                idempotent=False)
         finally:
             plan.cleanup()
         return plan.entries
@@ -470,14 +509,21 @@ class Sandbox:
         or :class:`InvalidRequest` (before any request) when ``remote`` is not absolute.
         """
         check_remote_path(remote, "remote path")
+        self._raise_if_ended()
         tmp_path, f = download_tempfile(local)
         try:
             with f:
-                with self._client.stream("GET", sandbox_path(self.id, "/archive"),
-                                               target=self._data_target(), params={"path": remote},
-                                               idempotent=True) as resp:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
+                try:
+                    with self._client.stream("GET", sandbox_path(self.id, "/archive"),
+                                                   target=self._data_target(), params={"path": remote},
+                                                   idempotent=True) as resp:
+                        for chunk in resp.iter_bytes():
+                            f.write(chunk)
+                except PillDropsError as exc:
+                    better = self._explain(exc)
+                    if better is exc:
+                        raise
+                    raise better from exc
             return Blocking.run(extract_download, tmp_path, remote, local)
         finally:
             try:
