@@ -173,6 +173,19 @@ def check_limit(limit: int | None, what: str = "limit") -> None:
         raise InvalidRequest(f"{what} must be a positive integer, got {limit!r}")
 
 
+Metadata = dict[str, str] | Callable[[T], dict[str, str]] | None
+
+
+def item_metadata(metadata: Metadata[T], item: T) -> dict[str, str]:
+    """The metadata of one item's sandbox: the dict, or what the function gives for the item (as strings)."""
+    got = metadata(item) if callable(metadata) else metadata
+    if got is None:
+        return {}
+    if not isinstance(got, dict):
+        raise TypeError(f"metadata for item {item!r} must be a dict, not {type(got).__name__}")
+    return {str(k): str(v) for k, v in got.items()}
+
+
 def new_idempotency_key() -> str:
     """One key per logical create, reused by every retry of it."""
     import uuid

@@ -52,6 +52,7 @@ from pilldrops.sdk._base import (
     data_target,
     download_tempfile,
     hybridmethod,
+    item_metadata,
     extract_download,
     history_params,
     list_params,
@@ -180,7 +181,8 @@ class AsyncSandbox:
 
     @classmethod
     async def create_many(cls, count: int, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                          timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
+                          timeout: int = DEFAULT_TIMEOUT_S,
+                          metadata: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                           envs: dict[str, str] | None = None, capacity_wait: float = 60.0,
                           return_exceptions: bool = False, api_key: str | None = None, api_url: str | None = None,
                           request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -193,10 +195,14 @@ class AsyncSandbox:
         the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
         failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
         in the list, and the sandboxes that were made are yours to kill.
+
+        ``metadata`` may be a function of the item's index (``lambda i: {"episode": str(i)}``) so that each
+        sandbox is findable in history on its own.
         """
         capacity_wait = check_capacity_wait(capacity_wait)
+        per_item = callable(metadata)
         body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata=metadata or {}, envs=envs or {},
+                           timeout=timeout, metadata={} if per_item else (metadata or {}), envs=envs or {},
                            capacity_wait=min(capacity_wait, 600.0))
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
@@ -204,8 +210,11 @@ class AsyncSandbox:
         try:
             for start in range(0, count, BATCH_CHUNK):
                 n = min(BATCH_CHUNK, count - start)
+                chunk = {**body.model_dump(mode="json", exclude_none=True), "count": n}
+                if per_item:
+                    chunk["item_metadata"] = [item_metadata(metadata, i) for i in range(start, start + n)]
                 resp = await client.request(
-                    "POST", "/v1/sandboxes/batch", json={**body.model_dump(mode="json"), "count": n},
+                    "POST", "/v1/sandboxes/batch", json=chunk,
                     headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
                     timeout=batch_timeout(client.config, n, capacity_wait))
                 for item in parse_model(BatchCreateResponse, resp).items:
