@@ -33,6 +33,7 @@ import anyio.to_thread
 import httpx
 import pydantic
 
+from pilldrops._internal.timeparse import parse_time
 from pilldrops.errors import (
     AuthenticationError,
     CommandFailed,
@@ -129,16 +130,17 @@ def list_params(state: str | list[str] | None, metadata: dict[str, str] | None, 
 def iso_param(value: datetime | date | str | None, what: str) -> str | None:
     """A time query parameter as ISO 8601 UTC (``...Z``); a naive datetime or a date is taken as UTC.
 
-    A string must parse as ISO 8601 (``2025-01-31``, ``2025-01-31T12:00``, ``...+02:00``, ``...Z``);
-    otherwise it is an :class:`InvalidRequest` before any I/O.
+    A string must parse as ISO 8601 (``2025-01-31``, ``2025-01-31T12:00``, ``...+02:00``, ``...Z``) or be a
+    time ago (``90s``, ``30m``, ``1h``, ``2d``, ``1w``); otherwise it is an :class:`InvalidRequest` before
+    any I/O.
     """
     if value is None:
         return None
     if isinstance(value, str):
         try:
-            value = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise InvalidRequest(f"{what} must be an ISO 8601 date or time, got {value!r}") from None
+            value = parse_time(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"{what}: {exc}") from None
     if not isinstance(value, datetime):
         value = datetime(value.year, value.month, value.day)
     if value.tzinfo is None:

@@ -255,23 +255,27 @@ class Sandbox:
     def list(cls, *, state: str | SandboxState | builtins.list[str | SandboxState] | None = None,
                    metadata: dict[str, str] | None = None, api_key: str | None = None,
                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
-                   transport: Any = None, page_size: int = 100) -> builtins.list[SandboxInfo]:
-        """The caller's sandboxes, newest first, following every page.
+                   transport: Any = None, page_size: int = 100,
+                   limit: int | None = None) -> builtins.list[SandboxInfo]:
+        """The caller's sandboxes, newest first, following every page (at most ``limit`` if given).
 
         ``state`` filters by one state or any of several; ``metadata`` keeps sandboxes having every pair.
         """
+        check_limit(limit)
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         states: Any = [state] if isinstance(state, (str, SandboxState)) else state
         items: builtins.list[SandboxInfo] = []
         cursor: str | None = None
         while True:
+            size = page_size if limit is None else min(page_size, limit - len(items))
             resp = client.request("GET", "/v1/sandboxes", idempotent=True,
-                                        params=list_params(states, metadata, page_size, cursor))
+                                        params=list_params(states, metadata, size, cursor))
             page = parse_model(SandboxList, resp)
             items.extend(page.items)
-            if not page.next_cursor or page.next_cursor == cursor:
-                return items
+            if (not page.next_cursor or page.next_cursor == cursor
+                    or (limit is not None and len(items) >= limit)):
+                return items if limit is None else items[:limit]
             cursor = page.next_cursor
 
     @classmethod
