@@ -9,6 +9,8 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +86,24 @@ def _console() -> Any:
     return Console(stderr=True)
 
 
+@contextmanager
+def _one_line_build_errors() -> Iterator[None]:
+    """A failed template build is one clear line (what failed, its last output line, the log file), not a
+    traceback."""
+    from pilldrops.node.templates import TemplateBuildError, TemplateSpecError
+    try:
+        yield
+    except (TemplateBuildError, TemplateSpecError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...] = ()) -> None:
     """Build (or find cached) templates, with a live progress line per template."""
+    with _one_line_build_errors():
+        _build_templates(data_dir, names, templates_dirs)
+
+
+def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...]) -> None:
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     console = _console()
@@ -350,7 +368,7 @@ def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     if force:
         t0 = time.monotonic()
-        with _console().status(f"rebuilding {name}") as status:
+        with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),
                               force=True)
         _console().print(f"[green]✓[/] {name} rebuilt in {time.monotonic() - t0:.0f}s")
