@@ -25,6 +25,8 @@ def test_packaged_specs_parse() -> None:
     ci = specs["code-interpreter"]
     assert ci.base == "base" and ci.workdir == "/home/user"
     assert ci.steps[0].kind == "run" and "python3-numpy" in ci.steps[0].value
+    assert all(tool in " ".join(st.value for st in ci.steps if st.kind == "run")
+               for tool in ("procps", "iproute2", "curl", "git"))
     assert len({store.hash(n) for n in ("tiny", "base", "code-interpreter")}) == 3
 
 
