@@ -80,8 +80,8 @@ export function resolveConfig(opts: ConnectionOptions = {}, env: Env = process.e
   const fromFile = () => (file ??= loadConfigFile(env))
   // explicit > PILLDROPS_API_KEY > the saved config file > E2B_API_KEY (the CLI's and the Python SDK's order)
   const found: [string | undefined, string][] = [
-    [opts.apiKey, 'the apiKey option'], [env.PILLDROPS_API_KEY, 'PILLDROPS_API_KEY'],
-    [fromFile().api_key, `the config file ${configPath(env)}`], [env.E2B_API_KEY, 'E2B_API_KEY'],
+    [opts.apiKey, 'the apiKey option'], [env.PILLDROPS_API_KEY, '$PILLDROPS_API_KEY'],
+    [fromFile().api_key, `the config file ${configPath(env)}`], [env.E2B_API_KEY, '$E2B_API_KEY'],
   ]
   const [apiKey, keySource] = found.find(([k]) => k) ?? [undefined, '']
   if (!apiKey) throw new AuthenticationError(NO_KEY_MESSAGE)

@@ -21,6 +21,7 @@ export interface FilesOwner {
   readonly id: string
   readonly client: APIClient
   dataTarget(): Target
+  dataCall<T>(call: () => Promise<T>): Promise<T>
 }
 
 /**
@@ -41,10 +42,10 @@ export class Files {
   /** The file's raw bytes. Throws `FileNotFound`. */
   async readBytes(path: string, opts: ReadOptions = {}): Promise<Uint8Array> {
     checkRemotePath(path)
-    const answer = await this.owner.client.request('GET', this.path('/files'), {
+    const answer = await this.owner.dataCall(() => this.owner.client.request('GET', this.path('/files'), {
       target: this.owner.dataTarget(), params: [['path', path]], idempotent: true,
       maxBytes: opts.maxBytes ?? DEFAULT_MAX_READ_BYTES, signal: opts.signal,
-    })
+    }))
     return answer.body
   }
 
@@ -57,19 +58,20 @@ export class Files {
   async write(path: string, data: string | Uint8Array, opts: { signal?: AbortSignal } = {}): Promise<FileInfo> {
     checkRemotePath(path)
     const body = typeof data === 'string' ? new TextEncoder().encode(data) : data
-    const info = await this.owner.client.json<WireFileInfo>('PUT', this.path('/files'), { expect: SHAPES.file,
-      target: this.owner.dataTarget(), params: [['path', path]], body: () => body,
+    const info = await this.owner.dataCall(() => this.owner.client.json<WireFileInfo>('PUT', this.path('/files'), {
+      expect: SHAPES.file, target: this.owner.dataTarget(), params: [['path', path]], body: () => body,
       headers: { 'Content-Type': 'application/octet-stream' }, idempotent: true, signal: opts.signal,
-    })
+    }))
     return camelize(info)
   }
 
   /** Entries of the directory `path`. Throws `FileNotFound`. */
   async list(path: string, opts: { signal?: AbortSignal } = {}): Promise<FileInfo[]> {
     checkRemotePath(path)
-    const page = await this.owner.client.json<WireFileList>('GET', this.path('/files/list'), { expect: SHAPES.fileList,
-      target: this.owner.dataTarget(), params: [['path', path]], idempotent: true, signal: opts.signal,
-    })
+    const page = await this.owner.dataCall(() => this.owner.client.json<WireFileList>('GET', this.path('/files/list'), {
+      expect: SHAPES.fileList, target: this.owner.dataTarget(), params: [['path', path]], idempotent: true,
+      signal: opts.signal,
+    }))
     return page.items.map((i) => camelize(i))
   }
 

@@ -137,8 +137,10 @@ export function mapFetchError(err: unknown, url: string, attempt?: Attempt): Pil
   if (attempt?.timedOut) return new RequestTimeout(`request to ${where} timed out`, { cause: err })
   const code = errCode(err)
   const detail = err instanceof Error ? (err.cause instanceof Error ? err.cause.message : err.message) : String(err)
-  const out = new TransportError(`could not reach PillDrops at ${where}: ${code ? `${code}: ` : ''}${detail}`,
-    { cause: err })
+  const message = code === 'ECONNREFUSED'   // nothing listens there: say what usually fixes it
+    ? `cannot reach PillDrops at ${where} — is \`pilldrops up\` running? (or set PILLDROPS_API_URL) [${detail}]`
+    : `could not reach PillDrops at ${where}: ${code ? `${code}: ` : ''}${detail}`
+  const out = new TransportError(message, { cause: err })
   out.notSent = code !== undefined && NOT_SENT.has(code)
   return out
 }
@@ -280,7 +282,7 @@ export class APIClient {
     if (res.status >= 400 || (res.status >= 300 && res.status < 400)) {
       const err = await errorFromResponse(res, url, attempt)
       if (err instanceof AuthenticationError && target.headers.Authorization) {
-        err.message += ` (the API key came from ${this.config.keySource})`
+        err.message += ` (API key from ${this.config.keySource})`
       }
       err.retryAfter = parseRetryAfter(res.headers.get('retry-after'))
       throw err

@@ -132,3 +132,16 @@ export function checkTimeoutSeconds(seconds: number): void {
 }
 
 export { stringMap }
+
+/** Metadata for every sandbox, or a function of the item (or index) giving each its own. */
+export type Metadata<T> = Record<string, string> | ((item: T) => Record<string, string> | null | undefined)
+
+/** The metadata of one item's sandbox: the object, or what the function gives for the item (as strings). */
+export function itemMetadata<T>(metadata: Metadata<T> | undefined, item: T): Record<string, string> {
+  const got: unknown = typeof metadata === 'function' ? metadata(item) : metadata
+  if (got === undefined || got === null) return {}
+  if (typeof got !== 'object' || Array.isArray(got)) {
+    throw new InvalidRequest(`metadata for item ${JSON.stringify(item)} must be an object, not ${typeof got}`)
+  }
+  return Object.fromEntries(Object.entries(got).map(([k, v]) => [k, String(v)]))
+}

@@ -6,14 +6,16 @@ import { once } from 'node:events'
 
 import { extractDownload, packUpload } from './archive.js'
 import type { ConnectionOptions } from './config.js'
-import { InvalidRequest, PillDropsError, SandboxNotFound, fromWire } from './errors.js'
+import {
+  InvalidRequest, InvalidState, NodeUnavailable, PillDropsError, SandboxNotFound, TransportError, fromWire,
+} from './errors.js'
 import { Files } from './files.js'
 import { APIClient, checkRemotePath, dataTarget, newIdempotencyKey, sandboxPath } from './http.js'
 import type { Target } from './http.js'
 import {
-  checkLimit, checkTimeoutSeconds, createBody, listParams, periodParams, runTimeout, stringMap,
+  checkLimit, checkTimeoutSeconds, createBody, itemMetadata, listParams, periodParams, runTimeout, stringMap,
 } from './params.js'
-import type { SpecArgs, StateFilter, TimeArg } from './params.js'
+import type { Metadata, SpecArgs, StateFilter, TimeArg } from './params.js'
 import { checkCapacityWait } from './retry.js'
 import { DEFAULT_OUTPUT_CAP, RunDecoder, checkResult } from './run.js'
 import type { RunResult } from './run.js'
@@ -42,7 +44,9 @@ export interface CreateOptions extends ConnectionOptions, SpecArgs {
   signal?: AbortSignal
 }
 
-export interface CreateManyOptions extends CreateOptions {
+export interface CreateManyOptions extends Omit<CreateOptions, 'metadata'> {
+  /** Metadata for every sandbox, or a function of the item's index (`(i) => ({ episode: String(i) })`). */
+  metadata?: Metadata<number>
   /** Seconds each item may wait for capacity on the server (default 60, at most 600). */
   capacityWait?: number
   /** Failed items are their error in the returned list (default false: throw the first, kill the rest). */
@@ -71,6 +75,8 @@ export interface ListOptions extends ConnectionOptions {
   state?: StateFilter
   metadata?: Record<string, string>
   pageSize?: number
+  /** The most records to return (default: all). */
+  limit?: number
   signal?: AbortSignal
 }
 
@@ -80,8 +86,6 @@ export interface HistoryOptions extends ListOptions {
   /** Sandboxes created before this time. */
   until?: TimeArg
   template?: string
-  /** The most records to return (default: all). */
-  limit?: number
 }
 
 export interface UsageOptions extends ConnectionOptions {
@@ -96,6 +100,18 @@ export interface CallOptions extends ConnectionOptions {
 
 function client(opts: ConnectionOptions): APIClient {
   return APIClient.fromOptions(opts)
+}
+
+const ENDED_STATES: ReadonlySet<string> = new Set(['stopping', 'stopped', 'failed', 'lost'])
+
+/** The error for using a sandbox that has ended ("sandbox sb_x is stopped (killed at ...)"), or null. */
+export function stoppedError(info: SandboxInfo): InvalidState | null {
+  if (!ENDED_STATES.has(info.state)) return null
+  const why = info.endReason ?? info.state
+  const at = info.endedAt ? new Date(info.endedAt) : null
+  const when = at && !Number.isNaN(at.getTime()) ? ` at ${at.toISOString().replace('T', ' ').slice(0, 19)} UTC` : ''
+  return new InvalidState(`sandbox ${info.id} is ${info.state} (${why}${when})`,
+    { details: { from: info.state, end_reason: why, ended_at: info.endedAt ?? null } })
 }
 
 /**
@@ -155,6 +171,31 @@ export class Sandbox {
     return info
   }
 
+  /**
+   * One data-plane call: using a sandbox this object saw end fails at once, saying so; a failure of a
+   * sandbox that has ended meanwhile becomes "sandbox X is stopped (timeout at ...)".
+   */
+  async dataCall<T>(call: () => Promise<T>): Promise<T> {
+    const ended = stoppedError(this.info)
+    if (ended) throw ended
+    try {
+      return await call()
+    } catch (err) {
+      if (!(err instanceof SandboxNotFound || err instanceof InvalidState || err instanceof NodeUnavailable ||
+            err instanceof TransportError)) throw err
+      let info: SandboxInfo
+      try {
+        info = await this.getInfo()
+      } catch {
+        throw err
+      }
+      const better = stoppedError(info)
+      if (!better) throw err
+      ;(better as { cause?: unknown }).cause = err
+      throw better
+    }
+  }
+
   // ------------------------------------------------------------------------------------ lifecycle
 
   /**
@@ -188,14 +229,22 @@ export class Sandbox {
   static async createMany(count: number, opts: CreateManyOptions = {}): Promise<(Sandbox | PillDropsError)[]> {
     checkLimit(count, 'count')
     const capacityWait = checkCapacityWait(opts.capacityWait ?? 60)
-    const body = { ...createBody(opts), capacity_wait: Math.min(capacityWait, 600) }
+    const perItem = typeof opts.metadata === 'function'
+    const body = {
+      ...createBody({ ...opts, metadata: perItem ? {} : itemMetadata(opts.metadata, 0) }),
+      capacity_wait: Math.min(capacityWait, 600),
+    }
     const c = client(opts)
     const out: (Sandbox | PillDropsError)[] = []
     try {
       for (let start = 0; start < count; start += BATCH_CHUNK) {
         const n = Math.min(BATCH_CHUNK, count - start)
         const page = await c.json<WireBatchResponse>('POST', '/v1/sandboxes/batch', { expect: SHAPES.batch,
-          json: { ...body, count: n }, headers: { 'Idempotency-Key': newIdempotencyKey() }, idempotent: true,
+          json: {
+            ...body, count: n,
+            ...(perItem ? { item_metadata: Array.from({ length: n }, (_x, i) => itemMetadata(opts.metadata, start + i)) } : {}),
+          },
+          headers: { 'Idempotency-Key': newIdempotencyKey() }, idempotent: true,
           timeout: c.config.requestTimeout + capacityWait + 0.5 * n, signal: opts.signal,
         })
         for (const item of page.items) {
@@ -270,15 +319,18 @@ export class Sandbox {
   /** The caller's sandboxes, newest first, following every page; `state` is one state or several. */
   static async list(opts: ListOptions = {}): Promise<SandboxInfo[]> {
     const pageSize = opts.pageSize ?? 100
+    checkLimit(opts.limit)
     checkLimit(pageSize, 'pageSize')
     const c = client(opts)
     const items: SandboxInfo[] = []
     let cursor: string | null = null
     for (;;) {
+      const size = opts.limit === undefined ? pageSize : Math.min(pageSize, opts.limit - items.length)
       const page: WireSandboxList = await c.json<WireSandboxList>('GET', '/v1/sandboxes', { expect: SHAPES.sandboxList,
-        idempotent: true, params: listParams(opts.state, opts.metadata, pageSize, cursor), signal: opts.signal,
+        idempotent: true, params: listParams(opts.state, opts.metadata, size, cursor), signal: opts.signal,
       })
       items.push(...page.items.map(toSandboxInfo))
+      if (opts.limit !== undefined && items.length >= opts.limit) return items.slice(0, opts.limit)
       if (!page.next_cursor || page.next_cursor === cursor) return items
       cursor = page.next_cursor
     }
@@ -409,18 +461,20 @@ export class Sandbox {
     if (opts.timeout !== undefined) body.timeout = opts.timeout
     if (opts.stdin !== undefined) body.stdin = opts.stdin
     const decoder = new RunDecoder(cmd, { onStdout: opts.onStdout, onStderr: opts.onStderr, maxOutputBytes })
-    const stream = await this.client.stream('POST', sandboxPath(this.id, '/run'), {
-      target: this.dataTarget(), json: body, idempotent: false, signal: opts.signal,
-    })
-    try {
-      for await (const line of stream.lines(MAX_EVENT_LINE)) {
-        decoder.feed(line)
-        if (decoder.done) break
+    const result = await this.dataCall(async () => {
+      const stream = await this.client.stream('POST', sandboxPath(this.id, '/run'), {
+        target: this.dataTarget(), json: body, idempotent: false, signal: opts.signal,
+      })
+      try {
+        for await (const line of stream.lines(MAX_EVENT_LINE)) {
+          decoder.feed(line)
+          if (decoder.done) break
+        }
+      } finally {
+        stream.close()
       }
-    } finally {
-      stream.close()
-    }
-    const result = decoder.result()
+      return decoder.result()   // a stream cut before the exit event: explained if the sandbox ended
+    })
     return opts.check ? checkResult(result) : result
   }
 
@@ -436,11 +490,11 @@ export class Sandbox {
     checkRemotePath(remote, 'remote path')
     const plan = await packUpload(local, remote)
     try {
-      await this.client.request('PUT', sandboxPath(this.id, '/archive'), {
+      await this.dataCall(() => this.client.request('PUT', sandboxPath(this.id, '/archive'), {
         target: this.dataTarget(), params: [['path', plan.dest]], body: () => plan.body(),
         headers: { 'Content-Type': 'application/x-tar' }, idempotent: false, signal: opts.signal,
         timeout: this.client.config.requestTimeout + plan.size / (1024 * 1024), // + 1 s per MiB sent
-      })
+      }))
     } finally {
       await plan.cleanup()
     }
@@ -460,19 +514,21 @@ export class Sandbox {
       await mkdir(parent, { recursive: true })
       tmp = await mkdtemp(join(parent, '.pilldrops-download-'))
       const tarPath = join(tmp, 'download.tar')
-      const stream = await this.client.stream('GET', sandboxPath(this.id, '/archive'), {
-        target: this.dataTarget(), params: [['path', remote]], idempotent: true, signal: opts.signal,
-      })
-      const out = createWriteStream(tarPath)
-      try {
-        for await (const chunk of stream.chunks()) {
-          if (!out.write(chunk)) await once(out, 'drain')
+      await this.dataCall(async () => {
+        const stream = await this.client.stream('GET', sandboxPath(this.id, '/archive'), {
+          target: this.dataTarget(), params: [['path', remote]], idempotent: true, signal: opts.signal,
+        })
+        const out = createWriteStream(tarPath)
+        try {
+          for await (const chunk of stream.chunks()) {
+            if (!out.write(chunk)) await once(out, 'drain')
+          }
+        } finally {
+          stream.close()
+          out.end()
+          await once(out, 'close')
         }
-      } finally {
-        stream.close()
-        out.end()
-        await once(out, 'close')
-      }
+      })
       return await extractDownload(tarPath, remote, local)
     } catch (err) {
       if (err instanceof PillDropsError) throw err

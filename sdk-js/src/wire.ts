@@ -15,11 +15,14 @@ export type SandboxState = Schemas['SandboxState']
 export type EndReason = Schemas['EndReason']
 
 /** One sandbox's record: shape, state, times, usage so far (final once ended) and cost. */
-export interface SandboxInfo extends Camelize<Schemas['SandboxInfo']> {}
+export interface SandboxInfo extends Omit<Camelize<Schemas['SandboxInfo']>, 'metadata'> {
+  metadata: Record<string, string>
+}
 /** One paused interval (billed as storage only). */
 export interface PauseInterval extends Camelize<Schemas['PauseInterval']> {}
 /** One sandbox in the usage history (running ones with their cost so far). */
-export interface HistoryRecord extends Omit<Camelize<Schemas['HistoryRecord']>, 'pauses'> {
+export interface HistoryRecord extends Omit<Camelize<Schemas['HistoryRecord']>, 'pauses' | 'metadata'> {
+  metadata: Record<string, string>
   pauses: PauseInterval[]
 }
 /** The team's usage totals over a period and its credit balance (`creditsUsd` null when unlimited). */
@@ -60,7 +63,8 @@ export function camelize<T extends object>(obj: T): Camelize<T> {
 }
 
 export function toSandboxInfo(w: WireSandboxInfo): SandboxInfo {
-  return { metadata: {}, ...camelize(w) }
+  const info = camelize(w)
+  return { ...info, metadata: info.metadata ?? {} }
 }
 
 export function toHistoryRecord(w: Schemas['HistoryRecord']): HistoryRecord {

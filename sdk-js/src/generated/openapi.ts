@@ -414,6 +414,13 @@ export interface components {
                 [key: string]: string;
             };
             /**
+             * Item Metadata
+             * @description one dict per item (count of them), merged over metadata: each episode findable
+             */
+            item_metadata?: {
+                [key: string]: string;
+            }[] | null;
+            /**
              * Memory Mb
              * @description memory limit in MiB, no swap
              * @default 512

@@ -44,6 +44,8 @@ describe('lifecycle', () => {
     assert.equal((await Sandbox.kill(sb.id)).state, 'stopped', 'killing again returns the final record')
     assert.equal(await sb.isRunning(), false)
     await assert.rejects(Sandbox.connect(sb.id), InvalidState)
+    await assert.rejects(sb.run('true'), (e: unknown) => e instanceof InvalidState &&
+      new RegExp(`^sandbox ${sb.id} is stopped \\(killed at .* UTC\\)$`).test(e.message))
     const hist = await Sandbox.history({ metadata: { run: tag } })
     assert.deepEqual(hist.map((h) => [h.id, h.state]), [[sb.id, 'stopped']])
     assert.equal(hist[0]!.costUsd, sb.costUsd)
@@ -80,9 +82,10 @@ describe('lifecycle', () => {
   })
 
   test('createMany and map: per-item results and errors, every sandbox killed', async () => {
-    const many = await Sandbox.createMany(3, { ...TINY, metadata: { run: `${RUN_ID}-batch` } })
+    const many = await Sandbox.createMany(3, { ...TINY, metadata: (i) => ({ run: `${RUN_ID}-batch`, episode: String(i) }) })
     try {
       assert.equal(new Set(many.map((s) => s.id)).size, 3)
+      assert.deepEqual(many.map((s) => s.info.metadata.episode), ['0', '1', '2'])
       const outs = await Promise.all(many.map((s) => s.run('echo $((6*7))')))
       assert.deepEqual(outs.map((r) => r.stdout), ['42\n', '42\n', '42\n'])
     } finally {
@@ -92,10 +95,16 @@ describe('lifecycle', () => {
       const r = await sb.run(`echo $((${n} * ${n}))`, { check: true })
       if (n === 2) await sb.run('exit 3', { check: true })
       return Number(r.stdout)
-    }, [1, 2, 3, 4, 5], { ...TINY, concurrency: 3 })
+    }, [1, 2, 3, 4, 5], { ...TINY, concurrency: 3, metadata: (n) => ({ run: `${RUN_ID}-map`, n: String(n) }) })
     assert.deepEqual(res.values(), [1, 9, 16, 25])
     assert.deepEqual([...res.errors.keys()], [1])
     assert.ok(res.results[1] instanceof CommandFailed)
+    assert.deepEqual(res.items.map((it) => [it.ok, it.endReason, it.metadata.n]),
+      [[true, 'killed', '1'], [false, 'killed', '2'], [true, 'killed', '3'], [true, 'killed', '4'], [true, 'killed', '5']])
+    const hist = await Sandbox.history({ metadata: { run: `${RUN_ID}-map` } })
+    assert.deepEqual(new Set(hist.map((h) => h.id)), new Set(res.items.map((it) => it.sandboxId)))
+    const billed = hist.reduce((sum, h) => sum + h.costUsd, 0)
+    assert.ok(Math.abs(res.totalCostUsd - billed) < 1e-9, `${res.totalCostUsd} vs ${billed}`)
   })
 
   test('pause and resume keep the sandbox (or NotSupported where the node has no CRIU)', async (t) => {

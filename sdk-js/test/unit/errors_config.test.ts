@@ -53,7 +53,7 @@ describe('config', () => {
     const e2b = { ...env, E2B_API_KEY: 'e2b' }
     assert.equal(resolveConfig({}, e2b).apiKey, 'filekey', 'the saved config file comes before E2B_API_KEY')
     const onlyE2b = { XDG_CONFIG_HOME: join(dir, 'none'), E2B_API_KEY: 'e2b' }
-    assert.deepEqual([resolveConfig({}, onlyE2b).apiKey, resolveConfig({}, onlyE2b).keySource], ['e2b', 'E2B_API_KEY'])
+    assert.deepEqual([resolveConfig({}, onlyE2b).apiKey, resolveConfig({}, onlyE2b).keySource], ['e2b', '$E2B_API_KEY'])
     const pd = { ...e2b, PILLDROPS_API_KEY: 'pd', PILLDROPS_API_URL: 'http://env:2' }
     assert.equal(resolveConfig({}, pd).apiKey, 'pd')
     assert.equal(resolveConfig({}, pd).apiUrl, 'http://env:2')
