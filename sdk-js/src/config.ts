@@ -86,6 +86,12 @@ export function resolveConfig(opts: ConnectionOptions = {}, env: Env = process.e
   const [apiKey, keySource] = found.find(([k]) => k) ?? [undefined, '']
   if (!apiKey) throw new AuthenticationError(NO_KEY_MESSAGE)
   const apiUrl = (opts.apiUrl || env.PILLDROPS_API_URL || fromFile().api_url || DEFAULT_API_URL).replace(/\/+$/, '')
+  try {
+    const u = new URL(apiUrl)
+    if (u.protocol !== 'http:' && u.protocol !== 'https:') throw new Error(u.protocol)
+  } catch {
+    throw new InvalidRequest(`invalid API URL ${JSON.stringify(apiUrl)}: an http:// or https:// URL is required`)
+  }
   const maxRetries = opts.maxRetries ?? DEFAULT_MAX_RETRIES
   if (!Number.isInteger(maxRetries) || maxRetries < 0) {
     throw new InvalidRequest(`maxRetries must be an integer >= 0, got ${String(maxRetries)}`)

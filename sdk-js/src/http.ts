@@ -136,6 +136,7 @@ export function mapFetchError(err: unknown, url: string, attempt?: Attempt): Pil
   }
   if (attempt?.timedOut) return new RequestTimeout(`request to ${where} timed out`, { cause: err })
   const code = errCode(err)
+  if (code === 'ERR_INVALID_URL') return new InvalidRequest(`invalid URL: ${where}`, { cause: err })
   const detail = err instanceof Error ? (err.cause instanceof Error ? err.cause.message : err.message) : String(err)
   const message = code === 'ECONNREFUSED'   // nothing listens there: say what usually fixes it
     ? `cannot reach PillDrops at ${where} — is \`pilldrops up\` running? (or set PILLDROPS_API_URL) [${detail}]`

@@ -5,7 +5,7 @@ import { join } from 'node:path'
 import { describe, test } from 'node:test'
 
 import {
-  AuthenticationError, CapacityUnavailable, Conflict, InvalidState, NotFound, PillDropsError, RateLimited,
+  AuthenticationError, CapacityUnavailable, InvalidRequest, Conflict, InvalidState, NotFound, PillDropsError, RateLimited,
   SandboxNotFound, ServerError, TemplateNotFound, TransportError, RequestTimeout, VERSION, fromWire, resolveConfig,
 } from '../../src/index.js'
 import { backoffDelay, parseRetryAfter, RetryPolicy } from '../../src/retry.js'
@@ -61,6 +61,12 @@ describe('config', () => {
     assert.deepEqual([c.apiKey, c.apiUrl, c.requestTimeout, c.maxRetries], ['x', 'http://x:3', 60, 3])
     assert.equal(resolveConfig({}, { XDG_CONFIG_HOME: join(dir, 'none'), PILLDROPS_API_KEY: 'k' }).apiUrl,
       'http://127.0.0.1:7070')
+  })
+
+  test('a malformed API URL is an InvalidRequest before any request', () => {
+    for (const apiUrl of ['not a url', 'ftp://x', '127.0.0.1:7070']) {
+      assert.throws(() => resolveConfig({ apiUrl, apiKey: 'k' }, {}), InvalidRequest, apiUrl)
+    }
   })
 
   test('no key anywhere is an AuthenticationError before any request', () => {
