@@ -123,6 +123,12 @@ describe('lifecycle', () => {
     await assert.rejects(sb.run('true'), InvalidState)
     await sb.resume()
     assert.equal(await sb.files.read('/root/state'), 'kept')
+    // the same by id, as another process would
+    assert.equal((await Sandbox.pause(sb.id)).state, 'paused')
+    await assert.rejects(Sandbox.pause(sb.id), InvalidState)
+    const again = await Sandbox.resume(sb.id)
+    assert.equal((await again.run('cat /root/state')).stdout, 'kept')
+    assert.ok(Date.parse((await Sandbox.setTimeout(sb.id, 600)).endAt!) > Date.now() + 500_000)
   })
 })
 
