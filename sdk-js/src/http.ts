@@ -243,6 +243,11 @@ export const timing = { sleep }
 export class APIClient {
   constructor(readonly config: ClientConfig) {}
 
+  /** What `console.log(client)` shows: never the API key. */
+  [Symbol.for('nodejs.util.inspect.custom')](): string {
+    return `<APIClient ${this.config.apiUrl}>`
+  }
+
   static fromOptions(opts: ConnectionOptions = {}): APIClient {
     return new APIClient(resolveConfig(opts))
   }

@@ -155,6 +155,11 @@ export class Sandbox {
     return `<Sandbox ${this.id} template=${this.info.template} state=${this.info.state}>`
   }
 
+  /** What `console.log(sb)` shows (never the access token or the API key). */
+  [Symbol.for('nodejs.util.inspect.custom')](): string {
+    return this.toString()
+  }
+
   /** Where data-plane calls go: the node directly (with the sandbox's access token) when known. */
   dataTarget(): Target {
     return dataTarget(this.info, this.client)

@@ -63,8 +63,10 @@ export function camelize<T extends object>(obj: T): Camelize<T> {
 }
 
 export function toSandboxInfo(w: WireSandboxInfo): SandboxInfo {
-  const info = camelize(w)
-  return { ...info, metadata: info.metadata ?? {} }
+  const info: SandboxInfo = { ...camelize(w), metadata: w.metadata ?? {} }
+  // a secret: kept off console.log / JSON.stringify of the record (still readable as info.accessToken)
+  Object.defineProperty(info, 'accessToken', { value: info.accessToken ?? null, enumerable: false, writable: true })
+  return info
 }
 
 export function toHistoryRecord(w: Schemas['HistoryRecord']): HistoryRecord {

@@ -133,6 +133,11 @@ describe('a sandbox', () => {
     assert.equal(r.duration, 0.5)
     const call = f.calls.at(-1)!
     assert.equal(call.url.origin, 'http://node.test:1')
+    const { inspect } = await import('node:util')
+    for (const shown of [inspect(sb), inspect(sb.client), inspect(sb.info), JSON.stringify(sb.info), String(sb)]) {
+      assert.ok(!shown.includes('tok-sb_1') && !shown.includes('pd_test_key'), `a secret shown: ${shown}`)
+    }
+    assert.equal(sb.info.accessToken, 'tok-sb_1')
     assert.equal(call.headers.get('x-access-token'), 'tok-sb_1')
     assert.equal(call.headers.get('authorization'), null)
     assert.deepEqual(JSON.parse(call.body), { cmd: ['python', '-c', 'x'], envs: { A: '1' }, max_output_bytes: 16777216, cwd: '/tmp', timeout: 5 })
