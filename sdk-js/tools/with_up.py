@@ -34,6 +34,7 @@ import leakcheck  # noqa: E402
 from tests.e2e import conftest as e2e  # noqa: E402
 from tests.e2e.test_pause_e2e import seed_templates  # noqa: E402
 
+COMMAND_TIMEOUT_S = 900   # a hung test run fails instead of holding CI
 LIVE = ["pending", "starting", "running", "pausing", "paused", "resuming", "stopping"]
 
 
@@ -75,7 +76,11 @@ def main() -> int:
                    "PD_CONFIG_HOME": str(config_home), "PD_LEAK_SNAPSHOT": str(snap), "PD_CRUN_ROOT": str(crun_root),
                    "PD_LEAKS_PY": str(Path(__file__).with_name("leaks.py")), "PD_PYTHON": sys.executable}
             env.pop("XDG_CONFIG_HOME")
-            rc = subprocess.run(cmd, env=env).returncode
+            try:
+                rc = subprocess.run(cmd, env=env, timeout=COMMAND_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                print(f"with_up.py: {cmd} did not finish in {COMMAND_TIMEOUT_S} s", file=sys.stderr)
+                rc = 1
             left = c.get("/v1/sandboxes", params=[("state", s) for s in LIVE] + [("limit", "1000")]).json()["items"]
             if left:
                 print(f"with_up.py: sandboxes left live: {[s['id'] for s in left]}", file=sys.stderr)
