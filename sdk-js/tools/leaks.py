@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-import leakcheck  # noqa: E402
+import leakcheck
 
 
 def main(argv: list[str]) -> int:

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import httpx  # noqa: E402
+import httpx
+import leakcheck
 
-import leakcheck  # noqa: E402
-from tests.e2e import conftest as e2e  # noqa: E402
-from tests.e2e.test_pause_e2e import seed_templates  # noqa: E402
+from tests.e2e import conftest as e2e
+from tests.e2e.test_pause_e2e import seed_templates
 
 COMMAND_TIMEOUT_S = 900   # a hung test run fails instead of holding CI
 LIVE = ["pending", "starting", "running", "pausing", "paused", "resuming", "stopping"]
@@ -77,7 +77,7 @@ def main() -> int:
                    "PD_LEAKS_PY": str(Path(__file__).with_name("leaks.py")), "PD_PYTHON": sys.executable}
             env.pop("XDG_CONFIG_HOME")
             try:
-                rc = subprocess.run(cmd, env=env, timeout=COMMAND_TIMEOUT_S).returncode
+                rc = subprocess.run(cmd, check=False, env=env, timeout=COMMAND_TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
                 print(f"with_up.py: {cmd} did not finish in {COMMAND_TIMEOUT_S} s", file=sys.stderr)
                 rc = 1
