@@ -3,7 +3,7 @@
 Each sandbox is a plain temp directory; ``exec`` runs argv as an ordinary host subprocess with its cwd
 inside that directory (``cwd="/x"`` maps to ``<dir>/x``) and the sandbox env merged over a minimal host
 env. It keeps the same ``ExecProcess`` semantics as crun (chunks in arrival order, 128+N exit codes,
-``kill`` of the whole tree) and needs no root. Never a product path (ARCHITECTURE.md §4).
+``kill`` of the whole tree) and needs no root. Never a product path: nothing outside tests constructs it.
 
 Knobs for failure tests: ``fail_create`` (bool, or an exception to raise) makes the next creates fail;
 ``simulate_exit(handle, code)`` / ``simulate_oom(handle)`` make ``state`` report a stopped sandbox;
