@@ -94,15 +94,16 @@ class NodeAgent:
         self._wake_heartbeat = anyio.Event()
         self.template_cache = TemplateCache(templates, settings.name)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
-                               concurrency=settings.pool_concurrency, template_version=self.template_cache.version)
+                               concurrency=settings.pool_concurrency,
+                               template_version=self.template_cache.version)
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
                      self.instance),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
-        self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache, self.checkpoints,
-                                    node_name=settings.name, http=self._http,
+        self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
+                                    self.checkpoints, node_name=settings.name, http=self._http,
                                     create_slots=self._create_slots, record_end=self._record_end, now=now)
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
@@ -172,7 +173,8 @@ class NodeAgent:
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
         member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
-            return self._adopt_new(self.sandboxes.add(Sandbox(spec, NodeState.creating)), member, claimed=True)
+            sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
+            return self._adopt_new(sb, member, claimed=True)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
         self.journal.write(sb.journal_entry())
         try:
@@ -181,14 +183,15 @@ class NodeAgent:
         except BaseException as exc:
             self.sandboxes.move(sb, NodeState.gone)
             if not isinstance(exc, RuntimeFailure):
-                raise       # e.g. cancelled: its "creating" entry stays, so the next start reaps what was made
+                raise       # e.g. cancelled: its "creating" entry stays, the next start reaps what was made
             self.journal.remove(spec.id)
             self.stats.failed += 1
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
         return self._adopt_new(sb, handle, claimed=False)
 
     def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
-        sb.target, sb.started_at, sb.started_mono = self._target(sb.spec, handle), self.now(), time.monotonic()
+        sb.target = self._target(sb.spec, handle)
+        sb.started_at, sb.started_mono = self.now(), time.monotonic()
         self.sandboxes.move(sb, NodeState.running)
         self.journal.write(sb.journal_entry())
         self.stats.created += 1
@@ -232,7 +235,8 @@ class NodeAgent:
             return self.outbox[sandbox_id]
         raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
 
-    def set_deadline(self, sandbox_id: str, end_at: datetime, timeout_s: float | None = None) -> NodeSandboxStatus:
+    def set_deadline(self, sandbox_id: str, end_at: datetime,
+                     timeout_s: float | None = None) -> NodeSandboxStatus:
         sb = self.get(sandbox_id)
         if timeout_s is not None:
             end_at = self.now() + timedelta(seconds=timeout_s)
@@ -323,7 +327,7 @@ class NodeAgent:
     async def _destroy_quietly(self, handle: Handle) -> None:
         try:
             await self.runtime.destroy(handle)
-        except Exception:
+        except Exception:  # logged; its journal entry goes, so the next start reaps it
             log.exception("destroying %s failed", handle.id)
 
     # ---- background loops ----------------------------------------------------------------------------

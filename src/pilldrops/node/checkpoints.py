@@ -99,7 +99,7 @@ class Checkpoints:
             self.journal.write(sb.journal_entry())                      # phase "pausing"
             try:
                 size = await self.runtime.checkpoint(target.handle, path)
-            except Exception as exc:
+            except Exception as exc:  # whatever failed, find out what is left
                 target.pausing = False
                 state = await self._state_quietly(target.handle)
                 if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
@@ -158,7 +158,7 @@ class Checkpoints:
             assert image is not None
             spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
             rt_spec = self.templates.runtime_spec(spec)
-            if image.runtime_id and image.runtime_id != rt_spec.id:   # a claimed pool member keeps its own name
+            if image.runtime_id and image.runtime_id != rt_spec.id:   # a claimed pool member keeps its name
                 rt_spec = dataclasses.replace(rt_spec, id=image.runtime_id,
                                               hostname=image.runtime_id.replace("_", "-"))
             self.journal.write(sb.journal_entry())                 # phase "resuming"
@@ -262,4 +262,5 @@ class Checkpoints:
         self.sandboxes.move(sb, NodeState.gone)
         self.journal.remove(sb.id)
         drop_image(sb.image.path if sb.image else None)
-        return self._record_end(sb.id, reason, started_at=sb.started_at, run_s=sb.image.run_s if sb.image else 0.0)
+        run_s = sb.image.run_s if sb.image else 0.0
+        return self._record_end(sb.id, reason, started_at=sb.started_at, run_s=run_s)

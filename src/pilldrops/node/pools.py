@@ -203,7 +203,7 @@ class WarmPools:
         with anyio.CancelScope(shield=True):
             try:
                 await self.runtime.destroy(handle)
-            except Exception:  # noqa: BLE001 - a restarted agent reaps it as unrecorded
+            except Exception:  # a restarted agent reaps it as unrecorded
                 log.exception("destroying pool member %s failed", handle.id)
 
     async def close(self) -> None:

@@ -64,7 +64,7 @@ class Recovery:
         if state is not None and state.status == "running":
             try:
                 target = self.templates.target(spec, handle)
-            except Exception:
+            except Exception:  # its template is gone: cannot serve it, so reap below
                 log.exception("cannot adopt %s", spec.id)
             else:
                 started = datetime.fromisoformat(entry.started_at) if entry.started_at else self.now()
@@ -105,5 +105,5 @@ class Recovery:
     async def _destroy_quietly(self, handle: Handle) -> None:
         try:
             await self.runtime.destroy(handle)
-        except Exception:
+        except Exception:  # logged; an unrecorded container is reaped at the next start
             log.exception("destroying %s failed", handle.id)

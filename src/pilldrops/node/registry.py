@@ -37,7 +37,7 @@ class Image:
     path: Path
     run_s: float                  # running seconds at the checkpoint (usage continues from here)
     size: int = 0
-    runtime_id: str = ""          # the container's name in the image (a claimed warm-pool member keeps its own)
+    runtime_id: str = ""          # the container's name in the image (a claimed pool member keeps its own)
     timeout_left: float | None = None   # its deadline's time left at the moment it was paused (node clock)
 
 

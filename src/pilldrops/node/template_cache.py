@@ -54,12 +54,14 @@ class TemplateCache:
     def version(self, name: str) -> object:
         """What changes when the template is rebuilt (warm-pool members of an older build are replaced)."""
         tpl = self._cache.get(name)
-        return (tuple(str(p) for p in tpl.layers), getattr(tpl, "built_at", None)) if tpl is not None else None
+        if tpl is None:
+            return None
+        return tuple(str(p) for p in tpl.layers), getattr(tpl, "built_at", None)
 
     def runtime_spec(self, spec: NodeSandboxSpec) -> SandboxSpec:
         try:
             tpl = self.get(spec.template)
-        except Exception as exc:
+        except Exception as exc:  # template stores raise their own errors
             raise errors.TemplateNotFound(f"template {spec.template!r} is not built on node "
                                           f"{self.node_name}: {exc}") from exc
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
@@ -69,4 +71,5 @@ class TemplateCache:
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self.get(spec.template)
-        return Target(id=spec.id, handle=handle, env={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/")
+        return Target(id=spec.id, handle=handle, env={**dict(tpl.env), **spec.envs},
+                      workdir=tpl.workdir or "/")
