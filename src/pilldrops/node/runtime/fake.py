@@ -15,8 +15,8 @@ commands still running are killed. Unit tests use it for the agent's and control
 State lives on disk, not in the instance: each sandbox has a record in ``<root>/.meta/<id>.json`` (its
 spec, pid and status), so a fresh ``FakeRuntime`` over the same root finds the same sandboxes, as a
 restarted agent finds crun's (the runtime contract suite, tests/contract, checks both the same way).
-Commands in flight are the one thing a fresh instance does not know (a new crun instance cannot reach
-another's ``crun exec`` children either); ``destroy`` through any instance removes the sandbox's files.
+Commands in flight are the one thing a fresh instance does not know (they belong to the instance that
+started them); ``destroy`` through any instance removes the sandbox's files and record.
 """
 
 from __future__ import annotations
