@@ -2,15 +2,16 @@
 
 Modelled on Nomad's scheduler: feasibility *filters*, then *scorers* that rank the nodes that passed.
 
-- ``FILTERS`` run in order (cheapest first); a node is rejected by the first filter it fails, and every
-  rejection is counted under that filter's ``reason``, so the caller can say
-  "0/5 nodes fit: 3 insufficient memory, 2 draining". "Used" capacity already includes reservations still
-  in flight and warm pools' targets (``service.placement`` builds the views).
+- ``FILTERS`` run in order (cheapest first), each over the nodes still in the running; a node is rejected
+  by the first filter it fails, and every rejection is counted under that filter's ``reason``, so the
+  caller can say "0/5 nodes fit: 3 insufficient memory, 2 draining". "Used" capacity already includes
+  reservations still in flight and warm pools' targets (``service.placement`` builds the views).
 - ``scorers`` rank the feasible nodes lexicographically, lowest first, the first scorer deciding; the
   node id breaks the last tie so the answer does not depend on the order nodes are given in.
-  ``BEST_FIT`` (always last) is the node left with the least free capacity that still fits, over both
-  dimensions (the mean of the two free fractions, as Kubernetes' MostAllocated scores); ``prefer(...)``
-  puts some nodes first (a warm pool member to claim, the node already holding a checkpoint).
+  ``BEST_FIT`` (the default, and the last scorer of every caller) is the node left with the least free
+  capacity that still fits, over both dimensions (the mean of the two free fractions, as Kubernetes'
+  MostAllocated scores); ``prefer(...)`` puts some nodes first (a warm pool member to claim, the node
+  already holding a checkpoint).
 
 A new dimension is one ``Filter`` appended to ``FILTERS`` (plus the field it reads on ``Request`` and
 ``NodeView``); its rejections are counted and explained like the others.
@@ -21,7 +22,6 @@ processes never over-commit a node), from rows it has just read: the decision is
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -89,14 +89,6 @@ FITS_MEMORY = Filter("insufficient memory", lambda r, n: n.used_memory_mb + r.me
 FILTERS: tuple[Filter, ...] = (READY, NOT_DRAINING, HAS_TEMPLATE, FITS_VCPU, FITS_MEMORY)
 
 
-def rejection(req: Request, n: NodeView, filters: Sequence[Filter] = FILTERS) -> str | None:
-    """The reason of the first filter ``n`` fails, or None when it is feasible."""
-    for f in filters:
-        if not f.passes(req, n):
-            return f.reason
-    return None
-
-
 # ---- scorers --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -125,18 +117,22 @@ def prefer(name: str, node_ids: Iterable[str]) -> Scorer:
 
 def place(req: Request, nodes: list[NodeView], scorers: Sequence[Scorer] = (BEST_FIT,),
           filters: Sequence[Filter] = FILTERS) -> Placement | Unschedulable:
-    reasons: Counter[str] = Counter()
-    best: tuple[tuple[float, ...], str] | None = None
-    for n in nodes:
-        why = rejection(req, n, filters)
-        if why:
-            reasons[why] += 1
-            continue
-        key = (tuple(s.score(req, n) for s in scorers), n.id)
-        if best is None or key < best:
-            best = key
-    if best is not None:
-        return Placement(best[1], dict(reasons))
+    reasons: dict[str, int] = {}
+    feasible = nodes
+    for f in filters:                   # one pass per filter over the nodes still in the running
+        passes = f.passes
+        kept = [n for n in feasible if passes(req, n)]
+        if len(kept) != len(feasible):
+            reasons[f.reason] = len(feasible) - len(kept)
+        feasible = kept
+    if feasible:
+        if len(scorers) == 1:
+            score = scorers[0].score
+            best = min(feasible, key=lambda n: (score(req, n), n.id))
+        else:
+            fns = [s.score for s in scorers]
+            best = min(feasible, key=lambda n: (*[fn(req, n) for fn in fns], n.id))
+        return Placement(best.id, reasons)
     never_checks = [f.never for f in filters if f.never is not None]
     never = bool(nodes) and all(any(check(req, n) for check in never_checks) for n in nodes)
-    return Unschedulable(len(nodes), dict(reasons), never=never)
+    return Unschedulable(len(nodes), reasons, never=never)
