@@ -3,10 +3,11 @@
 - Nodes report each sandbox's cumulative running seconds (monotonic) with a sequence number that only
   grows; ``commit`` turns a report into a ledger row exactly once (see ``Store.commit_usage``).
 - Start and end times come from the control plane's clock; an ended sandbox's ``ended_at`` is its start
-  plus the node's final running seconds (never later than when we learnt of it), so billed running
-  seconds equal the sandbox's lifetime.
+  plus the node's final running seconds plus the time it spent paused (never later than when we learnt
+  of it), so billed running seconds equal the sandbox's lifetime outside its pauses.
+- Paused intervals bill storage only, once, when they end (``end_interval``: resume, kill, loss, expiry).
 - Credits: a new team starts with ``initial_credits``; at zero creates are refused (402) and, after
-  ``grace_s``, running sandboxes are stopped with ``end_reason = credits_exhausted``.
+  ``grace_s``, its live sandboxes (paused ones included) are stopped with ``end_reason = credits_exhausted``.
 """
 
 from __future__ import annotations

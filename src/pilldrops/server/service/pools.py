@@ -3,8 +3,8 @@ pools reserve is counted by ``service.placement`` from ``specs()``, for creates 
 
 Nodes get the config with every register/heartbeat answer, and at once when it changes (best effort: a
 node that misses the push catches up at its next heartbeat). Each node with the template keeps ``size``
-members of the shape; members count as used capacity (at their target size, ready or not), so cold
-creates never take the room a refill needs.
+members of the shape; members count as used capacity (at their target size, ready or not), so
+neither cold creates nor resumes take the room a refill needs.
 """
 
 from __future__ import annotations
