@@ -105,7 +105,7 @@ async def store_baseline(n_nodes: int, reps: int, cap_c: float, cap_m: int) -> t
                 t0 = time.perf_counter_ns()
                 nodes, allocs = await store.list_nodes(), await store.allocations()
                 t1 = time.perf_counter_ns()
-                placement.for_create(TEMPLATE, 1, 512, nodes, allocs, [], now)
+                placement.for_create(Request(TEMPLATE, 1, 512), nodes, allocs, [], now)
                 t2 = time.perf_counter_ns()
                 read_ns.append(t1 - t0)
                 choose_ns.append(t2 - t1)

@@ -28,6 +28,7 @@ from pilldrops.schema.api import (
     SandboxState,
 )
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
+from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
@@ -100,10 +101,11 @@ class Lifecycle:
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
             created_at=now, end_at=now + timedelta(seconds=req.timeout))
         specs = await ctx.pools.specs() if ctx.pools else []
+        want = scheduler.Request(req.template, req.vcpu, req.memory_mb)
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
                 node, row = await ctx.store.place_and_insert(new, lambda nodes, allocs: placement.for_create(
-                    req.template, req.vcpu, req.memory_mb, nodes, allocs, specs, ctx.clock.now()))
+                    want, nodes, allocs, specs, ctx.clock.now()))
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True

@@ -9,6 +9,8 @@ reports settle it later (``reconcile.Reconciler.settle``). This process's own in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import anyio
@@ -16,6 +18,7 @@ import anyio
 from pilldrops import errors
 from pilldrops.schema.api import EndReason, SandboxState
 from pilldrops.schema.node import NodeResume
+from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import placement
 from pilldrops.server.service.context import SandboxContext, log, outcome_unknown, timeout_left
@@ -31,6 +34,16 @@ class PauseResume:
         self.ctx = ctx
         self.lifecycle = lifecycle
         self.reconciler = reconciler
+
+    @contextmanager
+    def _carrying_out(self, sandbox_id: str) -> Iterator[None]:
+        """This process is pausing/resuming it: from before its state changes until the request ends, so
+        our own heartbeats never settle it under us."""
+        self.ctx.in_flight.add(sandbox_id)
+        try:
+            yield
+        finally:
+            self.ctx.in_flight.discard(sandbox_id)
 
     async def _move(self, row: SandboxRecord, src: S, via: S, target: S) -> SandboxRecord:
         """Compare-and-set ``src`` -> ``via``; anything else is a 409 naming the state it is in and the one
@@ -52,12 +65,9 @@ class PauseResume:
     async def pause(self, team_id: str, sandbox_id: str) -> SandboxRecord:
         """running -> pausing -> paused: the node checkpoints it to disk; it then holds no CPU or memory and
         bills storage only. Paused time does not count against its timeout."""
-        self.ctx.in_flight.add(sandbox_id)     # before the state changes: our own heartbeats never settle it
-        try:
+        with self._carrying_out(sandbox_id):
             row = await self._move(await self.ctx.get_row(team_id, sandbox_id), S.running, S.pausing, S.paused)
             return await self._pause(team_id, row)
-        finally:
-            self.ctx.in_flight.discard(sandbox_id)
 
     async def _pause(self, team_id: str, row: SandboxRecord) -> SandboxRecord:
         ctx = self.ctx
@@ -92,12 +102,9 @@ class PauseResume:
     async def resume(self, team_id: str, sandbox_id: str) -> SandboxRecord:
         """paused -> resuming -> running, on its own node when it has room, else on another node with the
         template (the checkpoint moves there; the old node drops its copy and never runs it again)."""
-        self.ctx.in_flight.add(sandbox_id)
-        try:
+        with self._carrying_out(sandbox_id):
             row = await self._move(await self.ctx.get_row(team_id, sandbox_id), S.paused, S.resuming, S.running)
             return await self._resume(team_id, row)
-        finally:
-            self.ctx.in_flight.discard(sandbox_id)
 
     async def _resume(self, team_id: str, row: SandboxRecord) -> SandboxRecord:
         ctx = self.ctx
@@ -108,8 +115,9 @@ class PauseResume:
             if old is None:
                 raise errors.NodeUnavailable(f"the node holding {row.id}'s checkpoint is gone")
             specs = await ctx.pools.specs() if ctx.pools else []
+            want = scheduler.Request(row.template, row.vcpu, row.memory_mb)
             node = await ctx.store.place_existing(row.id, S.resuming.value, lambda nodes, allocs: placement.for_resume(
-                row.template, row.vcpu, row.memory_mb, row.node_id, nodes, allocs, specs, ctx.clock.now()))
+                want, row.node_id, nodes, allocs, specs, ctx.clock.now()))
             if node is None:
                 raise errors.InvalidState(f"sandbox {row.id} changed state while resuming",
                                           current=(await ctx.get_row(team_id, sandbox_id)).state, target="running")

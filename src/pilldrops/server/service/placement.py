@@ -72,22 +72,19 @@ def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: lis
     return next(n for n in nodes if n.id == result.node_id)
 
 
-def for_create(template: str, vcpu: float, memory_mb: int, nodes: Sequence[NodeRecord], allocs: Allocations,
+def for_create(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocations,
                pool_specs: Sequence[NodePoolSpec], now: datetime) -> NodeRecord:
     """Best fit, a node with a ready pool member of this shape first."""
-    _check_template(template, nodes)
-    req = scheduler.Request(template, vcpu, memory_mb)
+    _check_template(req.template, nodes)
     node_views, warm = views(req, nodes, allocs, pool_specs, now, claims=True)
     scorers = [scheduler.prefer("warm pool member", warm)] if warm else []
     return _decide(req, nodes, node_views, scorers)
 
 
-def for_resume(template: str, vcpu: float, memory_mb: int, own_node_id: str | None,
-               nodes: Sequence[NodeRecord], allocs: Allocations, pool_specs: Sequence[NodePoolSpec],
-               now: datetime) -> NodeRecord:
+def for_resume(req: scheduler.Request, own_node_id: str | None, nodes: Sequence[NodeRecord],
+               allocs: Allocations, pool_specs: Sequence[NodePoolSpec], now: datetime) -> NodeRecord:
     """Best fit, the node holding the checkpoint first (``allocs`` leave out the sandbox's own hold)."""
-    _check_template(template, nodes)
-    req = scheduler.Request(template, vcpu, memory_mb)
+    _check_template(req.template, nodes)
     node_views, _ = views(req, nodes, allocs, pool_specs, now, claims=False)
     scorers = [scheduler.prefer("holds the checkpoint", [own_node_id])] if own_node_id else []
     return _decide(req, nodes, node_views, scorers)
