@@ -560,12 +560,11 @@ class FakeControlPlane:
         its error, the others are made. No credits at all is one 402 for the whole batch."""
         req: BatchCreateRequest = self._body(BatchCreateRequest, request)
         idem = request.headers.get("idempotency-key")
-        single = CreateSandboxRequest(**req.model_dump(exclude={"count", "capacity_wait"}))
         self._check_credits()
         items = []
         for i in range(req.count):
             try:
-                sb, _ = self._create_one(single, f"{idem}:{i}" if idem else None)
+                sb, _ = self._create_one(req.item_request(i), f"{idem}:{i}" if idem else None)
                 items.append(BatchItem(index=i, sandbox=SandboxInfo.model_validate(self._public(sb, with_token=True))))
             except PillDropsError as exc:
                 items.append(BatchItem(index=i, error=ErrorInfo(code=exc.code, message=exc.message,

@@ -221,6 +221,10 @@ async def test_create_many(backend: Backend) -> None:
         assert len(await AsyncSandbox.list(metadata={"batch": "1"}, **t.opts)) == 3
         for s in sbs:
             await s.kill()
+        per_item = await AsyncSandbox.create_many(2, "base", metadata=lambda i: {"episode": str(i)}, **t.opts)
+        assert [s.info.metadata for s in per_item] == [{"episode": "0"}, {"episode": "1"}]
+        for s in per_item:
+            await s.kill()
         failed = await AsyncSandbox.create_many(2, "no-such-template", return_exceptions=True, **t.opts)
         assert [type(e) for e in failed] == [TemplateNotFound, TemplateNotFound]
         resp = await _raw(t, "POST", "/v1/sandboxes/batch", json={"template": "no-such-template", "count": 2})
