@@ -1,7 +1,7 @@
 /** The SDK against a real `pilldrops up` (real crun sandboxes of the `tiny` busybox template). */
 import assert from 'node:assert/strict'
 import { execFileSync } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readFileSync, readlinkSync, symlinkSync, writeFileSync, readdirSync } from 'node:fs'
+import { mkdirSync, mkdtempSync, readFileSync, readlinkSync, symlinkSync, writeFileSync, readdirSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { describe, test } from 'node:test'
@@ -177,8 +177,9 @@ describe('commands', () => {
 })
 
 describe('files', () => {
-  test('upload a directory as one tar stream, download it back byte for byte', async () => {
+  test('upload a directory as one tar stream, download it back byte for byte', async (t) => {
     const root = mkdtempSync(join(tmpdir(), 'pd-js-it-'))
+    t.after(() => rmSync(root, { recursive: true, force: true }))
     const env = join(root, 'env')
     mkdirSync(join(env, 'a', 'b'), { recursive: true })
     writeFileSync(join(env, 'episode.py'), 'print(1.5)\n')

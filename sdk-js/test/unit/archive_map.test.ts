@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict'
-import { mkdtempSync, mkdirSync, readFileSync, readlinkSync, symlinkSync, writeFileSync, existsSync, lstatSync } from 'node:fs'
+import { mkdtempSync, mkdirSync, readFileSync, readlinkSync, symlinkSync, writeFileSync, existsSync, lstatSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { afterEach, beforeEach, describe, test } from 'node:test'
+import { after, afterEach, beforeEach, describe, test } from 'node:test'
 
 import * as tar from 'tar'
 
@@ -18,6 +18,7 @@ async function members(file: string): Promise<string[]> {
 
 describe('upload packing', () => {
   const root = mkdtempSync(join(tmpdir(), 'pd-js-pack-'))
+  after(() => rmSync(root, { recursive: true, force: true }))
   const env = join(root, 'env')
   mkdirSync(join(env, 'sub'), { recursive: true })
   writeFileSync(join(env, 'episode.py'), 'print(1)\n')
@@ -58,6 +59,7 @@ describe('upload packing', () => {
 
 describe('download extraction', () => {
   const root = mkdtempSync(join(tmpdir(), 'pd-js-extract-'))
+  after(() => rmSync(root, { recursive: true, force: true }))
   const src = join(root, 'src')
   mkdirSync(join(src, 'out', 'deep'), { recursive: true })
   writeFileSync(join(src, 'out', 'a.txt'), 'A')

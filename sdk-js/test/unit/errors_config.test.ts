@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict'
-import { mkdtempSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, mkdirSync, readFileSync, writeFileSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { describe, test } from 'node:test'
+import { after, describe, test } from 'node:test'
 
 import {
   AuthenticationError, CapacityUnavailable, InvalidRequest, Conflict, InvalidState, NotFound, PillDropsError, RateLimited,
@@ -43,6 +43,7 @@ describe('errors', () => {
 
 describe('config', () => {
   const dir = mkdtempSync(join(tmpdir(), 'pd-js-cfg-'))
+  after(() => rmSync(dir, { recursive: true, force: true }))
   mkdirSync(join(dir, 'pilldrops'))
   writeFileSync(join(dir, 'pilldrops', 'config.json'), JSON.stringify({ api_url: 'http://file:1/', api_key: 'filekey' }))
 

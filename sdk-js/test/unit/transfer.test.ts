@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict'
-import { mkdtempSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs'
+import { mkdtempSync, mkdirSync, readFileSync, writeFileSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
-import { afterEach, beforeEach, describe, test } from 'node:test'
+import { after, afterEach, beforeEach, describe, test } from 'node:test'
 
 import * as tar from 'tar'
 
@@ -20,6 +20,7 @@ async function made(f: FakeFetch, extra: Record<string, unknown> = {}): Promise<
 
 describe('transfers', () => {
   const root = mkdtempSync(join(tmpdir(), 'pd-js-xfer-'))
+  after(() => rmSync(root, { recursive: true, force: true }))
   mkdirSync(join(root, 'env', 'sub'), { recursive: true })
   writeFileSync(join(root, 'env', 'episode.py'), 'print(2)\n')
   writeFileSync(join(root, 'env', 'sub', 'w.txt'), 'w')
