@@ -128,7 +128,8 @@ function addFilter(k, v) {
 // ---- views ---------------------------------------------------------------------------------------------
 
 function renderUsage(u) {
-  $("credits").textContent = u.credits_unlimited ? "unlimited" : usd(u.credits_usd);
+  $("credits").textContent = u.credits_unlimited ? "unlimited"
+    : u.credits_usd === null ? "–" : `$${u.credits_usd.toPrecision(6)}`;
   $("credits").classList.toggle("low", !u.credits_unlimited && u.credits_usd !== null && u.credits_usd <= 0.5);
   $("spent").textContent = usd(u.cost_usd);
   $("count").textContent = String(u.sandboxes);
