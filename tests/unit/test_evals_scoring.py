@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,8 +27,10 @@ def test_pass_at_k_is_the_chance_that_a_k_subset_holds_a_correct_sample() -> Non
 
 
 def test_mean_ci_is_over_tasks() -> None:
-    m, lo, hi = mean_ci({"a": [1.0, 1.0], "b": [0.0, 0.0], "c": [0.5, 0.5]})
-    assert m == 0.5 and lo == pytest.approx(0.5 - 1.96 * 0.5 / math.sqrt(3)) and hi == pytest.approx(1 - lo)
+    m, lo, hi = mean_ci({"a": [0.5, 0.5], "b": [0.0, 0.5], "c": [0.5, 1.0]})     # task means .5, .25, .75
+    half = 1.96 * statistics.stdev([0.5, 0.25, 0.75]) / math.sqrt(3)
+    assert m == 0.5 and (lo, hi) == (pytest.approx(0.5 - half), pytest.approx(0.5 + half))
+    assert mean_ci({"a": [1.0], "b": [0.0]}) == (0.5, 0.0, 1.0)           # clipped to [0, 1]
     assert math.isnan(mean_ci({"a": [1.0]})[1]) and math.isnan(mean_ci({})[0])
 
 
@@ -38,4 +41,4 @@ def test_fifty_tasks_whose_references_pass_their_hidden_tests() -> None:
         ns: dict = {}  # type: ignore[type-arg]
         exec(t.reference, ns)
         assert all(ns[t.entry](*args) == want for args, want in t.tests), t.id
-        assert "test" not in t.prompt.lower()          # the prompt never shows the hidden tests
+        assert not any(repr(want) in t.prompt for _, want in t.tests if want not in (True, False))  # hidden
