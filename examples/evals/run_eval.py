@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f"${statistics.fmean(costs):.8f}, max ${max(costs):.8f}")
     for a in agents:
         if isinstance(a, dict):
-            print(f"agent episode   {a['task']}: reward {a['reward']:.2f} after {a['turns']} turn(s), "
+            print(f"agent episode   {a['task']} sample {a['sample']}: reward {a['reward']:.2f} after {a['turns']} turn(s), "
                   f"paused {a['paused_s']} s, cost ${history[a['sandbox']].cost_usd if a['sandbox'] in history else 0:.8f}")
     if args.json:
         out = {"run_id": run_id, "episodes": done, "agents": [a for a in agents if isinstance(a, dict)],

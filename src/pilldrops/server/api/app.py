@@ -20,15 +20,15 @@ from pilldrops.schema.api import (
     PoolSetRequest, Rates, SandboxInfo, SandboxList, SandboxState, SetTimeoutRequest, TemplateList, UsageSummary,
     WhoAmI,
 )
-from pilldrops.schema.stats import HistoryStats
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
+from pilldrops.schema.stats import HistoryStats
+from pilldrops.server import dashboard
 from pilldrops.server.service.auth import AuthService, Principal
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.service.stats import history_stats
-from pilldrops.server import dashboard
 
 
 @dataclass
