@@ -144,3 +144,40 @@ def _artifact(name: str) -> Any:
     from tests.browser.conftest import ARTIFACTS
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS / name
+
+
+def test_warm_pool_hit_rate_and_a_non_admin_key(page: Any, dash_server: Server, api: httpx.Client) -> None:
+    shape = {"template": "tiny", "vcpu": 1, "memory_mb": 48}
+    api.put("/v1/pools", json={**shape, "size": 1}).raise_for_status()
+    try:
+        deadline = time.monotonic() + 30
+        while not any(p["ready"] for p in api.get("/v1/pools").json()["items"]):
+            assert time.monotonic() < deadline, api.get("/v1/pools").json()
+            time.sleep(0.2)
+        api.delete(f"/v1/sandboxes/{api.post('/v1/sandboxes', json=shape).json()['id']}")     # a hit
+        api.delete(f"/v1/sandboxes/{api.post('/v1/sandboxes', json={**shape, 'memory_mb': 40}).json()['id']}")
+        deadline = time.monotonic() + 30
+        while not api.get("/v1/pools").json()["items"][0]["hits"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        sign_in(page, dash_server.api_key)
+        row = page.locator("#pools-table tbody tr").first
+        row.wait_for()
+        cells = row.locator("td").all_inner_texts()
+        assert cells[0] == "tiny" and cells[1] == "1 vCPU, 48 MiB" and int(cells[5]) >= 1
+        assert cells[7].endswith("%") and float(cells[7][:-1]) > 0
+        page.click("#signout")
+    finally:
+        api.put("/v1/pools", json={**shape, "size": 0}).raise_for_status()
+    # a key of a team without admin rights: no node view, a message saying which key can see it
+    team_key = api.post("/v1/keys", json={"name": "browser-nonadmin"}).json()
+    page.console_log.allow(r"status of 40[13]")        # the refused /v1/nodes, then the revoked key
+    sign_in(page, team_key["secret"])
+    page.locator("#nodes-empty", has_text="admin key only").wait_for()
+    assert page.locator("#nodes-table").is_hidden()
+    api.delete(f"/v1/keys/{team_key['id']}")
+    page.locator("#signin-error", has_text="sign in with a valid one").wait_for(timeout=20_000)   # revoked
+    deadline = time.monotonic() + 30
+    while api.get("/v1/pools").json()["items"]:
+        assert time.monotonic() < deadline, "the pool was not removed"
+        time.sleep(0.2)

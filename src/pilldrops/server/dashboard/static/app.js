@@ -6,7 +6,7 @@ import { barChart, lineChart } from "./charts.js";
 
 const REFRESH_MS = 2500;
 const $ = (id) => document.getElementById(id);
-const state = { nodes: new Map(), admin: null, historyLimit: 100, timer: null, busy: false, live: [] };
+const state = { nodes: new Map(), admin: null, historyLimit: 250, timer: null, busy: false, live: [] };
 
 function h(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
@@ -357,7 +357,7 @@ function start() {
     ev.preventDefault();
     try {
       writeFilter(formFilter());
-      state.historyLimit = 100;
+      state.historyLimit = 250;
       refresh();
     } catch (e) {
       toast(e.message, true);
@@ -365,7 +365,7 @@ function start() {
   });
   $("f-clear").addEventListener("click", () => { writeFilter({}); refresh(); });
   $("history-more").addEventListener("click", () => {
-    state.historyLimit = Math.min(1000, state.historyLimit + 100);
+    state.historyLimit = Math.min(1000, state.historyLimit + 250);
     refresh();
   });
   document.addEventListener("visibilitychange", () => { if (!document.hidden) refresh(); });
