@@ -130,7 +130,13 @@ def test_session_only_key_sign_out_and_empty_filter(page: Any, dash_server: Serv
     page.fill("#f-meta", "suite=no-such-batch")
     page.click("#filter button[type=submit]")
     page.locator("#history-empty", has_text="No sandbox matches this filter").wait_for()
-    assert "No spend" in page.locator("#chart-spend svg text.empty-chart").text_content() or ""
+    assert "No spend" in (page.locator("#chart-spend svg text.empty-chart").text_content() or "")
+    page.click("#f-clear")
+    page.locator("#history-table tbody tr").first.wait_for()          # earlier tests' sandboxes
+    page.fill("#f-since", "2999-01-01T00:00:00")                       # created from: the far future
+    page.click("#filter button[type=submit]")
+    page.locator("#history-empty", has_text="No sandbox matches this filter").wait_for()
+    assert "since=2999-01-0" in page.url or "since=2998-12-31" in page.url       # local time, sent as UTC
     page.click("#signout")
     page.locator("#signin").wait_for(state="visible")
     assert page.evaluate("sessionStorage.length") == 0 and page.context.cookies() == []
