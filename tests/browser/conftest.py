@@ -77,8 +77,10 @@ def api(dash_server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(dash_server: Server) -> Iterator[Any]:
+    """Per module, not per session: Playwright's sync API keeps an event loop running in this thread
+    while it is started, and the asyncio tests that run after this tier need the thread's loop free."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,

@@ -113,12 +113,15 @@ async def test_stats_endpoint_aggregates_the_filtered_history(tmp_path, store_ur
         for i in range(3):
             r = await c.post("/v1/sandboxes", json={"template": "tiny", "metadata": {"run": "a" if i < 2 else "b"}})
             ids.append(r.json()["id"])
-        for sid in ids[:1]:
+        live = (await c.get("/v1/history/stats", params={"metadata.run": "b"})).json()    # still running
+        assert live["sandboxes"] == 1 and live["series"][-1]["running_max"] == 1
+        for sid in ids:
             await c.delete(f"/v1/sandboxes/{sid}")
         st = (await c.get("/v1/history/stats", params={"metadata.run": "a", "buckets": 10, "bins": 4})).json()
         hist = (await c.get("/v1/history", params={"metadata.run": "a"})).json()["items"]
         assert st["sandboxes"] == 2 and not st["truncated"]
-        assert st["cost_usd"] == pytest.approx(sum(h["cost_usd"] for h in hist), rel=0.05, abs=1e-7)
+        assert st["cost_usd"] == pytest.approx(sum(h["cost_usd"] for h in hist), rel=1e-9)    # final costs
+        assert sum(p["spend_usd"] for p in st["series"]) == pytest.approx(st["cost_usd"], rel=1e-6)
         assert 1 <= len(st["series"]) <= 10 and st["bucket_s"] >= 1
         assert max(p["running_max"] for p in st["series"]) >= 1
         assert sum(b["count"] for b in st["cost_histogram"]) == 2
@@ -126,5 +129,3 @@ async def test_stats_endpoint_aggregates_the_filtered_history(tmp_path, store_ur
         assert (await c.get("/v1/history/stats", params={"metadata.run": "zzz"})).json()["sandboxes"] == 0
         bad = await c.get("/v1/history/stats", params={"buckets": 0})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
-        for sid in ids[1:]:
-            await c.delete(f"/v1/sandboxes/{sid}")

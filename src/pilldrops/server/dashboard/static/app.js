@@ -6,7 +6,9 @@ import { barChart, lineChart } from "./charts.js";
 
 const REFRESH_MS = 2500;
 const $ = (id) => document.getElementById(id);
-const state = { nodes: new Map(), admin: null, historyLimit: 250, timer: null, busy: false, live: [] };
+const BIG_BATCH = 2000;        // past this many records, the chart aggregates refresh every 4th tick only
+const state = { nodes: new Map(), admin: null, historyLimit: 250, timer: null, busy: false, live: [], tick: 0,
+  statsKey: null, statsSize: 0 };
 
 function h(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
@@ -169,6 +171,8 @@ function renderLive(list) {
         onclick: (e) => act(e.target, "Killed", api.kill, s.id) }, "Kill"))));
   $("live-table").querySelector("tbody").replaceChildren(...rows);
   $("live-table").hidden = !rows.length;
+  show("live-more", list.next_cursor ? `Showing the newest ${rows.length} live sandboxes; there are more `
+    + "(`pilldrops sandbox list` lists them all)." : "");
   show("live-empty", rows.length ? "" : "No sandboxes are running. Start some with `scripts/demo`, "
     + "`pilldrops sandbox create --template tiny`, or Sandbox.create(...) in Python; they show up here within seconds.");
 }
@@ -274,9 +278,12 @@ async function refresh() {
     filter = readFilter();
     const filtered = Object.keys(filter).length > 0;
     const wantNodes = state.admin !== false;
+    const key = JSON.stringify(filter);
+    const wantStats = key !== state.statsKey || state.statsSize < BIG_BATCH || state.tick % 4 === 0;
+    state.tick += 1;
     const [usage, nodes, live, hist, stats, pools] = await Promise.allSettled([
       api.usage(), wantNodes ? api.nodes() : Promise.resolve(null), api.live(),
-      api.history(filter, state.historyLimit), api.stats(filter), api.pools()]);
+      api.history(filter, state.historyLimit), wantStats ? api.stats(filter) : Promise.resolve(null), api.pools()]);
     const all = [usage, nodes, live, hist, stats, pools];
     const unauth = all.find((r) => r.status === "rejected" && r.reason.status === 401);
     if (unauth) {
@@ -295,7 +302,11 @@ async function refresh() {
     if (usage.status === "fulfilled") renderUsage(usage.value);
     if (live.status === "fulfilled") renderLive(live.value);
     if (hist.status === "fulfilled") renderHistory(hist.value, filtered);
-    if (stats.status === "fulfilled") renderStats(stats.value);
+    if (stats.status === "fulfilled" && stats.value) {
+      state.statsKey = key;
+      state.statsSize = stats.value.sandboxes;
+      renderStats(stats.value);
+    }
     if (pools.status === "fulfilled") renderPools(pools.value);
     const failed = all.filter((r) => r.status === "rejected" && r.reason.status !== 403);
     show("banner", failed.length ? `Could not refresh: ${explain(failed[0].reason)}. Retrying every `
