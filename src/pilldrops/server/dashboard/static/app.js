@@ -25,6 +25,9 @@ function h(tag, attrs = {}, ...children) {
 
 // ---- formatting ----------------------------------------------------------------------------------------
 
+// axis labels: short (3 significant digits; an exponent below a tenth of a cent)
+const usdTick = (v) => (v === 0 ? "$0" : Math.abs(v) < 0.001 ? `$${v.toExponential(1)}` : `$${+v.toPrecision(3)}`);
+
 export function usd(v) {
   if (v === null || v === undefined) return "–";
   if (v === 0) return "$0";
@@ -208,7 +211,7 @@ function renderStats(st) {
     label: "spend over time",
     bars: st.series.map((p) => ({ x0: t(p), x1: t(p) + w, y: p.spend_usd,
       title: `${clock(t(p))}: ${usd(p.spend_usd)}` })),
-    xfmt: clock, yfmt: usd, emptyText: "No spend in this selection yet",
+    xfmt: clock, yfmt: usdTick, emptyText: "No spend in this selection yet",
   });
   lineChart($("chart-running"), {
     label: "sandboxes running at once",
@@ -216,14 +219,14 @@ function renderStats(st) {
       { name: "peak", cls: "peak", points: st.series.map((p) => [t(p), p.running_max]) },
       { name: "average", cls: "avg", area: true, points: st.series.map((p) => [t(p), p.running_avg]) },
     ],
-    xfmt: clock, yfmt: (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)),
+    xfmt: clock, yfmt: (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)), step: w,
     emptyText: "No sandbox in this selection has started yet",
   });
   barChart($("chart-hist"), {
     label: "cost per episode",
     bars: st.cost_histogram.map((b) => ({ x0: b.lo, x1: b.hi > b.lo ? b.hi : b.lo + (b.lo || 1e-9), y: b.count,
       title: `${usd(b.lo)} – ${usd(b.hi)}: ${b.count} sandbox${b.count === 1 ? "" : "es"}` })),
-    xfmt: usd, yfmt: (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)),
+    xfmt: usdTick, yfmt: (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1)),
     emptyText: "No episodes in this selection",
   });
 }

@@ -63,20 +63,24 @@ export function barChart(host, { label, bars, xfmt, yfmt, emptyText }) {
   svg.append(g);
 }
 
-// series: [{points: [[x, y]], cls, name, area}]
-export function lineChart(host, { label, series, xfmt, yfmt, emptyText }) {
+// series: [{points: [[x, y]], cls, name, area}]; with `step` (the width of a bucket) each point is a
+// level held over [x, x + step) instead of a point joined to the next by a slope
+export function lineChart(host, { label, series, xfmt, yfmt, emptyText, step = 0 }) {
   const pts = series.flatMap((s) => s.points);
   if (!pts.length) return empty(host, label, emptyText);
   const svg = frame(host, label);
-  const x0 = Math.min(...pts.map((p) => p[0])), x1 = Math.max(...pts.map((p) => p[0]));
+  const x0 = Math.min(...pts.map((p) => p[0])), x1 = Math.max(...pts.map((p) => p[0])) + step;
   const ymax = Math.max(1, ...pts.map((p) => p[1]));
   const s = axes(svg, x0, x1, ymax, xfmt, yfmt);
+  const f = (v) => v.toFixed(1);
   for (const ser of series) {
     if (!ser.points.length) continue;
-    const d = ser.points.map((p, i) => `${i ? "L" : "M"}${s.x(p[0]).toFixed(1)},${s.y(p[1]).toFixed(1)}`).join("");
+    const d = step
+      ? ser.points.map((p, i) => `${i ? "L" : "M"}${f(s.x(p[0]))},${f(s.y(p[1]))}H${f(s.x(p[0] + step))}`).join("")
+      : ser.points.map((p, i) => `${i ? "L" : "M"}${f(s.x(p[0]))},${f(s.y(p[1]))}`).join("");
     if (ser.area) {
       const first = ser.points[0], last = ser.points[ser.points.length - 1];
-      const a = el("path", { d: `${d}L${s.x(last[0]).toFixed(1)},${s.y(0)}L${s.x(first[0]).toFixed(1)},${s.y(0)}Z`,
+      const a = el("path", { d: `${d}L${f(s.x(last[0] + step))},${s.y(0)}L${f(s.x(first[0]))},${s.y(0)}Z`,
         class: `area ${ser.cls}` });
       a.append(el("title", {}, ser.name));
       svg.append(a);
