@@ -120,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or f"evals-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     tasks = all_tasks()[: args.tasks]
     items = [Episode(t, s) for t in tasks for s in range(args.samples)]
+    def tags(kind: str) -> Any:          # per-sandbox metadata: the run, and which episode it is
+        return lambda ep: {"eval": run_id, "kind": kind, "task": ep.task.id, "sample": str(ep.sample)}
+
     opts = dict(template=args.template, vcpu=1, memory_mb=256, timeout=300, concurrency=args.concurrency,
-                metadata={"eval": run_id, "kind": "sample"})
+                metadata=tags("sample"))
     t0 = time.monotonic()
     results, retried = run_with_retries(episode, items, retries=args.retries, **opts)
     agents: list[Any] = []
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     again = [items[i] for i, r in enumerate(results) if isinstance(r, dict) and not r["solved"]]
     if args.agent_episodes and again:
         agents, r2 = run_with_retries(agent_episode, again[: args.agent_episodes], retries=args.retries,
-                                      **{**opts, "metadata": {"eval": run_id, "kind": "agent"}})
+                                      **{**opts, "metadata": tags("agent")})
         retried += r2
     wall = time.monotonic() - t0
 
