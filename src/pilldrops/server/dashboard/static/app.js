@@ -140,13 +140,15 @@ function renderUsage(u) {
   $("count").textContent = String(u.sandboxes);
 }
 
-async function act(btn, verb, fn, id) {
+const VERBS = { pause: "Paused", resume: "Resumed", kill: "Killed" };
+
+async function act(btn, verb, id) {
   btn.disabled = true;
   try {
-    const sb = await fn(id);
-    toast(`${verb} ${id}: now ${sb.state}${sb.state === "stopped" ? `, final cost ${usd(sb.cost_usd)}` : ""}`);
+    const sb = await api[verb](id);
+    toast(`${VERBS[verb]} ${id}: now ${sb.state}${sb.state === "stopped" ? `, final cost ${usd(sb.cost_usd)}` : ""}`);
   } catch (e) {
-    toast(`Could not ${verb.toLowerCase().replace(/ed$/, "")} ${id}: ${explain(e)}`, true);
+    toast(`Could not ${verb} ${id}: ${explain(e)}`, true);
   } finally {
     btn.disabled = false;
     refresh();
@@ -167,11 +169,11 @@ function renderLive(list) {
     h("td", {}, metaChips(s.metadata)),
     h("td", { class: "actions" },
       s.state === "running" ? h("button", { type: "button", class: "pause",
-        onclick: (e) => act(e.target, "Paused", api.pause, s.id) }, "Pause") : null,
+        onclick: (e) => act(e.target, "pause", s.id) }, "Pause") : null,
       s.state === "paused" ? h("button", { type: "button", class: "resume",
-        onclick: (e) => act(e.target, "Resumed", api.resume, s.id) }, "Resume") : null,
+        onclick: (e) => act(e.target, "resume", s.id) }, "Resume") : null,
       h("button", { type: "button", class: "kill danger",
-        onclick: (e) => act(e.target, "Killed", api.kill, s.id) }, "Kill"))));
+        onclick: (e) => act(e.target, "kill", s.id) }, "Kill"))));
   $("live-table").querySelector("tbody").replaceChildren(...rows);
   $("live-table").hidden = !rows.length;
   show("live-more", list.next_cursor ? `Showing the newest ${rows.length} live sandboxes; there are more `
