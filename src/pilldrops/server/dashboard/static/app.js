@@ -7,7 +7,7 @@ import { barChart, lineChart } from "./charts.js";
 const REFRESH_MS = 2500;
 const $ = (id) => document.getElementById(id);
 const BIG_BATCH = 2000;        // past this many records, the chart aggregates refresh every 4th tick only
-const state = { nodes: new Map(), admin: null, historyLimit: 250, timer: null, busy: false, live: [], tick: 0,
+const state = { nodes: new Map(), admin: null, historyLimit: 250, timer: null, busy: false, again: false, live: [], tick: 0,
   statsKey: null, statsSize: 0 };
 
 function h(tag, attrs = {}, ...children) {
@@ -275,7 +275,12 @@ function renderPools(list) {
 // ---- refresh loop --------------------------------------------------------------------------------------
 
 async function refresh() {
-  if (state.busy || !session.key) return;
+  if (!session.key) return;
+  if (state.busy) {                 // a refresh asked for during one (a new filter, an action): right after it
+    state.again = true;
+    return;
+  }
+  state.again = false;
   state.busy = true;
   clearTimeout(state.timer);
   let filter;
@@ -319,7 +324,7 @@ async function refresh() {
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } finally {
     state.busy = false;
-    if (session.key) state.timer = setTimeout(refresh, REFRESH_MS);
+    if (session.key) state.timer = setTimeout(refresh, state.again ? 0 : REFRESH_MS);
   }
 }
 
