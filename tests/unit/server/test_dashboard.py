@@ -129,3 +129,18 @@ async def test_stats_endpoint_aggregates_the_filtered_history(tmp_path, store_ur
         assert (await c.get("/v1/history/stats", params={"metadata.run": "zzz"})).json()["sandboxes"] == 0
         bad = await c.get("/v1/history/stats", params={"buckets": 0})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+
+
+@given(st.lists(st.tuples(st.floats(0, 500), st.floats(0, 500), st.floats(0, 1), st.floats(0, 1),
+                          st.floats(0, 5), st.floats(0, 1e6)), min_size=1, max_size=20), st.integers(1, 50))
+def test_with_pauses_spend_still_adds_up_and_paused_time_is_not_running(raw: list, buckets: int) -> None:  # type: ignore[type-arg]
+    eps = []
+    for a, d, p0, p1, c, gb_s in raw:
+        lo, hi = sorted((p0, p1))
+        pause = (at(a + d * lo), at(a + d * hi))
+        eps.append(Episode(at(a), at(a + d), c + gb_s * RATES.storage_gb_s_usd, storage_gb_s=gb_s, pauses=[pause]))
+    s = compute(eps, now=at(5000), rates=RATES, buckets=buckets)
+    assert sum(b.spend_usd for b in s.series) == pytest.approx(s.cost_usd, rel=1e-6, abs=1e-9)
+    running_s = sum(b.running_avg * s.bucket_s for b in s.series)
+    want = sum(d * (1 - abs(p1 - p0)) for _, d, p0, p1, _, _ in raw)
+    assert running_s == pytest.approx(want, rel=1e-6, abs=1e-3)

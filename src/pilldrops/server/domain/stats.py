@@ -70,15 +70,15 @@ def _intervals(ep: Episode, now: datetime) -> tuple[list[tuple[datetime, datetim
     return running, paused
 
 
-def _spread(buckets: list[Bucket], t0: datetime, width: float, a: datetime, b: datetime, amount: float,
-            total_s: float, attr: str) -> None:
-    """Add ``amount × (overlap / total_s)`` of the interval [a, b) to each bucket it overlaps."""
+def _spread(acc: list[float], t0: datetime, width: float, a: datetime, b: datetime, amount: float,
+            total_s: float) -> None:
+    """Add ``amount × (overlap / total_s)`` of the interval [a, b) to each bucket of ``acc`` it overlaps."""
     lo, hi = (a - t0).total_seconds(), (b - t0).total_seconds()
-    first, last = max(0, int(lo // width)), min(len(buckets) - 1, int(hi // width))
+    first, last = max(0, int(lo // width)), min(len(acc) - 1, int(hi // width))
     for i in range(first, last + 1):
         overlap = min(hi, (i + 1) * width) - max(lo, i * width)
         if overlap > 0:
-            setattr(buckets[i], attr, getattr(buckets[i], attr) + amount * overlap / total_s)
+            acc[i] += amount * overlap / total_s
 
 
 def _peaks(buckets: list[Bucket], t0: datetime, width: float, running: list[tuple[datetime, datetime]]) -> None:
@@ -134,24 +134,25 @@ def compute(episodes: Sequence[Episode], *, now: datetime, rates: Rates, buckets
     span = max((t1 - t0).total_seconds(), MIN_BUCKET_S)
     width = max(span / buckets, MIN_BUCKET_S)
     n = max(1, min(buckets, math.ceil(span / width)))
-    series = [Bucket(t=t0 + timedelta(seconds=i * width)) for i in range(n)]
+    spend, running_s = [0.0] * n, [0.0] * n
     all_running: list[tuple[datetime, datetime]] = []
     for ep in started:
         running, paused = _intervals(ep, now)
         all_running += running
         storage_cost = min(ep.cost_usd, ep.storage_gb_s * rates.storage_gb_s_usd)
+        if not running or not paused:                   # all of it where the time is
+            storage_cost = ep.cost_usd if not running else 0.0
         run_s = sum((b - a).total_seconds() for a, b in running)
         pause_s = sum((b - a).total_seconds() for a, b in paused)
         for a, b in running:
-            _spread(series, t0, width, a, b, ep.cost_usd - storage_cost, run_s, "spend_usd")
-            _spread(series, t0, width, a, b, width, width, "running_avg")   # running seconds / width
+            _spread(spend, t0, width, a, b, ep.cost_usd - storage_cost, run_s)
+            _spread(running_s, t0, width, a, b, 1.0, 1.0)          # running seconds in each bucket
         for a, b in paused:
-            _spread(series, t0, width, a, b, storage_cost, pause_s, "spend_usd")
+            _spread(spend, t0, width, a, b, storage_cost, pause_s)
         if not running and not paused:                  # started and ended in the same instant
-            i = min(n - 1, int((ep.started_at - t0).total_seconds() // width))  # type: ignore[operator]
-            series[i].spend_usd += ep.cost_usd
-    for bk in series:
-        bk.running_avg /= width
+            spend[min(n - 1, int((ep.started_at - t0).total_seconds() // width))] += ep.cost_usd  # type: ignore[operator]
+    series = [Bucket(t=t0 + timedelta(seconds=i * width), spend_usd=spend[i], running_avg=running_s[i] / width)
+              for i in range(n)]
     _peaks(series, t0, width, all_running)
     stats.start, stats.end, stats.bucket_s, stats.series = t0, t1, width, series
     return stats
