@@ -55,7 +55,7 @@ async def test_a_create_failing_after_the_runtime_made_it_leaves_no_record_and_n
     runtime = FakeRuntime(tmp_path / "fake")
     a = agent(tmp_path, runtime)
     fail_target_once(a)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="template gone"):
         await a.create(spec("sb_c"))
     assert a.sandboxes.get("sb_c") is None            # not stuck in "creating" (reported starting forever)
     assert await runtime.list_ids() == []            # the container it made is gone
@@ -109,7 +109,7 @@ async def test_a_resume_failing_after_the_restore_destroys_the_restored_containe
     await a.pause("sb_r")
     fail_target_once(a)
     body = NodeResume(spec=spec("sb_r"), timeout_s=60)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="template gone"):
         await a.resume("sb_r", body)
     assert a.sandboxes.state_of("sb_r") is NodeState.paused      # it stays paused, image kept
     assert await runtime.list_ids() == []                         # the restored container did not leak
