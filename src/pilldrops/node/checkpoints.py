@@ -22,6 +22,7 @@ import anyio
 import httpx
 
 from pilldrops import errors
+from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
@@ -141,12 +142,6 @@ class Checkpoints:
             size = image_size(path)
         return size
 
-    async def _destroy_quietly(self, handle: Handle) -> None:
-        try:
-            await self.runtime.destroy(handle)
-        except Exception:  # logged (a container left here makes the next restore of this id fail)
-            log.exception("destroying %s failed", handle.id)
-
     async def _state_quietly(self, handle: Handle) -> str:
         try:
             return (await self.runtime.state(handle)).status
@@ -173,7 +168,6 @@ class Checkpoints:
         else:
             self.sandboxes.move(sb, NodeState.resuming)
             fetched = False
-        made: Handle | None = None     # what the runtime restored (or may have, when cancelled mid-restore)
         try:
             if fetched:
                 sb.image = await self._fetch(sandbox_id, body)
@@ -187,16 +181,10 @@ class Checkpoints:
             self.journal.write(sb.journal_entry())                 # phase "resuming"
             try:
                 async with self._create_slots:
-                    made = Handle(id=rt_spec.id)
-                    made = handle = await self.runtime.restore(rt_spec, image.path)
+                    handle = await self.runtime.restore(rt_spec, image.path)
             except RuntimeFailure as exc:
-                made = None              # the runtime's contract: a failed restore leaves nothing
                 raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
-            target = self.templates.target(spec, handle)
         except BaseException:
-            if made is not None:         # never leave a restored container behind a record that says paused
-                with anyio.CancelScope(shield=True):
-                    await self._destroy_quietly(made)
             if fetched:     # a copy: the source node's checkpoint stays the sandbox's, this one goes
                 self.sandboxes.move(sb, NodeState.gone)
                 self.journal.remove(sandbox_id)
@@ -205,6 +193,9 @@ class Checkpoints:
                 self.sandboxes.move(sb, NodeState.paused)
                 self.journal.write(sb.journal_entry())
             raise
+        # the restore consumed the image (crun moves its writable layer into the container), so nothing may
+        # fail from here on: the target comes from what was resolved before (not a template lookup now)
+        target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir)
         sb.spec, sb.target, sb.image = spec, target, None
         sb.started_at = sb.started_at or self.now()
         sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)
