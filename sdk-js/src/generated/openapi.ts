@@ -23,6 +23,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/history/stats": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Stats */
+        get: operations["stats_v1_history_stats_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/keys": {
         parameters: {
             query?: never;
@@ -540,6 +557,15 @@ export interface components {
             /** Detail */
             detail?: components["schemas"]["ValidationError"][];
         };
+        /** HistogramBin */
+        HistogramBin: {
+            /** Count */
+            count: number;
+            /** Hi */
+            hi: number;
+            /** Lo */
+            lo: number;
+        };
         /** HistoryPage */
         HistoryPage: {
             /** Items */
@@ -580,6 +606,51 @@ export interface components {
             vcpu: number;
             /** Vcpu S */
             vcpu_s: number;
+        };
+        /** HistoryStats */
+        HistoryStats: {
+            /** Bucket S */
+            bucket_s: number;
+            /** Cost Histogram */
+            cost_histogram: components["schemas"]["HistogramBin"][];
+            /**
+             * Cost Quantiles
+             * @description p50, p90, p99, max of cost per sandbox
+             */
+            cost_quantiles: {
+                [key: string]: number;
+            };
+            /** Cost Usd */
+            cost_usd: number;
+            /**
+             * End
+             * @description last end in the batch (now while some still run)
+             */
+            end?: string | null;
+            /** Mean Cost Usd */
+            mean_cost_usd: number;
+            /**
+             * Sandboxes
+             * @description records aggregated
+             */
+            sandboxes: number;
+            /** Series */
+            series: components["schemas"]["SeriesPoint"][];
+            /** Since */
+            since?: string | null;
+            /**
+             * Start
+             * @description first start in the batch
+             */
+            start?: string | null;
+            /**
+             * Truncated
+             * @description more records matched than were aggregated (the newest are kept)
+             * @default false
+             */
+            truncated: boolean;
+            /** Until */
+            until?: string | null;
         };
         /** KeyCreateRequest */
         KeyCreateRequest: {
@@ -939,6 +1010,30 @@ export interface components {
          * @enum {string}
          */
         SandboxState: "pending" | "starting" | "running" | "pausing" | "paused" | "resuming" | "stopping" | "stopped" | "failed" | "lost";
+        /** SeriesPoint */
+        SeriesPoint: {
+            /**
+             * Running Avg
+             * @description sandboxes running, averaged over the bucket
+             */
+            running_avg: number;
+            /**
+             * Running Max
+             * @description most sandboxes running at once in the bucket
+             */
+            running_max: number;
+            /**
+             * Spend Usd
+             * @description cost accrued in the bucket
+             */
+            spend_usd: number;
+            /**
+             * T
+             * Format: date-time
+             * @description start of the bucket
+             */
+            t: string;
+        };
         /** SetTimeoutRequest */
         SetTimeoutRequest: {
             /**
@@ -1056,6 +1151,42 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HistoryPage"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    stats_v1_history_stats_get: {
+        parameters: {
+            query?: {
+                since?: string | null;
+                until?: string | null;
+                state?: string[] | null;
+                template?: string | null;
+                buckets?: number;
+                bins?: number;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HistoryStats"];
                 };
             };
             /** @description Validation Error */
