@@ -4,12 +4,13 @@ cannot drift from the server. Every test takes ``backend`` and uses only the SDK
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from pilldrops.sdk.testing import FakeControlPlane
@@ -22,6 +23,8 @@ TEMPLATES = ("base", "code-interpreter")
 class Target:
     kind: str                   # "fake" or "stack"
     opts: dict[str, Any]        # api_url, api_key, transport: for every SDK call
+    # let ``seconds`` pass: the fake's clock is moved, the real stack is waited for
+    wait: Callable[[float], Awaitable[None]] = anyio.sleep
 
     @property
     def api_url(self) -> str:
@@ -37,7 +40,11 @@ class Backend:
     async def open(self) -> AsyncIterator[Target]:
         if self.kind == "fake":
             fake = FakeControlPlane(templates=TEMPLATES)
-            yield Target("fake", fake.client_options())
+
+            async def advance(seconds: float) -> None:
+                fake.advance(seconds)
+
+            yield Target("fake", fake.client_options(), advance)
             return
         async with stack(self.tmp_path, templates=TEMPLATES) as s:
             yield Target("stack", {"api_url": "http://cp", "api_key": s.key, "transport": s.transport})
