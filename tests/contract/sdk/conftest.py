@@ -4,7 +4,7 @@ cannot drift from the server. Every test takes ``backend`` and uses only the SDK
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from pilldrops.sdk.testing import FakeControlPlane
+from tests.contract.conftest import FakeCase
 from tests.stack import stack
 
 TEMPLATES = ("base", "code-interpreter")
@@ -65,3 +66,14 @@ def _isolated_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture(params=["fake", "stack"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     return Backend(request.param, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(tmp_path: Path) -> Iterator[None]:
+    """Replaces ``tests/contract``'s per-runtime leak check, which made every SDK test run once per runtime
+    case while watching that case's directory, not the stack's. The stack always runs the FakeRuntime in
+    ``tmp_path/fake``: no process, sandbox directory or record of it outlives the test."""
+    case = FakeCase(tmp_path)
+    before = case.snapshot()
+    yield
+    case.assert_no_leaks(before)
