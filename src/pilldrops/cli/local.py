@@ -114,15 +114,22 @@ def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Pat
         except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
             pass
         t0 = time.monotonic()
-        if not console.is_terminal:     # no spinner in a log: say what the next minute is spent on
-            console.print(f"building template {name} (first start only, about a minute) ...")
-        with console.status(f"[bold]building template {name}[/] (first start only)") as status:
+        if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
+            console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
+        with console.status(f"[bold]building template {name}[/] (once)") as status:
             def progress(line: str, _name: str = name) -> None:
                 status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "
                               f"[dim]{line[:90]}[/]")
+                if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
+                    console.print(f"  {line[:160]}")      # each step, so a log shows where a build is
             tpl = store.ensure(name, progress=progress)
         console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
                       f"({tpl.size / 2**20:.0f} MiB)")
+
+
+def _config_path() -> Path:
+    from pilldrops._internal import config
+    return config.config_path()
 
 
 def _print_exports(api_url: str, secret: str | None, saved: Path | None) -> None:
@@ -216,6 +223,8 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
             await _bootstrap_key(cp, api_url)
             _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
                              f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
+            _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
+                             f"{_config_path()})")
             await wait_for_signal()
             await node.aclose()
             node_served.stop()

@@ -78,6 +78,9 @@ class Lifecycle:
         row = await self.ctx.get_row(team_id, sandbox_id)
         if row.state != S.running.value:
             hint = "; resume it first (`pilldrops sandbox resume ID`, sb.resume())" if row.state == "paused" else ""
+            if row.ended_at is not None:     # say why and when it ended: an ended sandbox never comes back
+                reason = row.end_reason or row.state
+                hint = f" ({reason} at {row.ended_at:%Y-%m-%d %H:%M:%S} UTC); an ended sandbox cannot come back"
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running{hint}",
                                       current=row.state, target=S.running.value)
         return row

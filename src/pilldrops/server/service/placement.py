@@ -62,10 +62,11 @@ def _check_template(template: str, nodes: Sequence[NodeRecord]) -> None:
     if not any(template in _templates(n) for n in nodes):
         known = sorted({t.get("name") for n in nodes for t in n.templates})
         close = difflib.get_close_matches(template, known, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        # a typo of a built template: name that one, never "build" the typo
+        fix = (f"did you mean {close[0]!r}? available: {', '.join(known)}" if close else
+               f"available: {', '.join(known) or 'none'} (build it with `pilldrops template build {template}`)")
         raise errors.TemplateNotFound(
-            f"template {template!r} is not built on any node; {hint}available: {', '.join(known) or 'none'} "
-            f"(build it with `pilldrops template build {template}`)",
+            f"template {template!r} is not built on any node; {fix}",
             details={"template": template, "available": known, "did_you_mean": close[0] if close else None})
 
 
