@@ -76,6 +76,22 @@ def _templates_dir_option(f: Any) -> Any:
                              "always read")(f)
 
 
+_HELD: list[int] = []     # data-dir lock fds, held until the process exits
+
+
+def _claim(data_dir: Path, roles: tuple[str, ...], ports: list[tuple[str, int, str]]) -> None:
+    """Before any slow set-up: the data dir is ours (one control plane and one node agent per data dir) and
+    the ports are free; either failing is one clear line, not a traceback minutes later."""
+    from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir
+    try:
+        for role in roles:
+            _HELD.append(lock_data_dir(data_dir, role))
+        for host, port, option in ports:
+            check_port(host, port, option)
+    except (DataDirInUse, PortInUse) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -184,7 +200,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
 
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _claim(data_dir, ("control-plane", "node"),
+           [(host, port, "--port"), (host, node_port or port + 1, "--node-port")])
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
@@ -268,6 +285,7 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
+    _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
     anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
@@ -329,7 +347,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     from pilldrops.node.agent import Settings, default_capacity
     from pilldrops.node.main import default_node_name
     _logging(verbose)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _claim(data_dir, ("node",), [(host, port, "--port")])
     build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()], templates_dirs)
     cpu, mem = default_capacity()
     settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",

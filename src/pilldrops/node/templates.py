@@ -27,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ from typing import Any
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
 
+log = logging.getLogger("pilldrops.templates")
 BUILDERS = ("busybox", "debootstrap")
 BUILDER_VERSION = "1"          # bump to force rebuilds when builder code changes its output
 SPEC_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -429,6 +431,7 @@ class TemplateStore:
         self.data_dir = Path(data_dir).resolve()
         self.root = self.data_dir / "templates"
         self.spec_dirs = [Path(p) for p in (spec_dirs if spec_dirs is not None else default_spec_dirs())]
+        self._logged_errors: dict[str, str] = {}
 
     def signature(self) -> tuple[tuple[str, float], ...]:
         """Cheap fingerprint of the built templates (changes when a template is built or rebuilt)."""
@@ -439,17 +442,35 @@ class TemplateStore:
 
     # specs
     def specs(self) -> dict[str, TemplateSpec]:
+        """Every valid spec by name. A file that does not parse is skipped and kept in :attr:`spec_errors`
+        (logged once): one bad spec in the user's folder never takes the other templates, or a node, down."""
         out: dict[str, TemplateSpec] = {}
+        errors: dict[str, str] = {}
         for d in self.spec_dirs:
             for f in sorted(Path(d).glob("*.toml")):
-                s = parse_spec(f)
+                try:
+                    s = parse_spec(f)
+                except TemplateSpecError as exc:
+                    errors[str(f)] = str(exc)
+                    continue
                 out[s.name] = s
+        for path, err in errors.items():
+            if self._logged_errors.get(path) != err:
+                log.warning("skipping template spec %s: %s", path, err)
+        self._logged_errors = errors
         return out
+
+    @property
+    def spec_errors(self) -> dict[str, str]:
+        """The spec files skipped by the last :meth:`specs` call, with why."""
+        return dict(self._logged_errors)
 
     def spec(self, name: str) -> TemplateSpec:
         specs = self.specs()
         if name not in specs:
-            raise TemplateNotFound(f"no template spec named {name!r}", details={"template": name})
+            bad = "; ".join(self._logged_errors.values())
+            raise TemplateNotFound(f"no template spec named {name!r}" + (f" (skipped invalid specs: {bad})" if bad
+                                                                         else ""), details={"template": name})
         return specs[name]
 
     def hash(self, name: str, _seen: tuple[str, ...] = ()) -> str:
