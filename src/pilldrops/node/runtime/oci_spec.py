@@ -10,7 +10,6 @@ profile denying the kernel-admin / namespace / introspection syscalls, the maske
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 from typing import Any
 
