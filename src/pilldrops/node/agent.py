@@ -33,6 +33,7 @@ from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.pools import WarmPools
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
+from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodePoolSpec, NodeRegister, NodeRegistered, NodeResume,
@@ -263,7 +264,8 @@ class NodeAgent:
         rt_spec = self._runtime_spec(spec)
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
-        member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
+                  if spec.isolation == "container" else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             return self._adopt_new(spec, member, claimed=True)
         self.journal.write(Entry(id=spec.id, phase="creating", spec=spec.model_dump(mode="json")))
@@ -311,7 +313,7 @@ class NodeAgent:
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
                            envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
-                           hostname=spec.id.replace("_", "-"))
+                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation)
 
     def get(self, sandbox_id: str) -> Live:
         live = self.live.get(sandbox_id)
@@ -341,9 +343,10 @@ class NodeAgent:
         Commands in flight end first (their runs report ``paused``). On failure it keeps running."""
         if sandbox_id in self.paused:
             return self.paused[sandbox_id].status()          # a retried pause
-        why = self.runtime.checkpoint_unsupported()
+        mode = self.live[sandbox_id].spec.isolation if sandbox_id in self.live else "container"
+        why = checkpoint_unsupported(self.runtime, mode)
         if why:
-            raise errors.NotSupported(f"this node cannot pause sandboxes: {why}")
+            raise errors.NotSupported(f"this node cannot pause {mode} sandboxes: {why}")
         live = self.get(sandbox_id)
         async with live.op:
             if self.live.get(sandbox_id) is not live or live.ending:
@@ -392,9 +395,9 @@ class NodeAgent:
         if sandbox_id in self.resuming:
             raise errors.InvalidState(f"sandbox {sandbox_id} is already resuming", current="resuming",
                                       target="running")
-        why = self.runtime.checkpoint_unsupported()
+        why = checkpoint_unsupported(self.runtime, body.spec.isolation)
         if why:
-            raise errors.NotSupported(f"this node cannot resume sandboxes: {why}")
+            raise errors.NotSupported(f"this node cannot resume {body.spec.isolation} sandboxes: {why}")
         self.resuming.add(sandbox_id)
         try:
             # a move (source_url) always takes the source's copy: one left here from an earlier pause is stale
@@ -543,7 +546,8 @@ class NodeAgent:
             cache[st.name] = t
             built = datetime.fromtimestamp(t.built_at, timezone.utc) if t.built_at else None
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
-                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built))
+                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
+                                      isolation=getattr(st, "isolation", None)))
         self._tpl_cache = cache
         return infos
 
@@ -667,7 +671,8 @@ class NodeAgent:
         s = self.settings
         return NodeRegister(name=s.name, url=s.public_url, capacity_vcpu=s.capacity_vcpu,
                             capacity_memory_mb=s.capacity_memory_mb, templates=self.refresh_templates(),
-                            sandboxes=self.statuses(), version=__version__, instance=self.instance)
+                            sandboxes=self.statuses(), version=__version__, instance=self.instance,
+                            isolation=support_of(self.runtime))
 
     async def _register(self) -> float:
         url = f"{self.settings.control_plane_url}/internal/v1/nodes/register"

@@ -1,6 +1,7 @@
 """Placement: pure code, no I/O, no clock. ``place(request, nodes) -> Placement | Unschedulable``.
 
-Filters (in order, cheapest first): ready → not draining → has the template → fits vCPU → fits memory, where
+Filters (in order, cheapest first): ready → not draining → runs the isolation mode → has the template → fits
+vCPU → fits memory, where
 "used" already includes reservations still in flight. Then best fit: the node left with the least free
 capacity that still fits, over both dimensions (the mean of the two free fractions, as Kubernetes'
 MostAllocated scores), ties broken by node id so
@@ -39,6 +40,8 @@ class NodeView:
     ready: bool = True
     draining: bool = False
     templates: frozenset[str] = frozenset()
+    isolation: frozenset[str] = frozenset({"container"})    # the modes it can run (issue 11)
+    isolation_missing: tuple[tuple[str, str], ...] = ()     # (mode, why not) for the others
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Request:
     template: str
     vcpu: float
     memory_mb: int
+    isolation: str = "container"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ def _reject(req: Request, n: NodeView) -> str | None:
         return "not ready"
     if n.draining:
         return "draining"
+    if req.isolation not in n.isolation:
+        why = dict(n.isolation_missing).get(req.isolation)
+        return f"no {req.isolation}" + (f" ({why})" if why else "")
     if req.template not in n.templates:
         return "template missing"
     if n.used_vcpu + req.vcpu > n.capacity_vcpu + VCPU_SLACK:
@@ -109,16 +116,17 @@ def place(req: Request, nodes: list[NodeView]) -> Placement | Unschedulable:
 
 
 class _Node:
-    __slots__ = ("cap_c", "cap_m", "draining", "id", "ready", "templates", "used_c", "used_m")
+    __slots__ = ("cap_c", "cap_m", "draining", "id", "iso", "ready", "templates", "used_c", "used_m")
 
     def __init__(self, v: NodeView) -> None:
         self.id, self.cap_c, self.cap_m = v.id, v.capacity_vcpu, v.capacity_memory_mb
         self.used_c, self.used_m = v.used_vcpu, v.used_memory_mb
         self.ready, self.draining, self.templates = v.ready, v.draining, v.templates
+        self.iso = (v.isolation, v.isolation_missing)
 
     def view(self) -> NodeView:
         return NodeView(self.id, self.cap_c, self.cap_m, self.used_c, self.used_m, self.ready, self.draining,
-                        self.templates)
+                        self.templates, *self.iso)
 
 
 class _Row:
@@ -293,6 +301,8 @@ class PlacementIndex:
 
     # -- decision
     def place(self, req: Request) -> Placement | Unschedulable:
+        if req.isolation != "container":
+            return place(req, self.views())     # the other isolation modes: the reference scan (not indexed)
         shapes = self._by_template.get(req.template, {})
         best: tuple[float, str] | None = None
         for shape in shapes.values():

@@ -44,12 +44,13 @@ import anyio
 
 from pilldrops.node.isolation import cgroups, criu, procs
 from pilldrops.node.isolation.execproc import PipeExec
-from pilldrops.node.isolation.host import require_crun
+from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init
 from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
+from pilldrops.node.runtime.registry import Probe
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -80,6 +81,15 @@ def _started_init(pid_file: Path, sandbox_id: str, what: str, err_file: Path | N
         detail = err_file.read_text(errors="replace") if err_file is not None and err_file.exists() else ""
         raise RuntimeFailure(f"sandbox {sandbox_id} init is not running after {what}", detail=f"pid={pid} {detail}")
     return pid, start
+
+
+def probe() -> Probe:
+    """The ``container`` mode (registry.py): crun installed (the host itself is prepared by the agent)."""
+    try:
+        require_crun()
+    except HostNotReady as e:
+        return Probe(False, str(e))
+    return Probe(True, detail="crun")
 
 
 def exec_mode() -> str:

@@ -30,6 +30,7 @@ from pilldrops.schema.node import NodeDeadline, NodeResume, NodeSandboxSpec, Nod
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.service import isolation
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.pools import PoolService, shape
 from pilldrops.server.store.models import Node, Sandbox
@@ -69,6 +70,7 @@ class SandboxService:
         self.clock = clock
         self.billing = billing
         self.pools = pools
+        self.default_isolation = isolation.DEFAULT_ISOLATION   # `up/serve --default-isolation`
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
         self._nodes: dict[str, tuple[float, Node]] = {}
@@ -101,7 +103,7 @@ class SandboxService:
         envd_url = await self._node_url(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.billing.usage_of(row)
         return SandboxInfo(
-            id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
+            id=row.id, template=row.template, isolation=row.isolation, state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
@@ -136,10 +138,14 @@ class SandboxService:
             created_at=now, end_at=now + timedelta(seconds=req.timeout),
         )
         specs = await self.pools.specs() if self.pools else []
+
+        def choose(nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
+            row.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            return self._choose(req.model_copy(update={"isolation": row.isolation}), nodes, allocs, specs)
+
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
-                node = await self.store.place_and_insert(
-                    row, lambda nodes, allocs: self._choose(req, nodes, allocs, specs))
+                node = await self.store.place_and_insert(row, choose)
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True
@@ -217,7 +223,8 @@ class SandboxService:
     def _node_spec(self, row: Sandbox, timeout_s: float) -> NodeSandboxSpec:
         return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
-                               access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s)
+                               access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s,
+                               isolation=row.isolation)
 
     def _choose(self, req: CreateSandboxRequest, nodes: list[Node], allocs: dict[str, tuple[float, int]],
                 pool_specs: list[Any] = ()) -> Node:  # type: ignore[assignment]
@@ -230,7 +237,8 @@ class SandboxService:
                 f"template {req.template!r} is not built on any node (available: {', '.join(known) or 'none'}); "
                 f"build it with `pilldrops template build {req.template}`")
         want = shape(req.template, req.vcpu, req.memory_mb)
-        pooled = any(shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
+        pooled = (req.isolation or "container") == "container" and any(     # warm pools are containers
+            shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
         views, warm = [], set()
         for n in nodes:
             names = frozenset(t.get("name") for t in n.templates)
@@ -244,8 +252,8 @@ class SandboxService:
                 id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
                 used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
                 ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-                templates=names))
-        request = scheduler.Request(req.template, req.vcpu, req.memory_mb)
+                templates=names, **isolation.view_fields(n.isolation)))
+        request = scheduler.Request(req.template, req.vcpu, req.memory_mb, req.isolation or "container")
         if warm:
             first = scheduler.place(request, [v for v in views if v.id in warm])
             if not isinstance(first, scheduler.Unschedulable):
@@ -449,7 +457,8 @@ class SandboxService:
         return resumed
 
     def _choose_resume(self, row: Sandbox, nodes: list[Node], allocs: dict[str, tuple[float, int]]) -> Node:
-        req = CreateSandboxRequest(template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb)
+        req = CreateSandboxRequest(template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
+                                   isolation=row.isolation)
         own = [n for n in nodes if n.id == row.node_id]
         try:
             return self._choose(req, own, allocs)       # its own node first: no checkpoint to move

@@ -220,7 +220,8 @@ class Store:
     # ---- nodes ---------------------------------------------------------------------------------------
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
-                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None) -> Node:
+                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
+                          isolation: dict[str, Any] | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
@@ -231,6 +232,7 @@ class Store:
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
             node.templates = templates
+            node.isolation = isolation
             node.state = "ready"
             node.last_heartbeat_at = now
             return node
