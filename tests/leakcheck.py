@@ -79,14 +79,50 @@ def _procs(match: str) -> set[str]:
     return out
 
 
-def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops") -> dict[str, object]:
+def _qemu(dirs: list[Path]) -> set[str]:
+    """microVM leftovers under each dir (a microvm runtime's state dir or cache): live processes whose
+    command line mentions the dir (QEMU, virtiofsd, a migration's cat), sockets, sandbox dirs
+    (``pilldrops-vms/<id>``) and temp dirs of an unfinished boot or image build (``*.tmp``)."""
+    out: set[str] = set()
+    if not dirs:
+        return out
+    keys = [str(d).encode() for d in dirs]
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        if any(k in cmdline for k in keys) and not stat[stat.rindex(b")") + 2:].startswith(b"Z"):
+            argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
+            out.add(f"proc:{name}:{argv0}")
+    for d in dirs:
+        for root, subdirs, files in os.walk(d):
+            rel = Path(root).relative_to(d)
+            for f in files:
+                p = Path(root) / f
+                if p.is_socket() or f.endswith(".tmp"):
+                    out.add(f"file:{p}")
+            for sd in subdirs:
+                if rel.name == "pilldrops-vms" or sd.endswith(".tmp") or sd.startswith("pilldrops-img-"):
+                    out.add(f"dir:{Path(root) / sd}")
+            if len(rel.parts) >= 3:
+                subdirs[:] = []
+    return out
+
+
+def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops", *,
+             qemu_dirs: list[Path] | None = None) -> dict[str, object]:
     roots = [Path(r) for r in (crun_roots or [])]
-    items = _containers(roots) | _mounts(match) | _cgroups(match) | _procs(match)
-    return {"roots": roots, "match": match, "items": items}
+    qdirs = [Path(d) for d in (qemu_dirs or [])]
+    items = _containers(roots) | _mounts(match) | _cgroups(match) | _procs(match) | _qemu(qdirs)
+    return {"roots": roots, "match": match, "qemu_dirs": qdirs, "items": items}
 
 
 def leaks(before: dict[str, object]) -> set[str]:
-    now = snapshot(before["roots"], before["match"])  # type: ignore[arg-type]
+    now = snapshot(before["roots"], before["match"], qemu_dirs=before.get("qemu_dirs"))  # type: ignore[arg-type]
     return now["items"] - before["items"]  # type: ignore[operator]
 
 

@@ -27,8 +27,9 @@ FORMAT = "1"
 
 def snapshot_key(image: Path, cfg: vm.VmConfig, qemu_version: str) -> str:
     h = hashlib.sha256()
-    for part in (FORMAT, str(image), cfg.kernel, cfg.initrd, str(cfg.memory_mb), str(cfg.smp), cfg.accel,
-                 qemu_version, vm.APPEND):
+    # content names, not cache paths: image dir = hash of the layers, initramfs file = hash of its inputs
+    for part in (FORMAT, image.parent.name, cfg.kernel, Path(cfg.initrd).name, str(cfg.memory_mb), str(cfg.smp),
+                 cfg.accel, qemu_version, vm.APPEND):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 

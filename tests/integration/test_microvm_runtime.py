@@ -1,0 +1,266 @@
+"""The microVM runtime for real: QEMU ``-M microvm`` guests (TCG on hosts without usable KVM, like CI).
+
+The template's guest is booted once per session (``snap_runtime``: ~10-20 s under TCG) and every sandbox is
+restored from that snapshot (about a second under TCG). Every test checks that no QEMU process, socket,
+sandbox dir or temp dir is left (``leakcheck.snapshot(qemu_dirs=...)``) on top of the usual leak check.
+Skipped only where QEMU cannot run at all (no root, no QEMU, no guest kernel), saying why.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import leakcheck  # tests/leakcheck.py
+
+SESSION = f"it{os.getpid()}"     # as tests/integration/conftest.py names this session
+
+pytestmark = pytest.mark.anyio
+MEM = 256
+IDENTITY_SCRIPT = ("hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1; date +%s; uname -r; "
+                   "cat /sys/fs/cgroup/pd/pids.max")
+
+
+def _why_no_qemu() -> str | None:
+    from pilldrops.node.runtime.qemu import probe_host
+    ok, reason, _ = probe_host()
+    return None if ok else reason
+
+
+@pytest.fixture(scope="session")
+def qemu_ready(host_ready: None) -> None:
+    why = _why_no_qemu()
+    if why:
+        pytest.skip(f"QEMU cannot run microVMs here: {why}")
+
+
+@pytest.fixture(scope="session")
+def mv_dirs(data_dir: Path, qemu_ready: None) -> dict[str, Path]:
+    return {"state": data_dir / "microvm", "cache": data_dir / "microvm-cache"}
+
+
+def _runtime(mv_dirs: dict[str, Path], **kw):  # type: ignore[no-untyped-def]
+    from pilldrops.node.runtime.qemu import QemuRuntime
+    return QemuRuntime(kw.pop("state", mv_dirs["state"]), name=f"{SESSION}-mv", cache_dir=kw.pop("cache", mv_dirs["cache"]),
+                       **kw)
+
+
+def _spec(tiny, sid: str, **kw):  # type: ignore[no-untyped-def]
+    from pilldrops.node.runtime.base import SandboxSpec
+    return SandboxSpec(id=sid, layers=tiny.layers, memory_mb=kw.pop("memory_mb", MEM), isolation="microvm", **kw)
+
+
+@pytest.fixture
+def qemu_leaks(mv_dirs: dict[str, Path]):  # type: ignore[no-untyped-def]
+    before = leakcheck.snapshot(match=f"pilldrops-{SESSION}", qemu_dirs=[mv_dirs["state"], mv_dirs["cache"]])
+    yield mv_dirs
+    leakcheck.assert_no_leaks(before, settle=5.0)
+
+
+@pytest.fixture
+async def mvrt(qemu_leaks: dict[str, Path], tiny):  # type: ignore[no-untyped-def]
+    from pilldrops.node.runtime.base import Handle
+    rt = _runtime(qemu_leaks)
+    try:
+        yield rt
+    finally:
+        for sid in await rt.list_ids():
+            await rt.destroy(Handle(id=sid))
+        await rt.close()
+
+
+async def _run(rt, h, argv, **kw) -> tuple[int, bytes, bytes, object]:  # type: ignore[no-untyped-def]
+    p = await rt.exec(h, argv, env=kw.pop("env", {}), cwd=kw.pop("cwd", None), **kw)
+    out, err = bytearray(), bytearray()
+    while (c := await p.read()) is not None:
+        (out if c[0] == "stdout" else err).extend(c[1])
+    return await p.wait(), bytes(out), bytes(err), p
+
+
+async def test_create_from_snapshot_run_and_identity(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
+    h1 = await mvrt.create(_spec(tiny, "id-a", hostname="alpha", envs={"FOO": "bar"}))
+    h2 = await mvrt.create(_spec(tiny, "id-b", hostname="beta"))
+    assert h1.extra["accel"] in ("tcg", "kvm")
+    assert (await mvrt.state(h1)).status == "running"
+    code, out, err, _ = await _run(mvrt, h1, ["sh", "-c", "echo out; echo err >&2; echo $FOO; exit 7"])
+    assert (code, out, err) == (7, b"out\nbar\n", b"err\n")
+    ids = []
+    for h in (h1, h2):
+        code, out, _, _ = await _run(mvrt, h, ["sh", "-c", IDENTITY_SCRIPT])
+        assert code == 0, out
+        host, mid, rnd, clock, kernel, pids = out.decode().splitlines()
+        ids.append((host, mid, rnd.strip()))
+        assert abs(int(clock) - time.time()) < 30          # the clock was set after the restore
+        assert kernel.endswith("cloud-amd64")              # the guest's own Debian kernel
+        assert pids == "1024"
+    assert ids[0][0] == "alpha" and ids[1][0] == "beta"
+    assert ids[0][1] != ids[1][1] and len(ids[0][1]) == 32   # own machine-id
+    assert ids[0][2] != ids[1][2]                            # re-seeded: different random streams
+    code, _, err, _ = await _run(mvrt, h1, ["/no/such/binary"])
+    assert code == 127 and b"No such file" in err
+    # QEMU is not our child: daemonized, re-parented away from this process
+    assert int(Path(f"/proc/{h1.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) != os.getpid()
+    await mvrt.destroy(h1)
+    await mvrt.destroy(h1)                                   # idempotent
+    assert (await mvrt.state(h1)).status == "gone"
+
+
+async def test_timeout_kills_the_tree_and_output_cap(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
+    h = await mvrt.create(_spec(tiny, "tmo"))
+    t0 = time.monotonic()
+    code, _, _, p = await _run(mvrt, h, ["sh", "-c", "sleep 300 & sleep 300; echo never"], timeout=1.5)
+    assert p.timed_out and code == 137 and time.monotonic() - t0 < 15
+    code, out, _, _ = await _run(mvrt, h, ["sh", "-c", "ps -o comm | grep -c '^sleep' || true"])
+    assert out.strip() == b"0"                               # the background sleep died with its group
+    code, out, _, p = await _run(mvrt, h, ["sh", "-c", "head -c 2000000 /dev/zero; echo done >&2"], output_cap=1000)
+    assert code == 0 and len(out) == 1000 and p.truncated
+    code, out, _, _ = await _run(mvrt, h, ["wc", "-c"], stdin=b"x" * 300_000)   # stdin through the credits
+    assert code == 0 and out.strip() == b"300000"
+
+
+async def test_upload_download_through_the_data_plane(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
+    from pilldrops import errors
+    from pilldrops.node.dataplane import DataPlane, Target
+    h = await mvrt.create(_spec(tiny, "files"))
+    dp = DataPlane(mvrt)
+    t = Target(id="files", handle=h, workdir="/root")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("a.txt", b"hello\n"), ("sub/b.bin", os.urandom(200_000))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    payload = buf.getvalue()
+
+    async def body():  # type: ignore[no-untyped-def]
+        yield payload
+    assert await dp.put_archive(t, "/root/up", body()) == 2
+    assert await dp.read_file(t, "/root/up/a.txt") == b"hello\n"
+    chunks = [c async for c in await dp.get_archive(t, "/root/up")]
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+        names = sorted(m.name for m in tar.getmembers())
+        assert names == ["up", "up/a.txt", "up/sub", "up/sub/b.bin"]
+    bad = io.BytesIO()
+    with tarfile.open(fileobj=bad, mode="w") as tar:
+        info = tarfile.TarInfo("../escape")
+        tar.addfile(info, io.BytesIO(b""))
+
+    async def bad_body():  # type: ignore[no-untyped-def]
+        yield bad.getvalue()
+    with pytest.raises(errors.InvalidRequest):
+        await dp.put_archive(t, "/root/up", bad_body())
+
+
+async def test_pause_resume_keeps_memory_and_disk(mvrt, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    h = await mvrt.create(_spec(tiny, "pz", hostname="pz"))
+    _, out, _, _ = await _run(mvrt, h, ["sh", "-c", "echo kept > /root/f; sleep 1000 >/dev/null 2>&1 & echo $!"])
+    bg = out.strip()
+    image = tmp_path / "img"
+    image.mkdir()
+    size = await mvrt.checkpoint(h, image)
+    assert size > 0 and (image / "vm.snap").exists() and (image / "disk.qcow2").exists()
+    assert not Path(f"/proc/{h.pid}").exists() or not _alive(h.pid)
+    assert await mvrt.list_ids() == []
+    h2 = await mvrt.restore(_spec(tiny, "pz", hostname="pz"), image)
+    assert h2.pid != h.pid
+    _, out, _, _ = await _run(mvrt, h2, ["sh", "-c", "cat /root/f; kill -0 " + bg.decode() + " && echo alive; hostname"])
+    assert out.decode().split() == ["kept", "alive", "pz"], out
+    await mvrt.destroy(h2)
+    shutil.rmtree(image)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return not st[st.rindex(b")") + 2:].startswith(b"Z")
+
+
+async def test_readoption_after_the_agent_was_killed(qemu_leaks, tiny) -> None:  # type: ignore[no-untyped-def]
+    """A process creates a VM and is SIGKILLed; a fresh runtime instance adopts the VM from its handle."""
+    from pilldrops.node.runtime.base import Handle
+    script = f"""
+import anyio, json, sys
+from pathlib import Path
+from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.qemu import QemuRuntime
+async def main():
+    rt = QemuRuntime(Path({str(qemu_leaks['state'])!r}), name={SESSION + '-mv'!r}, cache_dir=Path({str(qemu_leaks['cache'])!r}))
+    h = await rt.create(SandboxSpec(id="adopt", layers=tuple(Path(p) for p in {[str(p) for p in tiny.layers]!r}),
+                                    memory_mb={MEM}, isolation="microvm"))
+    p = await rt.exec(h, ["sh", "-c", "sleep 1000"], env={{}}, cwd=None)   # in flight when the agent dies
+    print(json.dumps({{"id": h.id, "pid": h.pid, "start": h.pid_start_time, "bundle": h.bundle, "extra": h.extra}}), flush=True)
+    await anyio.sleep(1000)
+anyio.run(main)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, "the first agent did not create the VM"
+        info = json.loads(line)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    rt = _runtime(qemu_leaks)
+    h = Handle(id=info["id"], pid=info["pid"], pid_start_time=info["start"], bundle=info["bundle"], extra=info["extra"])
+    try:
+        assert _alive(h.pid)                               # the VM outlived its agent
+        assert (await rt.state(h)).status == "running"
+        assert await rt.list_ids() == ["adopt"]
+        code, out, _, _ = await _run(rt, h, ["sh", "-c", "echo adopted; ps -o comm | grep -c '^sleep' || true"])
+        assert (code, out) == (0, b"adopted\n0\n")           # the command of the dead agent was killed
+    finally:
+        await rt.destroy(h)
+        await rt.close()
+    assert not _alive(h.pid)
+
+
+async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from pilldrops.node.runtime.base import RuntimeFailure
+    # a guest that cannot boot: a kernel file that is not a kernel (own cache: no snapshot to fall back on)
+    bad_kernel = qemu_leaks["state"].parent / "not-a-kernel"
+    bad_kernel.write_bytes(os.urandom(4096))
+    cache = qemu_leaks["cache"].parent / "microvm-cache-badboot"
+    rt = _runtime(qemu_leaks, kernel=bad_kernel, cache=cache, boot_timeout=20)
+    try:
+        with pytest.raises(RuntimeFailure) as ei:
+            await rt.create(_spec(tiny, "noboot"))
+        assert "QEMU" in str(ei.value) or "boot" in str(ei.value)
+        assert await rt.list_ids() == []
+        assert not list((cache / "snapshots").glob("*")) or all(p.name.endswith(".lock") for p in (cache / "snapshots").iterdir())
+    finally:
+        await rt.close()
+    assert not leakcheck._qemu([cache]), leakcheck._qemu([cache])
+    # a snapshot that fails to restore: the session's snapshot copied and truncated
+    good = _runtime(qemu_leaks)
+    h = await good.create(_spec(tiny, "donor"))
+    await good.destroy(h)
+    await good.close()
+    cache2 = qemu_leaks["cache"].parent / "microvm-cache-badsnap"
+    shutil.copytree(qemu_leaks["cache"], cache2, symlinks=True)
+    for snap in (cache2 / "snapshots").glob("*/vm.snap"):
+        with open(snap, "r+b") as f:  # noqa: ASYNC230
+            f.truncate(snap.stat().st_size // 3)
+    rt2 = _runtime(qemu_leaks, cache=cache2)
+    try:
+        with pytest.raises(RuntimeFailure) as ei:
+            await rt2.create(_spec(tiny, "norestore"))
+        assert "restore" in str(ei.value) or "agent" in str(ei.value), str(ei.value)
+        assert await rt2.list_ids() == []
+    finally:
+        await rt2.close()
+    assert not leakcheck._qemu([cache2, qemu_leaks["state"]])
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(cache2, ignore_errors=True)
