@@ -41,7 +41,8 @@ class Server:
         return self.data_dir / "node" / "crun"
 
     def snapshot(self) -> dict[str, object]:
-        return leakcheck.snapshot([self.crun_root], match=MATCH)
+        return leakcheck.snapshot([self.crun_root], match=MATCH,
+                                  qemu_dirs=[self.data_dir / "node" / "runtimes" / "microvm"])
 
 
 def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:

@@ -345,6 +345,7 @@ class QemuRuntime:
         left = cgroups.remove_tree(self._cgroup(sandbox_id))
         if left:
             problems.append(f"cgroups left: {left}")
+        vm.cgroup_remove_parent(self.cgroup_parent)       # the last VM gone: no empty parent stays behind
         for name, dst in keep.items():
             if (d / name).exists():
                 try:
@@ -461,4 +462,4 @@ class QemuRuntime:
         for link in links.values():
             await anyio.to_thread.run_sync(link.close)
         if not any(self.vms_dir.iterdir()):
-            await anyio.to_thread.run_sync(lambda: cgroups.remove_tree(self.cgroup_parent, timeout=5.0))
+            await anyio.to_thread.run_sync(vm.cgroup_remove_parent, self.cgroup_parent)

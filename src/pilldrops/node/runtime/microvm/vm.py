@@ -198,6 +198,15 @@ def cgroup_place(rel: str, pid: int, *, vcpu: float, memory_mb: int, pids: int =
             pass         # a controller we cannot configure here does not stop the VM
 
 
+def cgroup_remove_parent(rel: str) -> None:
+    """rmdir the runtime's cgroup parent in each controller if it has no VM cgroup left (else keep it)."""
+    for ctl in CGROUP_CONTROLLERS:
+        try:
+            (cgroups.CGROUP_ROOT / ctl / rel).rmdir()
+        except OSError:
+            pass
+
+
 # -- KVM probe ---------------------------------------------------------------------------------------------
 def kvm_probe(kernel: Path, probe_initrd: Path, *, timeout: float = 1.5) -> tuple[bool, str]:
     """Is KVM usable for microVMs here? A real, timed boot of the guest kernel to a serial marker.
