@@ -233,11 +233,11 @@ async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tm
     bad_kernel = qemu_leaks["state"].parent / "not-a-kernel"
     bad_kernel.write_bytes(os.urandom(4096))
     cache = qemu_leaks["cache"].parent / "microvm-cache-badboot"
-    rt = _runtime(qemu_leaks, kernel=bad_kernel, cache=cache, boot_timeout=20)
+    rt = _runtime(qemu_leaks, kernel=bad_kernel, cache=cache, boot_timeout=5)
     try:
         with pytest.raises(RuntimeFailure) as ei:
             await rt.create(_spec(tiny, "noboot"))
-        assert "QEMU" in str(ei.value) or "boot" in str(ei.value)
+        assert "did not boot" in str(ei.value), str(ei.value)
         assert await rt.list_ids() == []
         assert not list((cache / "snapshots").glob("*")) or all(p.name.endswith(".lock") for p in (cache / "snapshots").iterdir())
     finally:

@@ -37,7 +37,7 @@ MODULES = ("kernel/drivers/virtio/virtio_ring.ko", "kernel/drivers/virtio/virtio
            "kernel/drivers/virtio/virtio_mmio.ko", "kernel/drivers/block/virtio_blk.ko",
            "kernel/drivers/char/virtio_console.ko")
 BUSYBOX = Path("/bin/busybox")
-GUEST_FORMAT = "3"              # bump when the initramfs layout or /init changes
+GUEST_FORMAT = "4"              # bump when the initramfs layout or /init changes
 IMAGE_FORMAT = "1"
 
 INIT_SCRIPT = """#!/bin/busybox sh
@@ -55,6 +55,10 @@ mount -t ext4 -o rw,noatime /dev/vda /newroot || fail "cannot mount the root dis
 for d in .pd dev proc sys tmp etc; do mkdir -p /newroot/$d || fail "mkdir /$d on the root disk"; done
 mount -t tmpfs -o mode=0755,size=16m pd /newroot/.pd || fail "tmpfs /.pd"
 mkdir -p /newroot/.pd/run /newroot/.pd/bin
+# /etc/machine-id is a bind of a tmpfs file: the identity written after every restore skips ext4 (cold under TCG)
+[ -L /newroot/etc/machine-id ] && rm -f /newroot/etc/machine-id
+[ -f /newroot/etc/machine-id ] || : > /newroot/etc/machine-id || fail "create /etc/machine-id"
+: > /newroot/.pd/machine-id && mount --bind /newroot/.pd/machine-id /newroot/etc/machine-id || fail "bind /etc/machine-id"
 cp /pd-init /pd-vmagent /newroot/.pd/bin/ || fail "copy the agent"
 mount --move /dev /newroot/dev && mount --move /proc /newroot/proc && mount --move /sys /newroot/sys || fail "move mounts"
 exec switch_root /newroot /.pd/bin/pd-vmagent

@@ -13,6 +13,7 @@
  *
  *   host -> guest  'S' sync (payload: nonce)  -> all channels reset, reply 'S' with the same nonce
  *                  'H' identity: "key=value\n" lines (hostname, machine_id, seed (hex), time_ns, pids_max)
+ *                                (hostname: the UTS name only, as crun sets it; machine_id: /.pd/machine-id)
  *                                -> applied, reply 'H' "ok" (only once pd-init listens) or "error: ..."
  *                  'O' open chan (connect to pd-init)   'D' data   'E' eof (shutdown write side)
  *                  'A' ack: u32 bytes the host consumed (credit)    'C' close chan (abort)
@@ -50,6 +51,7 @@
 #define CTL "/.pd/run/ctl"
 #define PD_INIT "/.pd/bin/pd-init"
 #define CGROUP "/sys/fs/cgroup/pd"
+#define MACHINE_ID "/.pd/machine-id"         /* tmpfs, bind-mounted on /etc/machine-id by the initramfs */
 #define NCH 64
 #define MAXPAY 16384
 #define HDR 9
@@ -145,17 +147,14 @@ static const char *identity(char *p, uint32_t n) {
             char *k = p, *v = eq + 1;
             size_t vl = strlen(v);
             if (!strcmp(k, "hostname")) {
-                char line[80];
                 if (vl == 0 || vl > 63 || sethostname(v, vl) != 0) snprintf(err, sizeof err, "error: hostname");
-                snprintf(line, sizeof line, "%s\n", v);
-                write_file("/etc/hostname", line, strlen(line));
             } else if (!strcmp(k, "machine_id")) {
                 char line[40];
                 if (vl != 32) { snprintf(err, sizeof err, "error: machine_id"); }
                 else {
                     snprintf(line, sizeof line, "%s\n", v);
-                    if (write_file("/etc/machine-id", line, 33) != 0)
-                        snprintf(err, sizeof err, "error: /etc/machine-id: %s", strerror(errno));
+                    if (write_file(MACHINE_ID, line, 33) != 0)
+                        snprintf(err, sizeof err, "error: machine-id: %s", strerror(errno));
                 }
             } else if (!strcmp(k, "seed")) {
                 struct { struct rand_pool_info info; unsigned char b[64]; } rp;
