@@ -237,7 +237,8 @@ async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tm
     try:
         with pytest.raises(RuntimeFailure) as ei:
             await rt.create(_spec(tiny, "noboot"))
-        assert "did not boot" in str(ei.value), str(ei.value)
+        # random bytes: QEMU refuses them at once ("linux kernel too old...") or runs garbage until the boot timeout
+        assert "did not boot" in str(ei.value) or "QEMU failed to start" in str(ei.value), str(ei.value)
         assert await rt.list_ids() == []
         assert not list((cache / "snapshots").glob("*")) or all(p.name.endswith(".lock") for p in (cache / "snapshots").iterdir())
     finally:
