@@ -145,6 +145,7 @@ class QemuRuntime:
         self.restore_timeout = restore_timeout
         self.cgroup_parent = f"pilldrops-{name}"
         self._links: dict[str, AgentLink] = {}
+        self._initrd: Path | None = None
         self._vm: dict[str, dict[str, Any]] = {}       # vm.json per live sandbox
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -160,10 +161,12 @@ class QemuRuntime:
         if spec.vcpu <= 0 or spec.memory_mb < 64 or spec.pids_limit <= 0:
             raise RuntimeFailure(f"limits out of range for a microVM: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
                                  f"(>= 64) pids_limit={spec.pids_limit}")
-        try:
-            initrd = guest.build_initramfs(self.cache_dir)
-        except guest.GuestBuildError as e:
-            raise RuntimeFailure("cannot build the microVM initramfs", detail=str(e)) from e
+        initrd = self._initrd
+        if initrd is None or not initrd.exists():
+            try:
+                initrd = self._initrd = guest.build_initramfs(self.cache_dir)
+            except guest.GuestBuildError as e:
+                raise RuntimeFailure("cannot build the microVM initramfs", detail=str(e)) from e
         return vm.VmConfig(kernel=str(self.kernel), initrd=str(initrd), memory_mb=int(spec.memory_mb),
                            smp=max(1, math.ceil(spec.vcpu)), accel=self.accel,
                            tag=f"pilldrops-{self.instance_name}-{spec.id}"[:128])
@@ -303,7 +306,9 @@ class QemuRuntime:
             if status in ("shutdown", "guest-panicked", "internal-error", "io-error"):
                 return RuntimeState(status="stopped", pid=None)
             return RuntimeState(status="running", pid=handle.pid)
-        return RuntimeState(status="stopped" if d.exists() else "gone")
+        # QEMU gone: killed by the host memory cgroup (RAM + overhead) counts as an OOM kill
+        oom = cgroups.oom_kill_count(self._cgroup(handle.id)) > 0
+        return RuntimeState(status="stopped" if d.exists() else "gone", oom_killed=oom)
 
     @staticmethod
     def _qmp_status(d: Path) -> str | None:

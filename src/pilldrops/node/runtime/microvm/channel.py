@@ -72,6 +72,7 @@ class AgentLink:
         self._cmds: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()
         self._replies: deque[bytes] = deque()
+        self._expecting = False
         self._reply_cv = threading.Condition()
         self._request_lock = threading.Lock()
         self.dead: str | None = None
@@ -91,6 +92,7 @@ class AgentLink:
         with self._request_lock:
             with self._reply_cv:
                 self._replies.clear()
+                self._expecting = True
             self._call(lambda: self._queue(ord("H"), 0, payload))
             with self._reply_cv:
                 if not self._reply_cv.wait_for(lambda: self._replies or self.dead, timeout):
@@ -265,8 +267,10 @@ class AgentLink:
 
     def _on_frame(self, typ: int, cid: int, payload: bytes) -> None:
         if typ == ord("H"):
-            with self._reply_cv:
-                self._replies.append(payload[:1024])
+            with self._reply_cv:         # one reply per request: unasked ones are dropped (bounded)
+                if self._expecting and not self._replies:
+                    self._replies.append(payload[:1024])
+                    self._expecting = False
                 self._reply_cv.notify_all()
             return
         ch = self._chans.get(cid)

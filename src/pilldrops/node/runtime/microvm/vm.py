@@ -15,6 +15,7 @@ Under TCG the kernel needs ``tsc_early_khz`` (else ~2/3 of boots hang in ``calib
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -64,6 +65,7 @@ def qemu_path() -> str | None:
     return shutil.which(QEMU)
 
 
+@functools.cache
 def qemu_version() -> str:
     r = subprocess.run([QEMU, "--version"], capture_output=True, text=True, check=False)
     return r.stdout.splitlines()[0] if r.returncode == 0 and r.stdout else "?"
