@@ -1,6 +1,6 @@
 """The microVM mode's raw baseline for ``bench/isolation.py``, and a standalone microVM benchmark.
 
-``RawQemu`` is "a bare ``qemu-system`` restore of the same snapshot" PillDrops restores sandboxes from: the
+``RawQemu`` (``RAW_CLASS``, picked up by ``bench/isolation.py``) is "a bare ``qemu-system`` restore of the same snapshot" PillDrops restores sandboxes from: the
 template snapshot in the node's own cache (``<data>/node/runtimes/microvm/cache``; booted there by the
 same code if the node has not made it yet, so both sides use the very same ``vm.snap`` and disk chain).
 One raw sandbox = ``qemu-img create`` of a qcow2 overlay + ``qemu-system-x86_64 -incoming exec:cat vm.snap``
@@ -11,7 +11,7 @@ clock, pids.max) handshake, the host cgroup, state files.
 
 Standalone (needs root, QEMU and the guest kernel: ``scripts/install-microvm``)::
 
-    .venv/bin/python bench/_isolation_qemu.py [--n 5] [--memory-mb 256] [--live 8] [--json out.json]
+    .venv/bin/python bench/_isolation_microvm.py [--n 5] [--memory-mb 256] [--live 8] [--json out.json]
 
 runs its own ``pilldrops up`` and measures, interleaved, PillDrops ``Sandbox.create(isolation="microvm")``
 → ready, ``run("true")``, ``kill()`` against ``RawQemu``; then idle PSS and idle CPU per VM with ``--live``
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 
@@ -80,16 +81,25 @@ class RawVm:
 
 
 class RawQemu:
-    """Bare QEMU restores of the node's template snapshot (see the module doc)."""
+    """Bare QEMU restores of the node's template snapshot (see the module doc); ``bench/isolation.py``'s
+    raw-baseline interface: ``create/exec_true/kill(cid) -> seconds``, ``pids(cid)``, ``cleanup(cid)``,
+    ``cleanup_all()``, ``leftovers()``."""
 
-    name = "qemu-system restore"
+    name = "qemu"
+    label: ClassVar[dict[str, str]] = {"create": "qemu -incoming (same snapshot) + cont + agent sync", "exec": "agent channel: true",
+             "kill": "SIGKILL qemu + rm"}
 
-    def __init__(self, data_dir: Path, layers: tuple[Path, ...], *, memory_mb: int = 256, vcpu: float = 1.0) -> None:
-        self.cache = Path(data_dir) / "node" / "runtimes" / "microvm" / "cache"
-        self.root = Path(tempfile.mkdtemp(prefix=f"pilldrops-benchrawvm{os.getpid()}-"))
-        self.layers, self.memory_mb, self.vcpu = layers, memory_mb, vcpu
+    def __init__(self, data: Path, template: str, memory_mb: int = 256, sub: str = "benchraw-microvm",
+                 vcpu: float = 1.0) -> None:
+        from pilldrops.node.templates import TemplateStore
+        self.cache = Path(data) / "node" / "runtimes" / "microvm" / "cache"
+        self.dir = Path(data) / sub
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.layers = TemplateStore(data).get(template).layers
+        self.memory_mb, self.vcpu = memory_mb, vcpu
         self._snap: Path | None = None
         self._cfg: vm.VmConfig | None = None
+        self._vms: dict[str, RawVm] = {}
 
     @staticmethod
     def available() -> str | None:
@@ -102,51 +112,93 @@ class RawQemu:
             accel, _ = qemu.detect_accel(self.cache)
             initrd = guest.build_initramfs(self.cache)
             self._cfg = vm.VmConfig(kernel=str(guest.kernel_path()), initrd=str(initrd), memory_mb=self.memory_mb,
-                                    smp=max(1, int(-(-self.vcpu // 1))), accel=accel,
+                                    smp=max(1, math.ceil(self.vcpu)), accel=accel,
                                     tag=f"pilldrops-benchrawvm{os.getpid()}")
             image = guest.build_root_image(self.cache, self.layers, disk_mb=1024)
             self._snap = snapshot.ensure(self.cache, image, self._cfg, boot_timeout=120)
         return self._snap, self._cfg
 
-    def create(self, i: int) -> RawVm:
-        snap, cfg = self._snapshot()
-        d = self.root / f"vm{i}"
+    def create(self, cid: str) -> float:
+        snap, cfg = self._snapshot()       # outside the timing: the node made (or shares) the same snapshot
+        d = self.dir / cid
         d.mkdir()
+        t = time.perf_counter()
         snapshot.qcow2_overlay(snap / "disk.qcow2", d / "disk.qcow2", backing_format="qcow2")
         pid, start = vm.launch(vm.command(cfg, d, disk=d / "disk.qcow2", console=None, incoming=snap / "vm.snap"), d)
         q = Qmp(vm.dir_connector(d, "qmp.sock"))
-        q.wait_status({"paused", "running"}, 60)
-        q.cmd("cont")
-        q.close()
+        try:
+            q.wait_status({"paused", "running"}, 60)
+            q.cmd("cont")
+        finally:
+            q.close()
         link = AgentLink(vm.dir_connector(d, "agent.sock"))
+        self._vms[cid] = RawVm(d, pid, start, link)
         link.wait_synced(30)
-        return RawVm(d, pid, start, link)
+        return time.perf_counter() - t
 
-    def exec_true(self, v: RawVm) -> None:
+    def exec_true(self, cid: str) -> float:
+        v = self._vms[cid]
+
         async def run() -> int:
             p = SupervisorExec(Path("/"), ["true"], env={"PATH": "/usr/bin:/bin"}, cwd="/", stdin=None,
                                sock=v.link.open_channel())
             while await p.read() is not None:
                 pass
             return await p.wait()
+        t = time.perf_counter()
         code = anyio.run(run)
+        dt = time.perf_counter() - t
         if code != 0:
             raise RuntimeError(f"raw exec true exited {code}")
+        return dt
 
-    def kill(self, v: RawVm) -> None:
+    def kill(self, cid: str) -> float:
+        v = self._vms.pop(cid)
+        t = time.perf_counter()
         v.link.close()
         vm.kill(v.pid, v.start)
         shutil.rmtree(v.d, ignore_errors=True)
+        return time.perf_counter() - t
 
-    def idle_rss_mib(self, v: RawVm) -> float:
-        return pss_mib(v.pid)
+    def pids(self, cid: str) -> list[int]:
+        v = self._vms.get(cid)
+        return [v.pid] if v else []
 
-    def close(self) -> None:
-        for d in self.root.glob("vm*"):
-            pid = vm.read_pid(d)
-            if pid and vm.is_qemu(pid, d):
-                vm.kill(pid, None)
-        shutil.rmtree(self.root, ignore_errors=True)
+    def idle_pss_mib(self, cid: str) -> float:
+        v = self._vms.get(cid)
+        return pss_mib(v.pid) if v else 0.0
+
+    def cleanup(self, cid: str) -> None:
+        v = self._vms.pop(cid, None)
+        if v is not None:
+            v.link.close()
+        d = self.dir / cid
+        pid = vm.read_pid(d)
+        if pid and vm.is_qemu(pid, d):
+            vm.kill(pid, None)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def cleanup_all(self) -> None:
+        for cid in list(self._vms):
+            self.cleanup(cid)
+        if self.dir.is_dir():
+            for d in self.dir.iterdir():
+                self.cleanup(d.name)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if str(self.dir).encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                        out.append(f"raw qemu process {name}")
+                except OSError:
+                    pass
+        return out
+
+
+RAW_CLASS = RawQemu
 
 
 # -- standalone benchmark --------------------------------------------------------------------------------------
@@ -177,13 +229,12 @@ def main() -> int:
     res: dict[str, Any] = {"accel": qemu.detect_accel()[0], "memory_mb": a.memory_mb}
     try:
         kw: dict[str, Any] = {"api_url": up.url, "api_key": up.key}
-        from pilldrops.node.templates import TemplateStore
-        layers = TemplateStore(up.data).ensure("tiny").layers
-        raw = RawQemu(up.data, layers, memory_mb=a.memory_mb)
+        raw = RawQemu(up.data, "tiny", memory_mb=a.memory_mb)
         t0 = time.perf_counter()
         Sandbox.create(template="tiny", memory_mb=a.memory_mb, isolation="microvm", **kw).kill()   # boots once
         res["first_create_s"] = time.perf_counter() - t0
-        raw.kill(raw.create(-1))     # warm: the same snapshot, now in the page cache for both
+        raw.create("warm")           # warm: the same snapshot, now in the page cache for both
+        raw.kill("warm")
         times: dict[str, list[float]] = {k: [] for k in ("pd_create", "pd_run", "pd_kill", "raw_create", "raw_run",
                                                          "raw_kill")}
         for i in range(a.n):
@@ -197,38 +248,34 @@ def main() -> int:
             t = time.perf_counter()
             sb.kill()
             times["pd_kill"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            v = raw.create(i)
-            times["raw_create"].append(time.perf_counter() - t)
+            times["raw_create"].append(raw.create(f"t{i}"))
             for _ in range(3):
-                t = time.perf_counter()
-                raw.exec_true(v)
-                times["raw_run"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            raw.kill(v)
-            times["raw_kill"].append(time.perf_counter() - t)
+                times["raw_run"].append(raw.exec_true(f"t{i}"))
+            times["raw_kill"].append(raw.kill(f"t{i}"))
         res["times"] = times
         # idle: --live of each side at once
         before = meminfo()["MemAvailable"]
         sbs = [Sandbox.create(template="tiny", memory_mb=a.memory_mb, isolation="microvm", **kw) for _ in range(a.live)]
         pd_pids = [qemu_pid_of(sb.id) for sb in sbs]
-        raws = [raw.create(100 + i) for i in range(a.live)]
+        for i in range(a.live):
+            raw.create(f"live{i}")
+        raw_pids = [raw.pids(f"live{i}")[0] for i in range(a.live)]
         time.sleep(2)
-        c0 = {p: cpu_s(p) for p in pd_pids + [v.pid for v in raws] if p}
+        c0 = {p: cpu_s(p) for p in pd_pids + raw_pids if p}
         time.sleep(a.idle_s)
         c1 = {p: cpu_s(p) for p in c0}
         used = (before - meminfo()["MemAvailable"]) / 2**20 / (2 * a.live)
         res["idle"] = {
             "pd_pss_mib": _p50([pss_mib(p) for p in pd_pids if p]),
-            "raw_pss_mib": _p50([raw.idle_rss_mib(v) for v in raws]),
+            "raw_pss_mib": _p50([pss_mib(p) for p in raw_pids]),
             "pd_cpu_pct": _p50([100 * (c1[p] - c0[p]) / a.idle_s for p in pd_pids if p]),
-            "raw_cpu_pct": _p50([100 * (c1[v.pid] - c0[v.pid]) / a.idle_s for v in raws]),
+            "raw_cpu_pct": _p50([100 * (c1[p] - c0[p]) / a.idle_s for p in raw_pids]),
             "memavailable_drop_mib_per_vm": used,
         }
         for sb in sbs:
             sb.kill()
-        for v in raws:
-            raw.kill(v)
+        for i in range(a.live):
+            raw.kill(f"live{i}")
         mem_avail = meminfo()["MemAvailable"] / 2**20
         cores = os.cpu_count() or 1
         idle = res["idle"]
@@ -239,7 +286,7 @@ def main() -> int:
         }
     finally:
         if raw is not None:
-            raw.close()
+            raw.cleanup_all()
         code = up.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     t = res["times"]
