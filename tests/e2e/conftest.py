@@ -46,7 +46,8 @@ class Server:
 
     def snapshot(self) -> dict[str, object]:
         return leakcheck.snapshot([self.crun_root], match=MATCH, runsc_roots=[self.runsc_root],
-                                  qemu_dirs=[self.data_dir / "node" / "runtimes" / "microvm"])
+                                  qemu_dirs=[self.data_dir / "node" / "runtimes" / "microvm",
+                                             *([Path(c)] if (c := os.environ.get("PILLDROPS_MICROVM_CACHE")) else [])])
 
 
 def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:

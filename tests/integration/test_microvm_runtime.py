@@ -46,8 +46,8 @@ def qemu_ready(host_ready: None) -> None:
 
 
 @pytest.fixture(scope="session")
-def mv_dirs(data_dir: Path, qemu_ready: None) -> dict[str, Path]:
-    return {"state": data_dir / "microvm", "cache": data_dir / "microvm-cache"}
+def mv_dirs(data_dir: Path, qemu_ready: None, microvm_cache: Path) -> dict[str, Path]:
+    return {"state": data_dir / "microvm", "cache": microvm_cache}   # the session's shared cache (tests/conftest.py)
 
 
 def _runtime(mv_dirs: dict[str, Path], **kw):  # type: ignore[no-untyped-def]
@@ -230,9 +230,10 @@ anyio.run(main)
 async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from pilldrops.node.runtime.base import RuntimeFailure
     # a guest that cannot boot: a kernel file that is not a kernel (own cache: no snapshot to fall back on)
-    bad_kernel = qemu_leaks["state"].parent / "not-a-kernel"
+    qemu_leaks["state"].mkdir(parents=True, exist_ok=True)
+    bad_kernel = qemu_leaks["state"] / "not-a-kernel"
     bad_kernel.write_bytes(os.urandom(4096))
-    cache = qemu_leaks["cache"].parent / "microvm-cache-badboot"
+    cache = qemu_leaks["state"].parent / "microvm-cache-badboot"
     rt = _runtime(qemu_leaks, kernel=bad_kernel, cache=cache, boot_timeout=5)
     try:
         with pytest.raises(RuntimeFailure) as ei:
@@ -249,7 +250,7 @@ async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tm
     h = await good.create(_spec(tiny, "donor"))
     await good.destroy(h)
     await good.close()
-    cache2 = qemu_leaks["cache"].parent / "microvm-cache-badsnap"
+    cache2 = qemu_leaks["state"].parent / "microvm-cache-badsnap"
     shutil.copytree(qemu_leaks["cache"], cache2, symlinks=True)
     for snap in (cache2 / "snapshots").glob("*/vm.snap"):
         with open(snap, "r+b") as f:  # noqa: ASYNC230
@@ -265,3 +266,4 @@ async def test_failed_boot_and_failed_restore_leave_nothing(qemu_leaks, tiny, tm
     assert not leakcheck._qemu([cache2, qemu_leaks["state"]])
     shutil.rmtree(cache, ignore_errors=True)
     shutil.rmtree(cache2, ignore_errors=True)
+    bad_kernel.unlink()

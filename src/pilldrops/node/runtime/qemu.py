@@ -7,6 +7,9 @@ Per sandbox ``<state_dir>/pilldrops-vms/<id>/``::
     disk.qcow2   its disk: a qcow2 overlay whose backing chain is the template snapshot's disk -> root.img
     qemu.pid qemu.log qmp.sock agent.sock
 
+Root disks, initramfs and template snapshots live in ``cache_dir`` (default ``$PILLDROPS_MICROVM_CACHE``,
+else ``<state_dir>/cache``), keyed by content, so runtimes sharing a cache share the boots.
+
 ``create`` never boots: the template's guest is booted once per (template, RAM, vCPUs) and snapshotted
 (``microvm.snapshot``); a sandbox is QEMU restoring that snapshot (``-incoming exec:cat``) over a fresh
 disk overlay, then ``cont``, then the host gives it its own identity over the agent channel (hostname,
@@ -135,7 +138,8 @@ class QemuRuntime:
         self.instance_name = name
         self.state_dir = Path(state_dir).resolve()
         self.vms_dir = self.state_dir / "pilldrops-vms"
-        self.cache_dir = Path(cache_dir).resolve() if cache_dir else self.state_dir / "cache"
+        cache = cache_dir or os.environ.get("PILLDROPS_MICROVM_CACHE") or self.state_dir / "cache"
+        self.cache_dir = Path(cache).resolve()
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.accel = accel or detect_accel(self.cache_dir)[0]

@@ -189,10 +189,20 @@ def _du_bytes(root: Path) -> int:
     return total
 
 
+def _layer_identity(layer: Path) -> str:
+    """A template layer by content: ``<name>/<hash>`` of the template store's content-addressed layout
+    (``.../templates/<name>/<hash>/layer`` + ``manifest.json``), else its absolute path. The same template
+    in two data dirs (two nodes or test sessions on one host) then shares one root disk and snapshot."""
+    p = Path(layer).resolve()
+    if p.name == "layer" and (p.parent / "manifest.json").exists():
+        return f"{p.parent.parent.name}/{p.parent.name}"
+    return str(p)
+
+
 def image_key(layers: tuple[Path, ...] | list[Path], disk_mb: int) -> str:
     h = hashlib.sha256(f"{IMAGE_FORMAT}|{disk_mb}|".encode())
     for p in layers:
-        h.update(str(Path(p).resolve()).encode() + b"\0")
+        h.update(_layer_identity(Path(p)).encode() + b"\0")
     return h.hexdigest()[:16]
 
 
