@@ -37,6 +37,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterable
@@ -119,6 +120,17 @@ def probe() -> Probe:
     from pilldrops.node.runtime.registry import Probe
     ok, reason, detail = probe_host()
     return Probe(ok, reason=reason, detail=detail)
+
+
+def _backing_problem(disk: Path) -> str:
+    """Why the qcow2 chain of a checkpoint's disk is not usable here ("" when it is): the disk of a paused
+    microVM is an overlay over its template snapshot's disk in the node's cache, so it resumes on a node that
+    has that very snapshot (the node that paused it, or one sharing its cache)."""
+    r = subprocess.run(["qemu-img", "info", "-U", "--backing-chain", "--output=json", str(disk)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        return f"its disk's backing chain is not on this node: {r.stderr.strip()[-500:]}"
+    return ""
 
 
 # -- the runtime ---------------------------------------------------------------------------------------------
@@ -443,6 +455,9 @@ class QemuRuntime:
         if not Path(cfg.kernel).exists() or not Path(cfg.initrd).exists():
             raise RuntimeFailure(f"checkpoint image {image_dir} needs a kernel/initramfs this node lacks",
                                  detail=f"{cfg.kernel} {cfg.initrd}")
+        chain = await anyio.to_thread.run_sync(_backing_problem, image_dir / "disk.qcow2")
+        if chain:
+            raise RuntimeFailure(f"checkpoint image {image_dir} cannot be restored on this node", detail=chain)
         ok = moved = False
         try:
             d.mkdir(parents=True)

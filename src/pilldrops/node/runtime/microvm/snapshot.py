@@ -29,7 +29,7 @@ def snapshot_key(image: Path, cfg: vm.VmConfig, qemu_version: str) -> str:
     h = hashlib.sha256()
     # content names, not cache paths: image dir = hash of the layers, initramfs file = hash of its inputs
     for part in (FORMAT, image.parent.name, cfg.kernel, Path(cfg.initrd).name, str(cfg.memory_mb), str(cfg.smp),
-                 cfg.accel, qemu_version, vm.APPEND):
+                 cfg.accel, qemu_version, vm.kernel_append(cfg.accel)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
