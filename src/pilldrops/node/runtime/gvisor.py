@@ -15,9 +15,13 @@ What differs is in the hooks:
   under gVisor (measured: ``run("true")`` 35 ms through pd-init vs 47 ms with ``runsc exec``). That flag
   also lets the sandbox connect to host unix sockets inside its own mounts; its mounts are its rootfs and
   ``/.pd``, which hold no host sockets but its own;
-- the pids limit is the spec's ×2 + ``RUNTIME_PIDS``: gVisor's own threads (~25 idle, measured 33) count in
-  the host pids cgroup, and on the ptrace platform each sandbox process costs about two host tasks. At the
-  limit the Sentry cannot make a task and the sandbox ends (it is reported stopped), never the host;
+- the pids limit is enforced on the host, by the sandbox's pids cgroup, set to ``PROCESS_TASKS`` × the spec's
+  + ``RUNTIME_PIDS``: gVisor's own threads count there (33 idle, measured), and on the ptrace platform each
+  sandbox process costs about four host tasks (its stub process and the Sentry thread that traces it;
+  measured 439 for 103 processes). This gVisor has no pids controller of its own (its cgroupfs has cpu and
+  memory only) and ignores RLIMIT_NPROC, so a fork inside never fails with EAGAIN: at the limit the Sentry
+  cannot make a host task and the whole sandbox ends (reported stopped), never the host. Likewise memory:
+  past ``memory_mb`` the host OOM-kills the Sentry, i.e. the whole sandbox (``oom_killed``);
 - ``handle.pid`` is the Sentry's host pid (the sandbox's processes are not host processes), so pd-init is
   signalled with ``runsc kill``, and an exec's pid is never a host pid;
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
@@ -47,7 +51,8 @@ from pilldrops.node.runtime.crun import CrunRuntime, _started_init
 from pilldrops.node.runtime.registry import Probe
 
 RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overlay2=none", "--oci-seccomp")
-RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads), beyond the workload's
+RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads, 33 idle), beyond the workload's
+PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
 SOCKETS_KEY = "sentry_sockets"
 
 
@@ -150,7 +155,7 @@ class GvisorRuntime(CrunRuntime):
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         config = super()._config(spec, d)
-        config["linux"]["resources"]["pids"]["limit"] = 2 * int(spec.pids_limit) + RUNTIME_PIDS
+        config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
         return config
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path) -> list[str]:
