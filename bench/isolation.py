@@ -26,8 +26,10 @@ Needs root. What it does:
    checks that nothing is left: no container in any runtime root, no mount, cgroup or process of ours.
 
 Adding a mode: a class like ``RawRunsc`` below (``available()``, ``create(cid)``, ``exec_true(cid)``,
-``kill(cid)``, ``pids(cid)``, ``cleanup_all()``, ``leftovers()``, ``label``) put in ``RAW``; a module
-``bench/_isolation_<mode>.py`` defining ``RAW_CLASS`` is picked up on its own.
+``kill(cid)``, ``pids(cid)``, ``cleanup(cid)``, ``cleanup_all()``, ``leftovers()``, ``label``, ``name``; built as
+``Cls(data_dir, template, memory_mb, sub=...)``) put in ``RAW``; a module ``bench/_isolation_<mode>.py``
+defining ``RAW_CLASS`` is picked up on its own. The PillDrops sandbox's host processes are those of its
+cgroup (``/<sandbox id>``), unless the class has ``sandbox_pids(sandbox_id)``.
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ def memory(mode: str, up: Up, raw: RawCrun, template: str, k: int) -> dict[str, 
         for cid in cids:
             raw.create(cid)
         time.sleep(2.0)
-        pd_pids = [cgroup_pids(sb.id) for sb in sbs]
+        of_sandbox = getattr(raw, "sandbox_pids", cgroup_pids)     # a mode whose processes are elsewhere
+        pd_pids = [of_sandbox(sb.id) for sb in sbs]
         raw_pids = [raw.pids(cid) for cid in cids]
         mib = 2**20 * k
         return {"pd_mib": sum(pss(p) for p in pd_pids) / mib, "raw_mib": sum(pss(p) for p in raw_pids) / mib,

@@ -30,13 +30,15 @@ What differs is in the hooks:
   and resume ``runsc restore`` of the same bundle; the image is ``runsc/checkpoint.img`` + ``upper/``.
 
 ``destroy`` takes ~1.7 s (``runsc delete`` waits for the Sentry to be reaped; measured in
-bench/RESULTS.md). Container ids double as the name of runsc's abstract control socket, which is
-host-wide: two runsc roots must not run the same id at once (sandbox ids are unique).
+bench/RESULTS.md). runsc's container id is ``pd<hash of the root>-<sandbox id>``: it names runsc's control
+socket in the host-wide abstract namespace, so the same sandbox id under two roots never collides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -150,6 +152,18 @@ class GvisorRuntime(CrunRuntime):
     def _binary() -> str:
         return require_runsc()
 
+    def _cid(self, sandbox_id: str) -> str:
+        # runsc names its control socket after the container id in the host's abstract namespace: the same
+        # sandbox id in two runsc roots (two agents or test sessions on one host) must not collide
+        return f"{self._tag}-{sandbox_id}"
+
+    def _sid(self, cid: str) -> str | None:
+        return cid.removeprefix(f"{self._tag}-") if cid.startswith(f"{self._tag}-") else None
+
+    @functools.cached_property
+    def _tag(self) -> str:
+        return "pd" + hashlib.sha256(str(self.crun_root).encode()).hexdigest()[:8]
+
     def _cmd(self, *args: str) -> list[str]:
         return [self.crun, "--root", str(self.crun_root), *RUNSC_FLAGS, *args]
 
@@ -163,10 +177,10 @@ class GvisorRuntime(CrunRuntime):
         return self._cmd("exec", *args, f"--cwd={cwd}", f"--internal-pid-file={pid_file}", sandbox_id, *argv)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
-        return RunscExec(cmd, cmd=self._cmd(), sandbox_id=handle.id, internal_pid_file=pid_file, **kw)
+        return RunscExec(cmd, cmd=self._cmd(), sandbox_id=self._cid(handle.id), internal_pid_file=pid_file, **kw)
 
     async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:
-        r = await anyio.run_process(self._cmd("kill", sandbox_id, str(int(sig))), stdin=subprocess.DEVNULL,
+        r = await anyio.run_process(self._cmd("kill", self._cid(sandbox_id), str(int(sig))), stdin=subprocess.DEVNULL,
                                     check=False)
         return r.returncode == 0
 
@@ -199,7 +213,7 @@ class GvisorRuntime(CrunRuntime):
             return 1, f"a command's connection is still open in the sandbox ({len(extra)} socket(s)); retry the pause"
         err = d / "runsc-checkpoint.err"
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", handle.id),
+            r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", self._cid(handle.id)),
                                         stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=False)
         return r.returncode, (_first_lines(err) if r.returncode else "")
 
@@ -212,7 +226,7 @@ class GvisorRuntime(CrunRuntime):
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
             r = await anyio.run_process(
                 self._cmd("restore", "--detach", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
-                          f"--pid-file={pid_file}", "--bundle", str(d), spec.id),
+                          f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f, check=False)
         if r.returncode != 0:
             raise RuntimeFailure(f"runsc restore of {spec.id} failed (exit {r.returncode})", detail=_first_lines(err))
