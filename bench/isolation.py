@@ -17,15 +17,19 @@ Needs root. What it does:
 3. Idle memory: ``--mem`` idle sandboxes of each mode at once, PillDrops and raw, after 2 s of rest: the
    PSS (``/proc/<pid>/smaps_rollup``) of every host process of each sandbox (its cgroup's processes;
    for gVisor the Sentry, the gofer and the ptrace stubs), averaged per sandbox.
-4. How many live sandboxes of each mode would fit on this machine: an ESTIMATE, MemAvailable at the end
+4. Three small workloads inside one sandbox of each mode (fork+exec, small files, an awk loop), against the
+   container mode in the same run: what the mode's system calls cost.
+5. How many live sandboxes of each mode would fit on this machine: an ESTIMATE, MemAvailable at the end
    divided by the measured PSS per sandbox (the kernel's own per-sandbox memory — cgroups, page tables —
    and CPU are not in it; bench/live.py measures real counts for containers).
-5. Prints one table (p50/p99, ratio and overhead vs the baseline), optionally the raw numbers as JSON, and
+6. Prints the tables (p50/p99, ratio and overhead vs the baseline), optionally the raw numbers as JSON, and
    checks that nothing is left: no container in any runtime root, no mount, cgroup or process of ours.
 
 Adding a mode: a class like ``RawRunsc`` below (``available()``, ``create(cid)``, ``exec_true(cid)``,
-``kill(cid)``, ``pids(cid)``, ``cleanup_all()``, ``leftovers()``, ``label``) put in ``RAW``; a module
-``bench/_isolation_<mode>.py`` defining ``RAW_CLASS`` is picked up on its own.
+``kill(cid)``, ``pids(cid)``, ``cleanup(cid)``, ``cleanup_all()``, ``leftovers()``, ``label``, ``name``; built as
+``Cls(data_dir, template, memory_mb, sub=...)``) put in ``RAW``; a module ``bench/_isolation_<mode>.py``
+defining ``RAW_CLASS`` is picked up on its own. The PillDrops sandbox's host processes are those of its
+cgroup (``/<sandbox id>``), unless the class has ``sandbox_pids(sandbox_id)``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from pilldrops import Sandbox
 from pilldrops.node.runtime.gvisor import RUNSC_FLAGS, require_runsc, runsc_version
 
 MEMORY_MB = 256
+# kernel memory of one v1 memory cgroup (its per-cgroup structures, not charged to itself), measured on this
+# machine kind (1,000 cgroups: ~462 KiB each); every mode gives each sandbox a memory cgroup
+MEMCG_KERNEL_MIB = 462 / 1024
 MODES = ("container", "gvisor", "microvm")
 console = Console(width=170)
 
@@ -78,6 +85,27 @@ def pss(pids: list[int]) -> int:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 total += next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:"))
         except (OSError, StopIteration):
+            pass
+    return total
+
+
+def cgroup_memory(pids: list[int]) -> int:
+    """Bytes charged to the memory cgroups of ``pids`` (v1 ``memory.usage_in_bytes``: user and kernel
+    memory, page cache included)."""
+    paths = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+                _, ctrl, path = line.split(":", 2)
+                if "memory" in ctrl.split(","):
+                    paths.add(path)
+        except (OSError, ValueError):
+            pass
+    total = 0
+    for path in paths:
+        try:
+            total += int((Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.usage_in_bytes").read_text())
+        except (OSError, ValueError):
             pass
     return total
 
@@ -173,9 +201,13 @@ def memory(mode: str, up: Up, raw: RawCrun, template: str, k: int) -> dict[str, 
         for cid in cids:
             raw.create(cid)
         time.sleep(2.0)
-        pd = sum(pss(cgroup_pids(sb.id)) for sb in sbs) / k
-        rw = sum(pss(raw.pids(cid)) for cid in cids) / k
-        return {"pd_mib": pd / 2**20, "raw_mib": rw / 2**20}
+        of_sandbox = getattr(raw, "sandbox_pids", cgroup_pids)     # a mode whose processes are elsewhere
+        pd_pids = [of_sandbox(sb.id) for sb in sbs]
+        raw_pids = [raw.pids(cid) for cid in cids]
+        mib = 2**20 * k
+        return {"pd_mib": sum(pss(p) for p in pd_pids) / mib, "raw_mib": sum(pss(p) for p in raw_pids) / mib,
+                "pd_cg_mib": sum(cgroup_memory(p) for p in pd_pids) / mib,
+                "raw_cg_mib": sum(cgroup_memory(p) for p in raw_pids) / mib}
     finally:
         for sb in sbs:
             sb.kill()
@@ -183,8 +215,32 @@ def memory(mode: str, up: Up, raw: RawCrun, template: str, k: int) -> dict[str, 
             raw.cleanup(cid)
 
 
+WORKLOADS = {   # small shell workloads (busybox in the tiny template): the cost of each mode's system calls
+    "fork+exec ×200": "for i in $(seq 200); do /bin/true; done",
+    "write+read 2,000 files": "mkdir -p /root/w && cd /root/w && for i in $(seq 2000); do echo $i > f$i; done && "
+                              "cat f* > /dev/null && cd / && rm -r /root/w",
+    "awk loop (3M iterations)": "awk 'BEGIN{s=0; for(i=0;i<3000000;i++) s+=i; print s}' > /dev/null",
+}
+
+
+def workloads(mode: str, up: Up, template: str, repeat: int = 3) -> dict[str, float]:
+    """Median ms of each workload in one sandbox of ``mode`` (through ``run``, so ~one exec of overhead)."""
+    out = {}
+    with Sandbox.create(template=template, memory_mb=MEMORY_MB, isolation=mode, api_url=up.url, api_key=up.key,
+                        timeout=900) as sb:
+        for name, cmd in WORKLOADS.items():
+            ts = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                sb.run(cmd, timeout=300, check=True)
+                ts.append((time.perf_counter() - t) * 1000)
+            out[name] = sorted(ts)[len(ts) // 2]
+    return out
+
+
 def report(res: dict[str, list[float]], mem: dict[str, dict[str, float]], skipped: dict[str, str],
-           raws: dict[str, RawCrun], a: argparse.Namespace, info: dict[str, str]) -> None:
+           raws: dict[str, RawCrun], a: argparse.Namespace, info: dict[str, str],
+           work: dict[str, dict[str, float]]) -> None:
     console.print(f"[bold]PillDrops isolation modes[/] — N={a.n} sandboxes per mode, {a.runs} runs each, memory of "
                   f"{a.mem} idle; {info['cores']} cores, kernel {info['kernel']}, {info['crun']}, "
                   f"{info.get('runsc', '')}, Python {info['python']}, {info['date']}")
@@ -205,14 +261,34 @@ def report(res: dict[str, list[float]], mem: dict[str, dict[str, float]], skippe
             m = mem[mode]
             t.add_row(mode, "idle memory (PSS)", f"{m['pd_mib']:.1f} MiB", "", f"raw {raw.name}", f"{m['raw_mib']:.1f} MiB",
                       "", f"{m['pd_mib'] / m['raw_mib']:.2f}×" if m["raw_mib"] else "", f"{m['pd_mib'] - m['raw_mib']:+.1f} MiB")
+            t.add_row(mode, "idle memory (its memory cgroup)", f"{m['pd_cg_mib']:.1f} MiB", "", f"raw {raw.name}",
+                      f"{m['raw_cg_mib']:.1f} MiB", "", f"{m['pd_cg_mib'] / m['raw_cg_mib']:.2f}×" if m["raw_cg_mib"] else "",
+                      f"{m['pd_cg_mib'] - m['raw_cg_mib']:+.1f} MiB")
     for mode, why in skipped.items():
         t.add_row(mode, f"[dim]not measured: {why}[/]", *[""] * 7)
     console.print(t)
+    if work:
+        w = Table(box=box.ASCII2, title="workloads inside one sandbox (median of 3; baseline: the container mode, same run)")
+        w.add_column("workload")
+        for mode in work:
+            w.add_column(mode, justify="right")
+            if mode != "container" and "container" in work:
+                w.add_column(f"{mode} / container", justify="right")
+        for name in WORKLOADS:
+            row = [name]
+            for mode, r in work.items():
+                row.append(f"{r[name]:.0f} ms")
+                if mode != "container" and "container" in work:
+                    row.append(f"{r[name] / work['container'][name]:.1f}×")
+            w.add_row(*row)
+        console.print(w)
     avail = meminfo()["MemAvailable"] / 2**20
-    fits = ", ".join(f"{mode} ~{int(avail / m['pd_mib']):,}" for mode, m in mem.items() if m["pd_mib"] > 0)
-    console.print(f"Live sandboxes that would fit in this machine's {avail / 1024:.1f} GiB available (ESTIMATE: "
-                  f"available memory / measured PSS per idle sandbox; kernel memory per sandbox and CPU not "
-                  f"counted): {fits}.")
+    fits = ", ".join(f"{mode} ~{int(avail / per):,} ({per:.2f} MiB each)" for mode, m in mem.items()
+                     if (per := max(m["pd_mib"], m["pd_cg_mib"]) + MEMCG_KERNEL_MIB) > 0)
+    console.print(f"Live sandboxes that would fit in this machine's {avail / 1024:.1f} GiB available: {fits}. ESTIMATE "
+                  "by memory alone, not a count: available memory / (the larger of the measured PSS and memory-cgroup "
+                  f"charge per idle sandbox + {MEMCG_KERNEL_MIB:.2f} MiB of memory-cgroup kernel structures); CPU, "
+                  "pids and the mount table are not in it (bench/live.py counts real live containers).")
     console.print("Notes: PillDrops run(\"true\") is `sh -c true` through pd-init's control socket behind HTTP, in "
                   "every mode; raw exec is the runtime's own exec. Raw kill times only the runtime's delete "
                   "(PillDrops kill also unmounts, removes cgroups and the bundle).")
@@ -226,6 +302,7 @@ def main() -> int:
     ap.add_argument("--mem", type=int, default=5, help="idle sandboxes per mode for the memory figure")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per mode first")
     ap.add_argument("--template", default="tiny")
+    ap.add_argument("--no-workloads", dest="workloads", action="store_false", help="skip the in-sandbox workloads")
     ap.add_argument("--json", type=Path, help="write raw numbers here")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -236,6 +313,7 @@ def main() -> int:
     res: dict[str, list[float]] = {}
     mem: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
+    work: dict[str, dict[str, float]] = {}
     info = {**machine(), "runsc": runsc_version() if shutil.which("runsc") else "no runsc"}
     code = 0
     try:
@@ -263,6 +341,9 @@ def main() -> int:
                     iteration(str(i), mode, up, raw, a.template, a.runs, res)
                 status.update(f"{mode}: idle memory of {a.mem}")
                 mem[mode] = memory(mode, up, raw, a.template, a.mem)
+                if a.workloads:
+                    status.update(f"{mode}: workloads")
+                    work[mode] = workloads(mode, up, a.template)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: cleaning up")
         code = 130
@@ -290,10 +371,10 @@ def main() -> int:
         else:
             shutil.rmtree(tmp)
     if code == 0 and res:
-        report(res, mem, skipped, raws, a, info)
+        report(res, mem, skipped, raws, a, info, work)
         if a.json:
             a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "machine": info, "ms": res,
-                                          "memory_mib": mem, "skipped": skipped}, indent=1))
+                                          "memory_mib": mem, "workloads_ms": work, "skipped": skipped}, indent=1))
     return code
 
 

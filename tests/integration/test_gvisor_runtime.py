@@ -11,7 +11,7 @@ import pytest
 
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, SandboxSpec
-from pilldrops.node.runtime.gvisor import RUNTIME_PIDS, GvisorRuntime, RunscExec
+from pilldrops.node.runtime.gvisor import PROCESS_TASKS, RUNTIME_PIDS, GvisorRuntime, RunscExec
 
 from tests.integration.conftest import SESSION
 
@@ -54,7 +54,7 @@ async def test_is_gvisor_with_crun_bundle_limits_and_both_exec_paths(gvisor, tin
         # same limits as crun; the pids limit leaves room for gVisor's own tasks
         assert cg(h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cg(h, "memory", "memory.limit_in_bytes") == str(256 << 20)
-        assert cg(h, "pids", "pids.max") == str(2 * 100 + RUNTIME_PIDS)
+        assert cg(h, "pids", "pids.max") == str(PROCESS_TASKS * 100 + RUNTIME_PIDS)
         assert 2 <= int(cg(h, "pids", "pids.current")) < RUNTIME_PIDS   # Sentry + gofer, in the sandbox's cgroup
         # same seccomp profile as crun (applied inside the Sentry): no new namespaces
         code, _, _, _ = await run(gvisor, h, ["/bin/sh", "-c", "unshare -n true"])
@@ -126,3 +126,24 @@ async def test_failed_create_leaves_nothing(gvisor, tiny, tmp_path):  # type: ig
     with pytest.raises(RuntimeFailure):
         await gvisor.create(bad)
     assert await gvisor.list_ids() == []
+
+
+async def test_pids_and_memory_limits_end_the_sandbox_not_the_host(gvisor, tiny):  # type: ignore[no-untyped-def]
+    """gVisor cannot fail a fork or an allocation inside: past its limits the host cgroup ends the Sentry,
+    i.e. the sandbox (documented in gvisor.py and the README)."""
+    forks = await gvisor.create(spec(tiny, "forks", pids_limit=20))
+    hog = await gvisor.create(spec(tiny, "hog", memory_mb=64))
+    try:
+        p1 = await gvisor.exec(forks, ["/bin/sh", "-c", "for i in $(seq 60); do sleep 30 & done; wait"], env={},
+                               cwd=None, timeout=60)
+        p2 = await gvisor.exec(hog, ["/bin/sh", "-c", "head -c 300000000 /dev/zero | tail > /dev/null"], env={},
+                               cwd=None, timeout=60)
+        with anyio.fail_after(60):
+            assert await p1.wait() != 0 and await p2.wait() != 0
+            while (await gvisor.state(forks)).status == "running" or (await gvisor.state(hog)).status == "running":
+                await anyio.sleep(0.1)
+        assert (await gvisor.state(hog)).oom_killed
+    finally:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gvisor.destroy, forks)
+            tg.start_soon(gvisor.destroy, hog)

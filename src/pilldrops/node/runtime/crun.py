@@ -181,6 +181,13 @@ class CrunRuntime:
         """hook: the OCI runtime's path (raises ``HostNotReady`` when it is not installed)."""
         return require_crun()
 
+    def _cid(self, sandbox_id: str) -> str:
+        """hook: the OCI runtime's container id of a sandbox (``_sid`` is the inverse; None: not ours)."""
+        return sandbox_id
+
+    def _sid(self, cid: str) -> str | None:
+        return cid
+
     def _dir(self, sandbox_id: str) -> Path:
         if not _ID_RE.match(sandbox_id):
             raise RuntimeFailure(f"invalid sandbox id {sandbox_id!r}")
@@ -197,7 +204,7 @@ class CrunRuntime:
         return await anyio.run_process(self._cmd(*args), stdin=subprocess.DEVNULL, check=False)
 
     async def _crun_state(self, sandbox_id: str) -> dict | None:
-        r = await self._crun("state", sandbox_id)
+        r = await self._crun("state", self._cid(sandbox_id))
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").lower()
             if any(m in err for m in _GONE_MARKERS):
@@ -224,7 +231,7 @@ class CrunRuntime:
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
                 r = await anyio.run_process(
-                    self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), spec.id),
+                    self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
             if r.returncode != 0:
                 raise RuntimeFailure(f"{self.name} run {spec.id} failed (exit {r.returncode})",
@@ -277,7 +284,7 @@ class CrunRuntime:
                 return proc
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
         try:
-            return self._fallback_exec(handle, self._exec_cmd(handle.id, argv, {**base_env, **env}, cwd or base_cwd,
+            return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
                                                               pid_file),
                                        pid_file, stdin=stdin, timeout=timeout, output_cap=output_cap)
         except OSError as e:
@@ -370,7 +377,7 @@ class CrunRuntime:
         """Remove every process, cgroup, mount and file of the sandbox. With ``save_upper``, its writable
         layer is first moved there (rename; a copy across file systems) once nothing uses it."""
         d = self._dir(sandbox_id)
-        r = await self._crun("delete", "--force", sandbox_id)
+        r = await self._crun("delete", "--force", self._cid(sandbox_id))
         err = r.stderr.decode(errors="replace").strip()
         problems = []
         if r.returncode != 0 and not any(m in err.lower() for m in _GONE_MARKERS):
@@ -409,7 +416,7 @@ class CrunRuntime:
         r = await self._crun("list", "--format", "json")
         if r.returncode != 0:
             raise RuntimeFailure("crun list failed", detail=r.stderr.decode(errors="replace").strip())
-        ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
+        ids = {sid for c in json.loads(r.stdout or b"[]") or [] if (sid := self._sid(c["id"]))}
         ids |= {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         return sorted(ids)
 

@@ -15,9 +15,13 @@ What differs is in the hooks:
   under gVisor (measured: ``run("true")`` 35 ms through pd-init vs 47 ms with ``runsc exec``). That flag
   also lets the sandbox connect to host unix sockets inside its own mounts; its mounts are its rootfs and
   ``/.pd``, which hold no host sockets but its own;
-- the pids limit is the spec's ×2 + ``RUNTIME_PIDS``: gVisor's own threads (~25 idle, measured 33) count in
-  the host pids cgroup, and on the ptrace platform each sandbox process costs about two host tasks. At the
-  limit the Sentry cannot make a task and the sandbox ends (it is reported stopped), never the host;
+- the pids limit is enforced on the host, by the sandbox's pids cgroup, set to ``PROCESS_TASKS`` × the spec's
+  + ``RUNTIME_PIDS``: gVisor's own threads count there (33 idle, measured), and on the ptrace platform each
+  sandbox process costs about four host tasks (its stub process and the Sentry thread that traces it;
+  measured 439 for 103 processes). This gVisor has no pids controller of its own (its cgroupfs has cpu and
+  memory only) and ignores RLIMIT_NPROC, so a fork inside never fails with EAGAIN: at the limit the Sentry
+  cannot make a host task and the whole sandbox ends (reported stopped), never the host. Likewise memory:
+  past ``memory_mb`` the host OOM-kills the Sentry, i.e. the whole sandbox (``oom_killed``);
 - ``handle.pid`` is the Sentry's host pid (the sandbox's processes are not host processes), so pd-init is
   signalled with ``runsc kill``, and an exec's pid is never a host pid;
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
@@ -26,13 +30,15 @@ What differs is in the hooks:
   and resume ``runsc restore`` of the same bundle; the image is ``runsc/checkpoint.img`` + ``upper/``.
 
 ``destroy`` takes ~1.7 s (``runsc delete`` waits for the Sentry to be reaped; measured in
-bench/RESULTS.md). Container ids double as the name of runsc's abstract control socket, which is
-host-wide: two runsc roots must not run the same id at once (sandbox ids are unique).
+bench/RESULTS.md). runsc's container id is ``pd<hash of the root>-<sandbox id>``: it names runsc's control
+socket in the host-wide abstract namespace, so the same sandbox id under two roots never collides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -47,7 +53,8 @@ from pilldrops.node.runtime.crun import CrunRuntime, _started_init
 from pilldrops.node.runtime.registry import Probe
 
 RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overlay2=none", "--oci-seccomp")
-RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads), beyond the workload's
+RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads, 33 idle), beyond the workload's
+PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
 SOCKETS_KEY = "sentry_sockets"
 
 
@@ -145,12 +152,24 @@ class GvisorRuntime(CrunRuntime):
     def _binary() -> str:
         return require_runsc()
 
+    def _cid(self, sandbox_id: str) -> str:
+        # runsc names its control socket after the container id in the host's abstract namespace: the same
+        # sandbox id in two runsc roots (two agents or test sessions on one host) must not collide
+        return f"{self._tag}-{sandbox_id}"
+
+    def _sid(self, cid: str) -> str | None:
+        return cid.removeprefix(f"{self._tag}-") if cid.startswith(f"{self._tag}-") else None
+
+    @functools.cached_property
+    def _tag(self) -> str:
+        return "pd" + hashlib.sha256(str(self.crun_root).encode()).hexdigest()[:8]
+
     def _cmd(self, *args: str) -> list[str]:
         return [self.crun, "--root", str(self.crun_root), *RUNSC_FLAGS, *args]
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         config = super()._config(spec, d)
-        config["linux"]["resources"]["pids"]["limit"] = 2 * int(spec.pids_limit) + RUNTIME_PIDS
+        config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
         return config
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path) -> list[str]:
@@ -158,10 +177,10 @@ class GvisorRuntime(CrunRuntime):
         return self._cmd("exec", *args, f"--cwd={cwd}", f"--internal-pid-file={pid_file}", sandbox_id, *argv)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
-        return RunscExec(cmd, cmd=self._cmd(), sandbox_id=handle.id, internal_pid_file=pid_file, **kw)
+        return RunscExec(cmd, cmd=self._cmd(), sandbox_id=self._cid(handle.id), internal_pid_file=pid_file, **kw)
 
     async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:
-        r = await anyio.run_process(self._cmd("kill", sandbox_id, str(int(sig))), stdin=subprocess.DEVNULL,
+        r = await anyio.run_process(self._cmd("kill", self._cid(sandbox_id), str(int(sig))), stdin=subprocess.DEVNULL,
                                     check=False)
         return r.returncode == 0
 
@@ -194,7 +213,7 @@ class GvisorRuntime(CrunRuntime):
             return 1, f"a command's connection is still open in the sandbox ({len(extra)} socket(s)); retry the pause"
         err = d / "runsc-checkpoint.err"
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", handle.id),
+            r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", self._cid(handle.id)),
                                         stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=False)
         return r.returncode, (_first_lines(err) if r.returncode else "")
 
@@ -207,7 +226,7 @@ class GvisorRuntime(CrunRuntime):
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
             r = await anyio.run_process(
                 self._cmd("restore", "--detach", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
-                          f"--pid-file={pid_file}", "--bundle", str(d), spec.id),
+                          f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f, check=False)
         if r.returncode != 0:
             raise RuntimeFailure(f"runsc restore of {spec.id} failed (exit {r.returncode})", detail=_first_lines(err))
