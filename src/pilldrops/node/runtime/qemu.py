@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterable
@@ -162,6 +163,7 @@ class QemuRuntime:
         self.cgroup_parent = f"pilldrops-{name}"
         self._links: dict[str, AgentLink] = {}
         self._initrd: Path | None = None
+        self._link_lock = threading.Lock()
         self._vm: dict[str, dict[str, Any]] = {}       # vm.json per live sandbox
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -201,17 +203,22 @@ class QemuRuntime:
         link = self._links.get(sandbox_id)
         if link is not None and not link.dead:
             return link
-        if link is not None:
-            link.close()
-        try:
-            link = AgentLink(vm.dir_connector(d, "agent.sock"))
-            link.wait_synced(timeout)
-        except LinkError as e:
+        with self._link_lock:         # one connection per VM: QEMU serves the port to one client at a time
+            link = self._links.get(sandbox_id)
+            if link is not None and not link.dead:
+                return link
             if link is not None:
                 link.close()
-            raise RuntimeFailure(f"cannot reach the agent of microVM {sandbox_id}", detail=str(e)) from e
-        self._links[sandbox_id] = link
-        return link
+            link = None
+            try:
+                link = AgentLink(vm.dir_connector(d, "agent.sock"))
+                link.wait_synced(timeout)
+            except LinkError as e:
+                if link is not None:
+                    link.close()
+                raise RuntimeFailure(f"cannot reach the agent of microVM {sandbox_id}", detail=str(e)) from e
+            self._links[sandbox_id] = link
+            return link
 
     def _identity(self, spec_hostname: str | None, pids_max: int | None) -> bytes:
         lines = [f"seed={os.urandom(32).hex()}", f"time_ns={time.time_ns()}"]
