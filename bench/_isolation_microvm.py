@@ -111,7 +111,8 @@ class RawQemu:
             self.cache.mkdir(parents=True, exist_ok=True)
             accel, _ = qemu.detect_accel(self.cache)
             initrd = guest.build_initramfs(self.cache)
-            self._cfg = vm.VmConfig(kernel=str(guest.kernel_path()), initrd=str(initrd), memory_mb=self.memory_mb,
+            self._cfg = vm.VmConfig(kernel=str(guest.kernel_path()), initrd=str(initrd),
+                                    memory_mb=qemu.guest_ram_mb(self.memory_mb),
                                     smp=max(1, math.ceil(self.vcpu)), accel=accel,
                                     tag=f"pilldrops-benchrawvm{os.getpid()}")
             image = guest.build_root_image(self.cache, self.layers, disk_mb=1024)

@@ -29,7 +29,7 @@ SESSION = f"it{os.getpid()}"     # as tests/integration/conftest.py names this s
 pytestmark = pytest.mark.anyio
 MEM = 256
 IDENTITY_SCRIPT = ("hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1; date +%s; uname -r; "
-                   "cat /sys/fs/cgroup/pd/pids.max")
+                   "cat /sys/fs/cgroup/pd/pids.max /sys/fs/cgroup/pd/memory.max")
 
 
 def _why_no_qemu() -> str | None:
@@ -99,11 +99,11 @@ async def test_create_from_snapshot_run_and_identity(mvrt, tiny) -> None:  # typ
     for h in (h1, h2):
         code, out, _, _ = await _run(mvrt, h, ["sh", "-c", IDENTITY_SCRIPT])
         assert code == 0, out
-        host, mid, rnd, clock, kernel, pids = out.decode().splitlines()
+        host, mid, rnd, clock, kernel, pids, mem = out.decode().splitlines()
         ids.append((host, mid, rnd.strip()))
         assert abs(int(clock) - time.time()) < 30          # the clock was set after the restore
         assert kernel.endswith("cloud-amd64")              # the guest's own Debian kernel
-        assert pids == "1024"
+        assert pids == "1024" and int(mem) == MEM * 2**20    # the sandbox's limits, in the guest's cgroup
     assert ids[0][0] == "alpha" and ids[1][0] == "beta"
     assert ids[0][1] != ids[1][1] and len(ids[0][1]) == 32   # own machine-id
     assert ids[0][2] != ids[1][2]                            # re-seeded: different random streams
@@ -127,6 +127,14 @@ async def test_timeout_kills_the_tree_and_output_cap(mvrt, tiny) -> None:  # typ
     assert code == 0 and len(out) == 1000 and p.truncated
     code, out, _, _ = await _run(mvrt, h, ["wc", "-c"], stdin=b"x" * 300_000)   # stdin through the credits
     assert code == 0 and out.strip() == b"300000"
+    # past memory_mb only the offender dies (the guest memory cgroup's OOM kill), the sandbox lives on; 16 MiB
+    # is in the same guest-RAM class (256 MiB) as the other sandboxes: the same snapshot
+    small = await mvrt.create(_spec(tiny, "oom", memory_mb=16))
+    hog = "head -c 40m /dev/zero | tail >/dev/null"       # busybox tail keeps the whole "line" in memory
+    code, _, _, _ = await _run(mvrt, small, ["sh", "-c", hog], timeout=60)
+    assert code == 137
+    code, out, _, _ = await _run(mvrt, small, ["sh", "-c", "echo still-here; cat /sys/fs/cgroup/pd/memory.events"])
+    assert code == 0 and out.startswith(b"still-here\n") and b"oom_kill 1" in out, out
 
 
 async def test_upload_download_through_the_data_plane(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]

@@ -21,9 +21,12 @@ Commands run through ``SupervisorExec`` (the crun fast path's client) over a cha
 the process tree, output caps. Files and archives travel as commands (``sh``/``tar`` in the guest, see
 ``node/dataplane.py``), so they get the crun path's sanitising and bounds unchanged.
 
-Limits: memory = guest RAM (``-m``); vCPUs = ``ceil(vcpu)`` guest CPUs plus a host CPU quota of ``vcpu``
-cores on the QEMU process (cgroup ``pilldrops-<name>/<id>``, with a host memory limit of RAM + overhead);
-pids = the guest cgroup ``pids.max``; disk = the template's root disk size (``disk_mb`` free).
+Limits: memory = ``memory_mb`` as the guest memory cgroup's ``memory.max`` (pd-init and every command are in
+it: an OOM kills the offender inside the guest, as in a container), in a guest whose RAM (``-m``) is the size
+class that holds it (``guest_ram_mb``: 256, 512, 1024, ... MiB; a snapshot serves every size of its class);
+vCPUs = ``ceil(vcpu)`` guest CPUs plus a host CPU quota of ``vcpu`` cores on the QEMU process (cgroup
+``pilldrops-<name>/<id>``, with a host memory limit of guest RAM + overhead); pids = the guest cgroup's
+``pids.max``; disk = the template's root disk size (``disk_mb`` free).
 
 Pause/resume = ``checkpoint``/``restore``: ``migrate`` to ``image_dir/vm.snap``, the disk overlay moves
 into the image. QEMU is daemonized (not our child); a new runtime instance re-adopts a VM from its handle
@@ -63,6 +66,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_META = "pilldrops-checkpoint.json"
 KVM_PROBE_FILE = guest.KERNEL_ROOT.parent / "kvm-probe.json"
+MIN_GUEST_RAM_MB = 256
 
 
 # -- probing -------------------------------------------------------------------------------------------------
@@ -123,6 +127,17 @@ def probe() -> Probe:
     return Probe(ok, reason=reason, detail=detail)
 
 
+def guest_ram_mb(memory_mb: float) -> int:
+    """The guest RAM for a sandbox of ``memory_mb``: the smallest size class (256, 512, 1024, ... MiB) that
+    holds it, so one snapshot per template serves a whole class. The guest kernel's own ~35 MiB come out of
+    it, as in any VM of that size; below the class, the exact ``memory_mb`` is enforced by the guest memory
+    cgroup's ``memory.max`` around pd-init and every command."""
+    ram = MIN_GUEST_RAM_MB
+    while ram < memory_mb:
+        ram *= 2
+    return ram
+
+
 def _backing_problem(disk: Path) -> str:
     """Why the qcow2 chain of a checkpoint's disk is not usable here ("" when it is): the disk of a paused
     microVM is an overlay over its template snapshot's disk in the node's cache, so it resumes on a node that
@@ -176,16 +191,16 @@ class QemuRuntime:
         return f"{self.cgroup_parent}/{sandbox_id}"
 
     def _config(self, spec: SandboxSpec) -> vm.VmConfig:
-        if spec.vcpu <= 0 or spec.memory_mb < 64 or spec.pids_limit <= 0:
-            raise RuntimeFailure(f"limits out of range for a microVM: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
-                                 f"(>= 64) pids_limit={spec.pids_limit}")
+        if spec.vcpu <= 0 or spec.memory_mb <= 0 or spec.pids_limit <= 0:
+            raise RuntimeFailure(f"limits must be positive: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
+                                 f"pids_limit={spec.pids_limit}")
         initrd = self._initrd
         if initrd is None or not initrd.exists():
             try:
                 initrd = self._initrd = guest.build_initramfs(self.cache_dir)
             except guest.GuestBuildError as e:
                 raise RuntimeFailure("cannot build the microVM initramfs", detail=str(e)) from e
-        return vm.VmConfig(kernel=str(self.kernel), initrd=str(initrd), memory_mb=int(spec.memory_mb),
+        return vm.VmConfig(kernel=str(self.kernel), initrd=str(initrd), memory_mb=guest_ram_mb(spec.memory_mb),
                            smp=max(1, math.ceil(spec.vcpu)), accel=self.accel,
                            tag=f"pilldrops-{self.instance_name}-{spec.id}"[:128])
 
@@ -220,12 +235,12 @@ class QemuRuntime:
             self._links[sandbox_id] = link
             return link
 
-    def _identity(self, spec_hostname: str | None, pids_max: int | None) -> bytes:
-        lines = [f"seed={os.urandom(32).hex()}", f"time_ns={time.time_ns()}"]
-        if spec_hostname is not None:
-            lines += [f"hostname={spec_hostname}", f"machine_id={uuid.uuid4().hex}"]
-        if pids_max is not None:
-            lines.append(f"pids_max={pids_max}")
+    @staticmethod
+    def _identity(spec: SandboxSpec, *, fresh: bool) -> bytes:
+        lines = [f"seed={os.urandom(32).hex()}", f"time_ns={time.time_ns()}", f"pids_max={spec.pids_limit}",
+                 f"memory_max={int(spec.memory_mb) * 1024 * 1024}"]
+        if fresh:
+            lines += [f"hostname={spec.hostname}", f"machine_id={uuid.uuid4().hex}"]
         return ("\n".join(lines) + "\n").encode()
 
     def _start_restored(self, d: Path, spec: SandboxSpec, cfg: vm.VmConfig, snap: Path, *,
@@ -252,8 +267,7 @@ class QemuRuntime:
         link = AgentLink(vm.dir_connector(d, "agent.sock"))
         try:
             link.wait_synced(max(1.0, self.restore_timeout - (time.monotonic() - t0)))
-            reply = link.request(self._identity(spec.hostname if fresh_identity else None, spec.pids_limit),
-                                 timeout=10.0)
+            reply = link.request(self._identity(spec, fresh=fresh_identity), timeout=10.0)
         except LinkError as e:
             link.close()
             raise vm.VmError("the restored guest's agent did not answer", f"{e}; {vm.log_tail(d)}") from e

@@ -2,7 +2,7 @@
  * end of the agent channel, a virtio-serial port named "pd.agent".
  *
  * It starts pd-init (the same static supervisor crun sandboxes run, runtime/init/pd-init.c) as its child in
- * the cgroup /sys/fs/cgroup/pd (pids.max set from the host), restarts it if it dies, reaps every orphan, and
+ * the cgroup /sys/fs/cgroup/pd (pids.max and memory.max set from the host), restarts it if it dies, reaps every orphan, and
  * relays the host's command connections to pd-init's socket /.pd/run/ctl: the exec semantics (streamed
  * stdout/stderr, exit codes, killing a command's process group on kill or disconnect) are pd-init's, byte
  * for byte. The host speaks pd-init's own protocol inside each channel.
@@ -12,7 +12,8 @@
  * any frame a previous host connection left half-sent).
  *
  *   host -> guest  'S' sync (payload: nonce)  -> all channels reset, reply 'S' with the same nonce
- *                  'H' identity: "key=value\n" lines (hostname, machine_id, seed (hex), time_ns, pids_max)
+ *                  'H' identity: "key=value\n" lines (hostname, machine_id, seed (hex), time_ns, pids_max,
+ *                                memory_max: the limits of the cgroup pd-init and every command run in)
  *                                (hostname: the UTS name only, as crun sets it; machine_id: /.pd/machine-id)
  *                                -> applied, reply 'H' "ok" (only once pd-init listens) or "error: ..."
  *                  'O' open chan (connect to pd-init)   'D' data   'E' eof (shutdown write side)
@@ -179,6 +180,9 @@ static const char *identity(char *p, uint32_t n) {
             } else if (!strcmp(k, "pids_max")) {
                 if (write_file(CGROUP "/pids.max", v, vl) != 0)
                     snprintf(err, sizeof err, "error: pids.max: %s", strerror(errno));
+            } else if (!strcmp(k, "memory_max")) {
+                if (write_file(CGROUP "/memory.max", v, vl) != 0)
+                    snprintf(err, sizeof err, "error: memory.max: %s", strerror(errno));
             }
         }
         p = nl + 1;
@@ -354,7 +358,7 @@ static void setup_guest(void) {
     mkdir("/dev/shm", 01777);
     mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-    write_file("/sys/fs/cgroup/cgroup.subtree_control", "+pids", 5);
+    write_file("/sys/fs/cgroup/cgroup.subtree_control", "+pids +memory", 13);
     mkdir(CGROUP, 0755);
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);           /* loopback up, as in a container */
     if (s >= 0) {
