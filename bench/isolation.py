@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _harness import PID, Raw, Up, leftovers, machine, meminfo, pct, sh
+from _harness import PID, Raw, Up, cpu_times, leftovers, machine, meminfo, pct, sh
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -57,6 +57,7 @@ MEMORY_MB = 256
 # kernel memory of one v1 memory cgroup (its per-cgroup structures, not charged to itself), measured on this
 # machine kind (1,000 cgroups: ~462 KiB each); every mode gives each sandbox a memory cgroup
 MEMCG_KERNEL_MIB = 462 / 1024
+IDLE_S = 5.0
 MODES = ("container", "gvisor", "microvm")
 console = Console(width=170)
 
@@ -203,11 +204,14 @@ def memory(mode: str, up: Up, raw: RawCrun, template: str, k: int) -> dict[str, 
         time.sleep(2.0)
         of_sandbox = getattr(raw, "sandbox_pids", cgroup_pids)     # a mode whose processes are elsewhere
         pd_pids = [of_sandbox(sb.id) for sb in sbs]
+        cpu0, t0 = sum(cpu_times(p)[0] for ps in pd_pids for p in ps), time.perf_counter()
+        time.sleep(IDLE_S)                                          # idle CPU of the PillDrops sandboxes
+        idle_cpu = (sum(cpu_times(p)[0] for ps in pd_pids for p in ps) - cpu0) / (time.perf_counter() - t0) / k
         raw_pids = [raw.pids(cid) for cid in cids]
         mib = 2**20 * k
         return {"pd_mib": sum(pss(p) for p in pd_pids) / mib, "raw_mib": sum(pss(p) for p in raw_pids) / mib,
                 "pd_cg_mib": sum(cgroup_memory(p) for p in pd_pids) / mib,
-                "raw_cg_mib": sum(cgroup_memory(p) for p in raw_pids) / mib}
+                "raw_cg_mib": sum(cgroup_memory(p) for p in raw_pids) / mib, "idle_cpu_pct": 100 * idle_cpu}
     finally:
         for sb in sbs:
             sb.kill()
@@ -264,6 +268,7 @@ def report(res: dict[str, list[float]], mem: dict[str, dict[str, float]], skippe
             t.add_row(mode, "idle memory (its memory cgroup)", f"{m['pd_cg_mib']:.1f} MiB", "", f"raw {raw.name}",
                       f"{m['raw_cg_mib']:.1f} MiB", "", f"{m['pd_cg_mib'] / m['raw_cg_mib']:.2f}×" if m["raw_cg_mib"] else "",
                       f"{m['pd_cg_mib'] - m['raw_cg_mib']:+.1f} MiB")
+            t.add_row(mode, f"idle CPU per sandbox ({IDLE_S:g} s)", f"{m['idle_cpu_pct']:.2f} %", *[""] * 6)
     for mode, why in skipped.items():
         t.add_row(mode, f"[dim]not measured: {why}[/]", *[""] * 7)
     console.print(t)
