@@ -246,12 +246,60 @@ class GvisorCase(CrunCase):
         return leakcheck.snapshot([], match=MATCH, runsc_roots=[self.data / "gvisor" / "runsc"])
 
 
+# ---- microVM (root + QEMU + the guest kernel; TCG where KVM is not usable) ---------------------------------
+
+class MicrovmCase(CrunCase):
+    """QEMU ``-M microvm`` guests restored from the template's snapshot (``runtime/qemu.py``). The sandbox's
+    cgroup is inside the guest (pids.max, memory.max, read back by the guest agent at create); the CPU quota
+    is the host cgroup of its QEMU. Its init is the QEMU process. Sandboxes default to 256 MiB so that every
+    case shares one guest-RAM class, i.e. one template snapshot (shared with the other microVM tiers through
+    the session's ``PILLDROPS_MICROVM_CACHE``)."""
+
+    name = "microvm"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        why = CrunCase.unavailable()
+        if why:
+            return why
+        from pilldrops.node.runtime.qemu import probe_host
+        ok, reason, _ = probe_host()
+        return None if ok else f"QEMU cannot run microVMs here: {reason}"
+
+    async def make(self) -> Runtime:
+        from pilldrops.node.runtime.qemu import QemuRuntime
+        rt = QemuRuntime(self.data / "microvm", name=f"{SESSION}-mv", cache_dir=self._cache())
+        self.instances.append(rt)
+        return rt
+
+    def _cache(self) -> Path:
+        return Path(os.environ.get("PILLDROPS_MICROVM_CACHE") or self.data / "microvm-cache")
+
+    def spec(self, sid: str, **kw: Any) -> SandboxSpec:
+        kw.setdefault("memory_mb", 256)
+        return super().spec(sid, isolation="microvm", **kw)
+
+    def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
+        import json
+        guest = json.loads((Path(handle.bundle) / "limits.json").read_text())
+        host = cgroup_limits(handle.extra["cgroup"])
+
+        def num(text: str) -> int:
+            return -1 if text == "max" else int(text)
+        return {"memory_bytes": num(guest["memory.max"]), "pids": num(guest["pids.max"]),
+                "cpu_quota_us": host["cpu_quota_us"], "cpu_period_us": host["cpu_period_us"]}
+
+    def snapshot(self) -> dict[str, object]:
+        return leakcheck.snapshot([], match=MATCH, qemu_dirs=[self.data / "microvm", self._cache()])
+
+
 # ---- the registry: one line per runtime ------------------------------------------------------------------
 
 RUNTIMES: dict[str, type[RuntimeCase]] = {
     "fake": FakeCase,
     "crun": CrunCase,
     "gvisor": GvisorCase,
+    "microvm": MicrovmCase,
 }
 
 

@@ -67,6 +67,7 @@ CHECKPOINT_FORMAT = 1
 CHECKPOINT_META = "pilldrops-checkpoint.json"
 KVM_PROBE_FILE = guest.KERNEL_ROOT.parent / "kvm-probe.json"
 MIN_GUEST_RAM_MB = 256
+LINK_IDLE_S = 1.0       # an agent link with no command for this long is closed (reopened on the next one)
 
 
 # -- probing -------------------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ class QemuRuntime:
                 link.close()
             link = None
             try:
-                link = AgentLink(vm.dir_connector(d, "agent.sock"))
+                link = AgentLink(vm.dir_connector(d, "agent.sock"), idle_close=LINK_IDLE_S)
                 link.wait_synced(timeout)
             except LinkError as e:
                 if link is not None:
@@ -264,16 +265,18 @@ class QemuRuntime:
                 raise vm.VmError("snapshot restore failed", f"{e}; {vm.log_tail(d)}") from e
         finally:
             q.close()
-        link = AgentLink(vm.dir_connector(d, "agent.sock"))
+        link = AgentLink(vm.dir_connector(d, "agent.sock"), idle_close=LINK_IDLE_S)
         try:
             link.wait_synced(max(1.0, self.restore_timeout - (time.monotonic() - t0)))
             reply = link.request(self._identity(spec, fresh=fresh_identity), timeout=10.0)
         except LinkError as e:
             link.close()
             raise vm.VmError("the restored guest's agent did not answer", f"{e}; {vm.log_tail(d)}") from e
-        if reply != "ok":
+        if reply != "ok" and not reply.startswith("ok "):
             link.close()
             raise vm.VmError("the restored guest refused its identity", reply)
+        # the limits as the guest's cgroup has them (read back by the guest agent): a fact for inspection
+        (d / "limits.json").write_text(json.dumps(dict(kv.split("=", 1) for kv in reply.split()[1:] if "=" in kv)))
         self._links[spec.id] = link
         return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                       extra={"accel": cfg.accel, "cgroup": "/" + self._cgroup(spec.id)})
@@ -322,11 +325,15 @@ class QemuRuntime:
         if not vm.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
         meta = self._meta(d)
-        link = await anyio.to_thread.run_sync(self._link, handle.id, d)
         try:
+            link = await anyio.to_thread.run_sync(self._link, handle.id, d)
             sock = link.open_channel()
-        except LinkError as e:
-            raise RuntimeFailure(f"cannot open a channel to microVM {handle.id}", detail=str(e)) from e
+        except LinkError:          # it went idle just now: connect again, once
+            link = await anyio.to_thread.run_sync(self._link, handle.id, d)
+            try:
+                sock = link.open_channel()
+            except LinkError as e:
+                raise RuntimeFailure(f"cannot open a channel to microVM {handle.id}", detail=str(e)) from e
         try:
             return SupervisorExec(Path("/"), argv, env={**meta["env"], **env}, cwd=cwd or meta["workdir"],
                                   stdin=stdin, timeout=timeout, output_cap=output_cap, sock=sock)

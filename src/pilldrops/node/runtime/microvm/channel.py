@@ -20,6 +20,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -52,8 +53,14 @@ class _Chan:
 class AgentLink:
     """One connection to the guest agent; ``open_channel`` gives a socket that speaks pd-init's protocol."""
 
-    def __init__(self, connect: Callable[[socket.socket], None]) -> None:
-        """``connect(sock)`` connects the fresh AF_UNIX socket (raising OSError when nobody listens)."""
+    def __init__(self, connect: Callable[[socket.socket], None], *, idle_close: float | None = None) -> None:
+        """``connect(sock)`` connects the fresh AF_UNIX socket (raising OSError when nobody listens).
+        ``idle_close``: end the link after that many seconds without a channel or request (``dead`` is then
+        "idle"): QEMU serves the port to one client at a time, so an idle holder must not block another
+        agent instance (a restarted one) from reaching the guest."""
+        self._idle_close = idle_close
+        self._pending = 0
+        self._idle_since: float | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             connect(self._sock)
@@ -103,8 +110,6 @@ class AgentLink:
 
     def open_channel(self) -> socket.socket:
         """A connected socket whose peer is a fresh connection to pd-init in the guest."""
-        if self.dead:
-            raise LinkError(self.dead)
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         b.setblocking(False)
 
@@ -114,7 +119,16 @@ class AgentLink:
             ch = _Chan(cid, b)
             self._chans[cid] = ch
             self._waiting.append(ch)
-        self._call(add)
+            with self._lock:
+                self._pending -= 1
+        with self._lock:            # checked and counted under the lock the idle close takes
+            if self.dead:
+                a.close()
+                b.close()
+                raise LinkError(self.dead)
+            self._pending += 1
+            self._cmds.append(add)
+        self._wake()
         return a
 
     def close(self) -> None:
@@ -125,10 +139,34 @@ class AgentLink:
     def _call(self, fn: Callable[[], None]) -> None:
         with self._lock:
             self._cmds.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
+
+    def _poll_timeout(self) -> float | None:
+        """ms until the idle close is due (None: no timeout), after ending the link when it is due."""
+        if self._idle_close is None or not self._synced.is_set():
+            return None
+        if self._chans or self._waiting or self._expecting or self._wr:
+            self._idle_since = None
+            return None
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        left = self._idle_since + self._idle_close - now
+        if left <= 0:
+            with self._lock:
+                if not self._pending and not self._cmds:
+                    self.dead = "idle"
+            if self.dead:
+                self._die("idle")
+                return None
+            return 0
+        return left * 1000
 
     def _queue(self, typ: int, cid: int, payload: bytes = b"") -> None:
         self._wr += HDR.pack(typ, cid, len(payload)) + payload
@@ -193,7 +231,10 @@ class AgentLink:
             if ev:
                 p.register(ch.sock, ev)
                 fds[ch.sock.fileno()] = ch
-        for fd, ev in p.poll():
+        timeout = self._poll_timeout()
+        if self.dead is not None:
+            return
+        for fd, ev in p.poll(timeout):
             if fd == self._wake_r:
                 try:
                     os.read(self._wake_r, 4096)

@@ -14,6 +14,7 @@
  *   host -> guest  'S' sync (payload: nonce)  -> all channels reset, reply 'S' with the same nonce
  *                  'H' identity: "key=value\n" lines (hostname, machine_id, seed (hex), time_ns, pids_max,
  *                                memory_max: the limits of the cgroup pd-init and every command run in)
+ *                                -> reply "ok pids.max=N memory.max=N" (read back from the cgroup)
  *                                (hostname: the UTS name only, as crun sets it; machine_id: /.pd/machine-id)
  *                                -> applied, reply 'H' "ok" (only once pd-init listens) or "error: ..."
  *                  'O' open chan (connect to pd-init)   'D' data   'E' eof (shutdown write side)
@@ -44,7 +45,9 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -127,6 +130,15 @@ static int write_file(const char *path, const char *s, size_t n) {
     return w == (ssize_t)n ? 0 : -1;
 }
 
+static void read_file(const char *path, char *buf, size_t n) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? read(fd, buf, n - 1) : -1;
+    if (fd >= 0) close(fd);
+    buf[r > 0 ? r : 0] = 0;
+    char *nl = strchr(buf, '\n');
+    if (nl) *nl = 0;
+}
+
 static int hexval(int c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
@@ -190,7 +202,13 @@ static const char *identity(char *p, uint32_t n) {
     if (err[0]) return err;
     struct stat st;
     if (lstat(CTL, &st) != 0 || !S_ISSOCK(st.st_mode)) return "error: pd-init is not listening yet";
-    return "ok";
+    /* "ok" + the limits as the guest's cgroup has them now (read back, not echoed) */
+    static char ok[160];
+    char pids[32] = "", mem[32] = "";
+    read_file(CGROUP "/pids.max", pids, sizeof pids);
+    read_file(CGROUP "/memory.max", mem, sizeof mem);
+    snprintf(ok, sizeof ok, "ok pids.max=%s memory.max=%s", pids, mem);
+    return ok;
 }
 
 static void on_frame(int type, uint32_t id, unsigned char *p, uint32_t n) {
@@ -314,15 +332,17 @@ static void flush_port(void) {
     }
 }
 
+/* pd-init as PID 1 of its own pid namespace (with its own /proc), as in a container: commands see only the
+ * sandbox's processes, not the guest kernel's threads or this agent; its death ends every command. */
 static void start_init(void) {
-    pid_t pid = fork();
+    pid_t pid = (pid_t)syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | SIGCHLD, NULL, NULL, NULL, NULL);
     if (pid == 0) {
         sigset_t all;
         sigfillset(&all);
         sigprocmask(SIG_UNBLOCK, &all, NULL);
-        char me[24];
-        snprintf(me, sizeof me, "%d", getpid());
-        write_file(CGROUP "/cgroup.procs", me, strlen(me));
+        write_file(CGROUP "/cgroup.procs", "0", 1);            /* "0": the writer itself */
+        mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
         execl(PD_INIT, "pd-init", (char *)NULL);
         dprintf(2, "pd-vmagent: exec %s: %s\n", PD_INIT, strerror(errno));
         _exit(127);

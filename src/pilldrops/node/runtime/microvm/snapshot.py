@@ -48,7 +48,7 @@ def wait_agent(link: AgentLink, deadline: float, pid: int, start: int, d: Path, 
         try:
             link.wait_synced(max(0.1, min(left, 0.5)))
             reply = link.request(b"", timeout=max(0.1, min(left, 2.0)))
-            if reply == "ok":
+            if reply == "ok" or reply.startswith("ok "):
                 return
         except LinkError as e:
             reply = str(e)
