@@ -1,5 +1,9 @@
 """The microVM runtime for real: QEMU ``-M microvm`` guests (TCG on hosts without usable KVM, like CI).
 
+What every runtime promises (exec semantics, files, limits, state, re-adoption, checkpoint/restore) is in
+tests/contract (``MicrovmCase``); these are the microVM's own: restored identities, the agent channel's
+credits, the guest memory cgroup, a SIGKILLed agent's VM adopted, failed boots/restores leaving nothing.
+
 The template's guest is booted once per session (``snap_runtime``: ~10-20 s under TCG) and every sandbox is
 restored from that snapshot (about a second under TCG). Every test checks that no QEMU process, socket,
 sandbox dir or temp dir is left (``leakcheck.snapshot(qemu_dirs=...)``) on top of the usual leak check.
@@ -8,14 +12,12 @@ Skipped only where QEMU cannot run at all (no root, no QEMU, no guest kernel), s
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -116,15 +118,8 @@ async def test_create_from_snapshot_run_and_identity(mvrt, tiny) -> None:  # typ
     assert (await mvrt.state(h1)).status == "gone"
 
 
-async def test_timeout_kills_the_tree_and_output_cap(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
-    h = await mvrt.create(_spec(tiny, "tmo"))
-    t0 = time.monotonic()
-    code, _, _, p = await _run(mvrt, h, ["sh", "-c", "sleep 300 & sleep 300; echo never"], timeout=1.5)
-    assert p.timed_out and code == 137 and time.monotonic() - t0 < 15
-    code, out, _, _ = await _run(mvrt, h, ["sh", "-c", "ps -o comm | grep -c '^sleep' || true"])
-    assert out.strip() == b"0"                               # the background sleep died with its group
-    code, out, _, p = await _run(mvrt, h, ["sh", "-c", "head -c 300000 /dev/zero; echo done >&2"], output_cap=1000)
-    assert code == 0 and len(out) == 1000 and p.truncated
+async def test_credits_and_memory_limit(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
+    h = await mvrt.create(_spec(tiny, "lim"))
     code, out, _, _ = await _run(mvrt, h, ["wc", "-c"], stdin=b"x" * 150_000)   # > 2 credit windows
     assert code == 0 and out.strip() == b"150000"
     # past memory_mb only the offender dies (the guest memory cgroup's OOM kill), the sandbox lives on; 16 MiB
@@ -135,57 +130,6 @@ async def test_timeout_kills_the_tree_and_output_cap(mvrt, tiny) -> None:  # typ
     assert code == 137
     code, out, _, _ = await _run(mvrt, small, ["sh", "-c", "echo still-here; cat /sys/fs/cgroup/pd/memory.events"])
     assert code == 0 and out.startswith(b"still-here\n") and b"oom_kill 1" in out, out
-
-
-async def test_upload_download_through_the_data_plane(mvrt, tiny) -> None:  # type: ignore[no-untyped-def]
-    from pilldrops import errors
-    from pilldrops.node.dataplane import DataPlane, Target
-    h = await mvrt.create(_spec(tiny, "files"))
-    dp = DataPlane(mvrt)
-    t = Target(id="files", handle=h, workdir="/root")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in (("a.txt", b"hello\n"), ("sub/b.bin", os.urandom(200_000))):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    payload = buf.getvalue()
-
-    async def body():  # type: ignore[no-untyped-def]
-        yield payload
-    assert await dp.put_archive(t, "/root/up", body()) == 2
-    assert await dp.read_file(t, "/root/up/a.txt") == b"hello\n"
-    chunks = [c async for c in await dp.get_archive(t, "/root/up")]
-    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
-        names = sorted(m.name for m in tar.getmembers())
-        assert names == ["up", "up/a.txt", "up/sub", "up/sub/b.bin"]
-    bad = io.BytesIO()
-    with tarfile.open(fileobj=bad, mode="w") as tar:
-        info = tarfile.TarInfo("../escape")
-        tar.addfile(info, io.BytesIO(b""))
-
-    async def bad_body():  # type: ignore[no-untyped-def]
-        yield bad.getvalue()
-    with pytest.raises(errors.InvalidRequest):
-        await dp.put_archive(t, "/root/up", bad_body())
-
-
-async def test_pause_resume_keeps_memory_and_disk(mvrt, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    h = await mvrt.create(_spec(tiny, "pz", hostname="pz"))
-    _, out, _, _ = await _run(mvrt, h, ["sh", "-c", "echo kept > /root/f; sleep 1000 >/dev/null 2>&1 & echo $!"])
-    bg = out.strip()
-    image = tmp_path / "img"
-    image.mkdir()
-    size = await mvrt.checkpoint(h, image)
-    assert size > 0 and (image / "vm.snap").exists() and (image / "disk.qcow2").exists()
-    assert not Path(f"/proc/{h.pid}").exists() or not _alive(h.pid)
-    assert await mvrt.list_ids() == []
-    h2 = await mvrt.restore(_spec(tiny, "pz", hostname="pz"), image)
-    assert h2.pid != h.pid
-    _, out, _, _ = await _run(mvrt, h2, ["sh", "-c", "cat /root/f; kill -0 " + bg.decode() + " && echo alive; hostname"])
-    assert out.decode().split() == ["kept", "alive", "pz"], out
-    await mvrt.destroy(h2)
-    shutil.rmtree(image)
 
 
 def _alive(pid: int) -> bool:
