@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_META = "pilldrops-checkpoint.json"
 KVM_PROBE_FILE = guest.KERNEL_ROOT.parent / "kvm-probe.json"
@@ -241,7 +242,8 @@ class QemuRuntime:
         lines = [f"seed={os.urandom(32).hex()}", f"time_ns={time.time_ns()}", f"pids_max={spec.pids_limit}",
                  f"memory_max={int(spec.memory_mb) * 1024 * 1024}"]
         if fresh:
-            lines += [f"hostname={spec.hostname}", f"machine_id={uuid.uuid4().hex}"]
+            host = spec.hostname if _HOST_RE.match(spec.hostname or "") else "sandbox"   # one line, no "="
+            lines += [f"hostname={host}", f"machine_id={uuid.uuid4().hex}"]
         return ("\n".join(lines) + "\n").encode()
 
     def _start_restored(self, d: Path, spec: SandboxSpec, cfg: vm.VmConfig, snap: Path, *,
