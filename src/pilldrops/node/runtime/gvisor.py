@@ -185,13 +185,13 @@ class GvisorRuntime(CrunRuntime):
         return r.returncode == 0
 
     async def create(self, spec: SandboxSpec) -> Handle:
-        return self._with_sockets(await super().create(spec))
+        return self._with_channels(await super().create(spec))
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
-        return self._with_sockets(await super().restore(spec, image_dir))
+        return self._with_channels(await super().restore(spec, image_dir))
 
     @staticmethod
-    def _with_sockets(handle: Handle) -> Handle:
+    def _with_channels(handle: Handle) -> Handle:
         """Record the Sentry's own host channels (control and gofer sockets, pd-init's listener, stdio)."""
         handle.extra[CHANNELS_KEY] = " ".join(sorted(_channels(handle.pid)))
         return handle
