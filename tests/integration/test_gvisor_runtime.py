@@ -91,7 +91,7 @@ async def test_is_gvisor_with_crun_bundle_limits_and_both_exec_paths(gvisor, tin
     await gvisor.destroy(h)                             # idempotent
 
 
-async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path):  # type: ignore[no-untyped-def]
+async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path, monkeypatch):  # type: ignore[no-untyped-def]
     h = await gvisor.create(spec(tiny, "pause", memory_mb=256))
     try:
         # state in the Sentry's memory (/tmp is gVisor's own tmpfs), on disk, and a live process
@@ -108,6 +108,16 @@ async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path):  # t
         image = data_dir / f"gv-image-{SESSION}"
         image.mkdir()
         try:
+            # a background child of a `runsc exec` command keeps host pipes in the Sentry: the pause is refused
+            # (an image with them would not restore) and the sandbox keeps running
+            monkeypatch.setenv("PILLDROPS_EXEC", "crun")
+            await run(gvisor, h, ["/bin/sh", "-c", "(sleep 999 &); true"])
+            monkeypatch.delenv("PILLDROPS_EXEC")
+            with pytest.raises(RuntimeFailure, match="cannot be paused"):
+                await gvisor.checkpoint(h, image)
+            assert (await gvisor.state(h)).status == "running" and not any(image.iterdir())
+            kill = "for p in $(pidof sleep); do grep -q 999 /proc/$p/cmdline && kill $p; done; true"
+            assert (await run(gvisor, h, ["/bin/sh", "-c", kill]))[0] == 0
             size = await gvisor.checkpoint(h, image)
             assert size > 0 and (image / "runsc").is_dir() and (await gvisor.state(h)).status == "gone"
             h = await gvisor.restore(spec(tiny, "pause", memory_mb=256), image)

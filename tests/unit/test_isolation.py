@@ -152,10 +152,6 @@ def test_placement_filters_on_the_mode_and_explains_why() -> None:
     assert scheduler.place(scheduler.Request("tiny", 1, 128, "gvisor"), [a, b]) == scheduler.Placement("a")
     assert scheduler.place(scheduler.Request("tiny", 1, 128, "gvisor"), [b]).explain() == (  # type: ignore[union-attr]
         "0/1 nodes fit: 1 no gvisor (not reported by the node)")
-    index = scheduler.PlacementIndex([a, b])
-    for mode in ("container", "gvisor", "microvm"):
-        r = scheduler.Request("tiny", 1, 128, mode)
-        assert index.place(r) == scheduler.place(r, index.views())
 
 
 def test_mode_resolution_request_then_template_then_deployment() -> None:

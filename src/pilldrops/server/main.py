@@ -70,7 +70,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     billing_service = BillingService(store, clock, billing)
     pools = PoolService(store, node_client, clock)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
-    sandboxes.default_isolation = default_isolation
+    sandboxes.lifecycle.default_isolation = default_isolation
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

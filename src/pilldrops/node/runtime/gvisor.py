@@ -55,18 +55,18 @@ from pilldrops.node.runtime.registry import Probe
 RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overlay2=none", "--oci-seccomp")
 RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads, 33 idle), beyond the workload's
 PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
-SOCKETS_KEY = "sentry_sockets"
+CHANNELS_KEY = "sentry_channels"
 
 
-def _sockets(pid: int | None) -> set[str]:
-    """The socket inodes the process ``pid`` (the Sentry) holds."""
+def _channels(pid: int | None) -> set[str]:
+    """The host sockets and pipes the process ``pid`` (the Sentry) holds (``socket:[N]``, ``pipe:[N]``)."""
     out = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:"):
-                    out.add(link[8:-1])
+                if link.startswith(("socket:", "pipe:")):
+                    out.add(link)
     except OSError:
         pass
     return out
@@ -146,7 +146,7 @@ class GvisorRuntime(CrunRuntime):
     ROOT_SUBDIR = "runsc"
     IMAGE_SUBDIR = "runsc"
     HOST_PIDS = False
-    CTL_WAIT = 2.0
+    CTL_WAIT = 10.0    # the Sentry starts pd-init slowly under load; the fast path keeps host pipes out of it
 
     @staticmethod
     def _binary() -> str:
@@ -185,15 +185,15 @@ class GvisorRuntime(CrunRuntime):
         return r.returncode == 0
 
     async def create(self, spec: SandboxSpec) -> Handle:
-        return self._with_sockets(await super().create(spec))
+        return self._with_channels(await super().create(spec))
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
-        return self._with_sockets(await super().restore(spec, image_dir))
+        return self._with_channels(await super().restore(spec, image_dir))
 
     @staticmethod
-    def _with_sockets(handle: Handle) -> Handle:
-        """Record the Sentry's own sockets (its control and gofer channels, pd-init's listener)."""
-        handle.extra[SOCKETS_KEY] = ",".join(sorted(_sockets(handle.pid)))
+    def _with_channels(handle: Handle) -> Handle:
+        """Record the Sentry's own host channels (control and gofer sockets, pd-init's listener, stdio)."""
+        handle.extra[CHANNELS_KEY] = " ".join(sorted(_channels(handle.pid)))
         return handle
 
     # -- pause / resume -----------------------------------------------------------------------------
@@ -201,16 +201,19 @@ class GvisorRuntime(CrunRuntime):
         return None        # runsc checkpoint/restore work on this kernel (tests/integration/test_gvisor_runtime.py)
 
     async def _dump(self, handle: Handle, d: Path, image_dir: Path, images: Path) -> tuple[int, str]:
-        # Every connection pd-init accepted is a host socket inside the Sentry, and a host socket in the image
-        # makes the restore fail ("failed to set host FD N non-blocking"). pd-init closes a command's
-        # connection just after the command ended (the agent ended them all): wait until the Sentry holds
-        # no socket it did not have at start, else fail the pause (the sandbox keeps running).
-        own = set(handle.extra.get(SOCKETS_KEY, "").split(","))
+        # A host socket or pipe held inside the Sentry makes the image unrestorable ("failed to set host FD N
+        # non-blocking"): every connection pd-init accepted is one (it closes a command's connection just
+        # after the command ended, and the agent ended them all), and so is the stdio of a command started
+        # with `runsc exec` (a background child it left keeps it). Wait until the Sentry holds no host
+        # channel it did not have at start; else refuse the pause (the sandbox keeps running).
+        own = set(handle.extra.get(CHANNELS_KEY, "").split())
         deadline = anyio.current_time() + 3.0
-        while (extra := _sockets(handle.pid) - own) and anyio.current_time() < deadline:
+        while (extra := _channels(handle.pid) - own) and anyio.current_time() < deadline:
             await anyio.sleep(0.005)
         if extra:
-            return 1, f"a command's connection is still open in the sandbox ({len(extra)} socket(s)); retry the pause"
+            return 1, (f"a process in the sandbox holds {len(extra)} host pipe(s)/socket(s) gVisor cannot save "
+                       "(a command's connection still open, or the stdio of a command started with `runsc "
+                       "exec`, e.g. kept by its background child): it cannot be paused until they are closed")
         err = d / "runsc-checkpoint.err"
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
             r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", self._cid(handle.id)),
