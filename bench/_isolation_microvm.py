@@ -7,7 +7,8 @@ One raw sandbox = ``qemu-img create`` of a qcow2 overlay + ``qemu-system-x86_64 
 (daemonized) + QMP ``cont`` + the guest agent's sync answer; ``exec_true`` = one command over the agent
 channel in-process (no HTTP, no control plane, no node agent); ``kill`` = SIGKILL + wait + rm.
 It skips what PillDrops adds: the control plane and node agent, the identity (hostname, machine-id, seed,
-clock, pids.max) handshake, the host cgroup, state files.
+clock, pids.max, memory.max) handshake, state files; it does get the same host cgroup (so the memory-cgroup
+figures compare).
 
 Standalone (needs root, QEMU and the guest kernel: ``scripts/install-microvm``)::
 
@@ -33,6 +34,7 @@ from typing import Any, ClassVar
 
 import anyio
 
+from pilldrops.node.isolation import cgroups
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime import qemu
 from pilldrops.node.runtime.microvm import guest, snapshot, vm
@@ -125,7 +127,9 @@ class RawQemu:
         d.mkdir()
         t = time.perf_counter()
         snapshot.qcow2_overlay(snap / "disk.qcow2", d / "disk.qcow2", backing_format="qcow2")
-        pid, start = vm.launch(vm.command(cfg, d, disk=d / "disk.qcow2", console=None, incoming=snap / "vm.snap"), d)
+        procs = vm.cgroup_prepare(self._cgroup(cid), vcpu=self.vcpu, memory_mb=cfg.memory_mb)   # as the product
+        pid, start = vm.launch(vm.command(cfg, d, disk=d / "disk.qcow2", console=None, incoming=snap / "vm.snap"), d,
+                               cgroup_procs=procs)
         q = Qmp(vm.dir_connector(d, "qmp.sock"))
         try:
             q.wait_status({"paused", "running"}, 60)
@@ -158,8 +162,13 @@ class RawQemu:
         t = time.perf_counter()
         v.link.close()
         vm.kill(v.pid, v.start)
+        cgroups.remove_tree(self._cgroup(cid))
         shutil.rmtree(v.d, ignore_errors=True)
         return time.perf_counter() - t
+
+    @staticmethod
+    def _cgroup(cid: str) -> str:
+        return f"pilldrops-benchrawvm{os.getpid()}/{cid}"
 
     def pids(self, cid: str) -> list[int]:
         v = self._vms.get(cid)
@@ -177,6 +186,7 @@ class RawQemu:
         pid = vm.read_pid(d)
         if pid and vm.is_qemu(pid, d):
             vm.kill(pid, None)
+        cgroups.remove_tree(self._cgroup(cid))
         shutil.rmtree(d, ignore_errors=True)
 
     def cleanup_all(self) -> None:
@@ -186,6 +196,7 @@ class RawQemu:
             for d in self.dir.iterdir():
                 self.cleanup(d.name)
             shutil.rmtree(self.dir, ignore_errors=True)
+        vm.cgroup_remove_parent(f"pilldrops-benchrawvm{os.getpid()}")
 
     def leftovers(self) -> list[str]:
         out = []

@@ -251,8 +251,9 @@ class QemuRuntime:
         """Blocking: QEMU restoring ``snap`` over ``d/disk.qcow2``, resumed, identity sent. On failure the
         caller tears ``d`` down."""
         t0 = time.monotonic()
-        pid, start = vm.launch(vm.command(cfg, d, disk=d / "disk.qcow2", console=None, incoming=snap), d)
-        vm.cgroup_place(self._cgroup(spec.id), pid, vcpu=spec.vcpu, memory_mb=cfg.memory_mb)
+        procs = vm.cgroup_prepare(self._cgroup(spec.id), vcpu=spec.vcpu, memory_mb=cfg.memory_mb)
+        pid, start = vm.launch(vm.command(cfg, d, disk=d / "disk.qcow2", console=None, incoming=snap), d,
+                               cgroup_procs=procs)
         try:
             q = Qmp(vm.dir_connector(d, "qmp.sock"), timeout=self.restore_timeout)
         except QmpError as e:

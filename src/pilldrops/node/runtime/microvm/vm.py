@@ -111,8 +111,13 @@ def log_tail(d: Path, name: str = "qemu.log", limit: int = 2000) -> str:
         return ""
 
 
-def launch(cmd: list[str], d: Path, *, timeout: float = 30.0) -> tuple[int, int]:
-    """Start QEMU daemonized with cwd ``d``; returns (pid, start time) once it initialised."""
+def launch(cmd: list[str], d: Path, *, timeout: float = 30.0, cgroup_procs: list[Path] | None = None) -> tuple[int, int]:
+    """Start QEMU daemonized with cwd ``d``; returns (pid, start time) once it initialised. With
+    ``cgroup_procs`` (from ``cgroup_prepare``) it starts inside those cgroups: every byte it allocates,
+    the restored guest RAM included, is charged to and limited by them from the first one."""
+    if cgroup_procs:
+        cmd = ["/bin/sh", "-c", 'for f in $0; do echo $$ > "$f" || exit 125; done; exec "$@"',
+               " ".join(str(p) for p in cgroup_procs), *cmd]
     with open(d / "qemu.log", "ab") as log:
         try:
             r = subprocess.run(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=timeout,
@@ -191,14 +196,17 @@ def dir_connector(d: Path, name: str) -> Callable[[socket.socket], None]:
 
 
 # -- host cgroups (v1): CPU quota = vcpu, memory = guest RAM + overhead ------------------------------------
-def cgroup_place(rel: str, pid: int, *, vcpu: float, memory_mb: int, pids: int = 64) -> None:
+def cgroup_prepare(rel: str, *, vcpu: float, memory_mb: int, pids: int = 64) -> list[Path]:
+    """Make the VM's cgroups with their limits; returns their ``cgroup.procs`` files (for ``launch``).
+    A controller that cannot be configured here is left out rather than stopping the VM."""
+    out = []
     for ctl in CGROUP_CONTROLLERS:
         base = cgroups.CGROUP_ROOT / ctl
         if not base.is_dir():
             continue
         d = base / rel
-        d.mkdir(parents=True, exist_ok=True)
         try:
+            d.mkdir(parents=True, exist_ok=True)
             if ctl == "cpu":
                 (d / "cpu.cfs_period_us").write_text(str(CPU_PERIOD))
                 (d / "cpu.cfs_quota_us").write_text(str(max(1000, round(vcpu * CPU_PERIOD))))
@@ -206,9 +214,10 @@ def cgroup_place(rel: str, pid: int, *, vcpu: float, memory_mb: int, pids: int =
                 (d / "memory.limit_in_bytes").write_text(str((memory_mb + MEMORY_OVERHEAD_MB) * 1024 * 1024))
             elif ctl == "pids":
                 (d / "pids.max").write_text(str(pids))
-            (d / "cgroup.procs").write_text(str(pid))
         except OSError:
-            pass         # a controller we cannot configure here does not stop the VM
+            continue
+        out.append(d / "cgroup.procs")
+    return out
 
 
 def cgroup_remove_parent(rel: str) -> None:
