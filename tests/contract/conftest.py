@@ -66,7 +66,8 @@ class RuntimeCase:
         return path
 
     def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
-        """``memory_bytes``, ``pids``, ``cpu_quota_us``, ``cpu_period_us`` as the sandbox's cgroup has them,
+        """``memory_bytes``, ``pids``, ``cpu_quota_us``, ``cpu_period_us`` as the sandbox's cgroup has them
+        (and ``pids_current``, ``pids_refused``: its processes now, forks it refused at the limit so far),
         or None when the runtime puts its sandboxes in no cgroup of their own."""
         return None
 
@@ -198,13 +199,17 @@ def cgroup_limits(cgroup: str) -> dict[str, int]:
     def num(text: str) -> int:
         return -1 if text.strip() == "max" else int(text.strip())
 
+    def pids(d: Path) -> dict[str, int]:
+        events = dict(line.split() for line in (d / "pids.events").read_text().splitlines() if line.strip())
+        return {"pids": num((d / "pids.max").read_text()), "pids_current": num((d / "pids.current").read_text()),
+                "pids_refused": int(events.get("max", 0))}
+
     if (base / "cgroup.controllers").exists():          # v2: one hierarchy
         quota, period = (base / rel / "cpu.max").read_text().split()
-        return {"memory_bytes": num((base / rel / "memory.max").read_text()),
-                "pids": num((base / rel / "pids.max").read_text()),
+        return {"memory_bytes": num((base / rel / "memory.max").read_text()), **pids(base / rel),
                 "cpu_quota_us": num(quota), "cpu_period_us": int(period)}
     return {"memory_bytes": num((base / "memory" / rel / "memory.limit_in_bytes").read_text()),
-            "pids": num((base / "pids" / rel / "pids.max").read_text()),
+            **pids(base / "pids" / rel),
             "cpu_quota_us": num((base / "cpu" / rel / "cpu.cfs_quota_us").read_text()),
             "cpu_period_us": num((base / "cpu" / rel / "cpu.cfs_period_us").read_text())}
 
@@ -250,7 +255,7 @@ class GvisorCase(CrunCase):
 
 class MicrovmCase(CrunCase):
     """QEMU ``-M microvm`` guests restored from the template's snapshot (``runtime/qemu.py``). The sandbox's
-    cgroup is inside the guest (pids.max, memory.max, read back by the guest agent at create); the CPU quota
+    cgroup is inside the guest (pids.max, memory.max, its counters: asked of the guest agent); the CPU quota
     is the host cgroup of its QEMU. Its init is the QEMU process. Sandboxes default to 256 MiB so that every
     case shares one guest-RAM class, i.e. one template snapshot (shared with the other microVM tiers through
     the session's ``PILLDROPS_MICROVM_CACHE``)."""
@@ -280,13 +285,23 @@ class MicrovmCase(CrunCase):
         return super().spec(sid, isolation="microvm", **kw)
 
     def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
-        import json
-        guest = json.loads((Path(handle.bundle) / "limits.json").read_text())
+        """The guest cgroup's values asked of the guest agent (a link of its own: the runtime's closes after
+        1 s idle), the CPU quota from the QEMU's host cgroup."""
+        from pilldrops.node.runtime.microvm import vm
+        from pilldrops.node.runtime.microvm.channel import AgentLink
+        link = AgentLink(vm.dir_connector(Path(handle.bundle), "agent.sock"))
+        try:
+            link.wait_synced(15)
+            reply = link.request(b"", 10)
+        finally:
+            link.close()
+        guest = dict(kv.split("=", 1) for kv in reply.split()[1:] if "=" in kv)
         host = cgroup_limits(handle.extra["cgroup"])
 
         def num(text: str) -> int:
             return -1 if text == "max" else int(text)
         return {"memory_bytes": num(guest["memory.max"]), "pids": num(guest["pids.max"]),
+                "pids_current": num(guest["pids.current"]), "pids_refused": num(guest["pids.refused"]),
                 "cpu_quota_us": host["cpu_quota_us"], "cpu_period_us": host["cpu_period_us"]}
 
     def snapshot(self) -> dict[str, object]:

@@ -284,6 +284,16 @@ class QemuRuntime:
         return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                       extra={"accel": cfg.accel, "cgroup": "/" + self._cgroup(spec.id)})
 
+    async def guest_cgroup(self, handle: Handle) -> dict[str, str]:
+        """The guest cgroup's limits and counters now (``pids.max``, ``memory.max``, ``pids.current``,
+        ``pids.refused``), asked of the guest agent (for inspection and tests)."""
+        link = await anyio.to_thread.run_sync(self._link, handle.id, self._dir(handle.id))
+        try:
+            reply = await anyio.to_thread.run_sync(link.request, b"", 10.0)
+        except LinkError as e:
+            raise RuntimeFailure(f"microVM {handle.id} did not answer", detail=str(e)) from e
+        return dict(kv.split("=", 1) for kv in reply.split()[1:] if "=" in kv)
+
     # -- Runtime ---------------------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> Handle:
         d = self._dir(spec.id)

@@ -14,7 +14,8 @@
  *   host -> guest  'S' sync (payload: nonce)  -> all channels reset, reply 'S' with the same nonce
  *                  'H' identity: "key=value\n" lines (hostname, machine_id, seed (hex), time_ns, pids_max,
  *                                memory_max: the limits of the cgroup pd-init and every command run in)
- *                                -> reply "ok pids.max=N memory.max=N" (read back from the cgroup)
+ *                                -> reply "ok pids.max=N memory.max=N pids.current=N pids.refused=N" (read
+ *                                back from the cgroup; an empty 'H' is a query: it changes nothing)
  *                                (hostname: the UTS name only, as crun sets it; machine_id: /.pd/machine-id)
  *                                -> applied, reply 'H' "ok" (only once pd-init listens) or "error: ..."
  *                  'O' open chan (connect to pd-init)   'D' data   'E' eof (shutdown write side)
@@ -202,12 +203,16 @@ static const char *identity(char *p, uint32_t n) {
     if (err[0]) return err;
     struct stat st;
     if (lstat(CTL, &st) != 0 || !S_ISSOCK(st.st_mode)) return "error: pd-init is not listening yet";
-    /* "ok" + the limits as the guest's cgroup has them now (read back, not echoed) */
-    static char ok[160];
-    char pids[32] = "", mem[32] = "";
+    /* "ok" + the limits as the guest's cgroup has them now (read back, not echoed), its process count and
+     * the forks it refused at the limit (pids.events "max N") */
+    static char ok[256];
+    char pids[32] = "", mem[32] = "", cur[32] = "", ev[64] = "";
     read_file(CGROUP "/pids.max", pids, sizeof pids);
     read_file(CGROUP "/memory.max", mem, sizeof mem);
-    snprintf(ok, sizeof ok, "ok pids.max=%s memory.max=%s", pids, mem);
+    read_file(CGROUP "/pids.current", cur, sizeof cur);
+    read_file(CGROUP "/pids.events", ev, sizeof ev);
+    snprintf(ok, sizeof ok, "ok pids.max=%s memory.max=%s pids.current=%s pids.refused=%s", pids, mem, cur,
+             strncmp(ev, "max ", 4) == 0 ? ev + 4 : "0");
     return ok;
 }
 
