@@ -26,8 +26,10 @@ What differs is in the hooks:
   signalled with ``runsc kill``, and an exec's pid is never a host pid;
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
   kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``);
-- pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket)
-  and resume ``runsc restore`` of the same bundle; the image is ``runsc/checkpoint.img`` + ``upper/``.
+- pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket,
+  and an image holding any host pipe or socket does not restore, so a pause while the Sentry holds one it
+  did not start with is refused with that reason and the sandbox keeps running) and resume ``runsc restore``
+  of the same bundle; the image is ``runsc/checkpoint.img`` + ``upper/``.
 
 ``destroy`` takes ~1.7 s (``runsc delete`` waits for the Sentry to be reaped; measured in
 bench/RESULTS.md). runsc's container id is ``pd<hash of the root>-<sandbox id>``: it names runsc's control
