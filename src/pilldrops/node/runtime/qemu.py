@@ -10,10 +10,10 @@ Per sandbox ``<state_dir>/pilldrops-vms/<id>/``::
 Root disks, initramfs and template snapshots live in ``cache_dir`` (default ``$PILLDROPS_MICROVM_CACHE``,
 else ``<state_dir>/cache``), keyed by content, so runtimes sharing a cache share the boots.
 
-``create`` never boots: the template's guest is booted once per (template, RAM, vCPUs) and snapshotted
+``create`` never boots: the template's guest is booted once per (template, guest-RAM class, vCPUs) and snapshotted
 (``microvm.snapshot``); a sandbox is QEMU restoring that snapshot (``-incoming exec:cat``) over a fresh
 disk overlay, then ``cont``, then the host gives it its own identity over the agent channel (hostname,
-machine-id, a fresh random seed with a forced CRNG reseed, the wall clock, pids.max): no two restores of a
+machine-id, a fresh random seed with a forced CRNG reseed, the wall clock, pids.max, memory.max): no two restores of a
 snapshot share a machine-id or a random stream. It returns once the guest agent answered.
 
 Commands run through ``SupervisorExec`` (the crun fast path's client) over a channel of the agent link
