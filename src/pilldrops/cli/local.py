@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES
+
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 DEFAULT_TEMPLATES = "code-interpreter"
 
@@ -47,6 +49,9 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
         click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
+        click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
+                     show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
+                     help="isolation of sandboxes whose create and template name none"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -55,7 +60,8 @@ def _control_plane_options(f: Any) -> Any:
 
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
-            "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention")}
+            "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
+            "default_isolation": kw.pop("default_isolation")}
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -238,6 +244,9 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
             with anyio.fail_after(30):
                 await node.agent.wait_registered()
             await _bootstrap_key(cp, api_url)
+            _console().print("isolation: " + ", ".join(
+                f"{m} ({s.detail})" if s.available else f"[dim]{m}: no ({s.reason})[/]"
+                for m, s in node.runtime.support().items()))
             _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
                              f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
             _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "

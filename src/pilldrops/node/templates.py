@@ -6,6 +6,8 @@ A spec (``src/pilldrops/templates/<name>.toml``)::
     description = "..."
     from = "base"                  # a parent template, or a builder: "busybox" | "debootstrap"
     workdir = "/home/user"
+    isolation = "gvisor"           # optional: the default isolation of its sandboxes (container | gvisor |
+                                   # microvm; a create's own `isolation` wins; not inherited, not hashed)
     [env]
     LANG = "C.UTF-8"
     [[steps]]
@@ -43,6 +45,7 @@ from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
+from pilldrops.schema.api import ISOLATION_MODES
 
 log = logging.getLogger("pilldrops.templates")
 BUILDERS = ("busybox", "debootstrap")
@@ -93,6 +96,7 @@ class TemplateSpec:
     workdir: str | None
     steps: tuple[Step, ...]
     path: Path
+    isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
 
     @property
     def is_builder(self) -> bool:
@@ -122,10 +126,11 @@ class TemplateStatus:
     hash: str
     built: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    isolation: str | None = None
 
 
 # -- spec parsing ---------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps"}
+_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation"}
 
 
 def _str_map(v: Any, where: str) -> dict[str, str]:
@@ -154,6 +159,9 @@ def parse_spec(path: Path) -> TemplateSpec:
     workdir = data.get("workdir")
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
         raise TemplateSpecError(f"{path}: 'workdir' must be an absolute path")
+    isolation = data.get("isolation")
+    if isolation is not None and isolation not in ISOLATION_MODES:
+        raise TemplateSpecError(f"{path}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}")
     steps = []
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
@@ -184,7 +192,7 @@ def parse_spec(path: Path) -> TemplateSpec:
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve())
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation)
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -500,7 +508,8 @@ class TemplateStore:
         for name, s in sorted(self.specs().items()):
             h = self.hash(name)
             out.append(TemplateStatus(name=name, description=s.description, base=s.base, hash=h,
-                                      built=(self._final(name, h) / "manifest.json").exists()))
+                                      built=(self._final(name, h) / "manifest.json").exists(),
+                                      isolation=s.isolation))
         return out
 
     def ensure(self, name: str, progress: Progress | None = None) -> Template:

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from pilldrops import errors
 from pilldrops.schema.node import NodePoolSpec
 from pilldrops.server import scheduler
+from pilldrops.server.service import isolation
 from pilldrops.server.service.pools import PoolService, shape
 from pilldrops.server.store.interface import Allocations, NodeRecord
 
@@ -36,7 +37,8 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
     """The scheduler's view of each node, and the ids of nodes with a ready pool member to claim (only
     when ``claims``: a create, whose request is of a pooled shape)."""
     want = shape(req.template, req.vcpu, req.memory_mb)
-    pooled = claims and any(shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
+    pooled = claims and req.isolation == "container" and any(     # warm pools hold containers
+        shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
     out, warm = [], set()
     for n in nodes:
         names = _templates(n)
@@ -50,7 +52,7 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
             id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
             used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
             ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-            templates=names))
+            templates=names, **isolation.view_fields(getattr(n, "isolation", None))))
     return out, warm
 
 
