@@ -57,12 +57,6 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks() -> None:
-    """Shadows tests/contract/conftest.py's runtime leak check (and with it its ``case`` parametrisation
-    over every runtime): these tests start no runtime of their own (the stack runs the FakeRuntime)."""
-
-
-@pytest.fixture(autouse=True)
 def _isolated_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for var in ("PILLDROPS_API_URL", "PILLDROPS_API_KEY", "E2B_API_KEY"):
         monkeypatch.delenv(var, raising=False)
