@@ -3,7 +3,6 @@ line and before any slow set-up."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir
+from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir, release_data_dir
 
 
 def test_a_busy_port_is_one_clear_error() -> None:
@@ -33,11 +32,13 @@ def test_one_process_per_role_and_data_dir(tmp_path: Path) -> None:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(DataDirInUse, match=rf"another PillDrops node \(pid {holder.pid}\) is using the data dir"):
             lock_data_dir(tmp_path, "node")
-        os.close(lock_data_dir(tmp_path, "control-plane"))     # another role on the same dir is fine
+        fd = lock_data_dir(tmp_path, "control-plane")          # another role on the same dir is fine
+        assert lock_data_dir(tmp_path, "control-plane") == fd  # and this process may ask again
+        release_data_dir(fd)
     finally:
         holder.kill()
         holder.wait()
-    os.close(lock_data_dir(tmp_path, "node"))                   # a killed holder releases it
+    release_data_dir(lock_data_dir(tmp_path, "node"))            # a killed holder releases it
 
 
 def test_up_refuses_a_busy_port_before_building_anything(tmp_path: Path) -> None:

@@ -33,6 +33,9 @@ def check_port(host: str, port: int, option: str = "--port") -> None:
             raise
 
 
+_LOCKS: dict[Path, int] = {}
+
+
 class DataDirInUse(RuntimeError):
     """Another PillDrops process of the same role holds the data dir."""
 
@@ -42,7 +45,9 @@ def lock_data_dir(data_dir: Path, role: str) -> int:
     control planes, or two node agents, on one data dir would share a database and sandbox state and tear
     down each other's sandboxes. Returns the lock's fd (keep it open)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / f"{role}.lock"
+    path = (data_dir / f"{role}.lock").resolve()
+    if path in _LOCKS:                       # this process holds it already (a second command in-process)
+        return _LOCKS[path]
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -53,7 +58,16 @@ def lock_data_dir(data_dir: Path, role: str) -> int:
                            f"or give this one its own --data-dir") from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
+    _LOCKS[path] = fd
     return fd
+
+
+def release_data_dir(fd: int) -> None:
+    """Give a data-dir lock back before the process exits (tests)."""
+    for path, held in list(_LOCKS.items()):
+        if held == fd:
+            del _LOCKS[path]
+    os.close(fd)
 
 
 class Served:
