@@ -26,6 +26,7 @@ from pilldrops.e2b.context import STATE_KEY, SandboxRef
 
 log = logging.getLogger("pilldrops.e2b")
 PORT = 49999
+TEMPLATE = "code-interpreter"
 SERVER_PATH = "/opt/pilldrops/code_interpreter_server.py"
 SERVER_LOG = "/var/log/pilldrops-code-interpreter.log"
 MAX_REQUEST = 16 * 1024 * 1024

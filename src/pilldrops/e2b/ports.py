@@ -34,12 +34,17 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_WS_MESSAGE = 16 * 1024 * 1024
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length"}
+OWN_ANSWER = {"date", "server"}     # the control plane's server sets its own
 # ours, never passed into a sandbox
 PRIVATE = {"e2b-sandbox-id", "e2b-sandbox-port", "x-access-token", "e2b-traffic-access-token", "x-api-key"}
 
 
 class PortClosed(Exception):
     """Nothing listens on that port inside the sandbox."""
+
+
+class SandboxGone(errors.SandboxNotFound):
+    """The node no longer runs the sandbox (killed or ended a moment ago)."""
 
 
 class Tunnel:
@@ -86,7 +91,7 @@ async def open_tunnel(ref: SandboxRef, port: int) -> AsyncIterator[Tunnel]:
             if code == CLOSE_REFUSED:
                 raise PortClosed(f"nothing listens on port {port} in the sandbox") from exc
             reason = exc.rcvd.reason if exc.rcvd else ""
-            raise errors.SandboxNotFound(f"port {port} is unreachable: {reason or code}") from exc
+            raise SandboxGone(f"port {port} is unreachable: {reason or code}") from exc
         if first != READY:
             raise errors.NodeUnavailable("the node's port tunnel spoke an unknown protocol")
         yield Tunnel(ws)
@@ -151,7 +156,9 @@ async def request_stream(tunnel: Tunnel, port: int, method: str, target: bytes,
             elif isinstance(e, (h11.EndOfMessage, h11.ConnectionClosed)):
                 return
 
-    return ev.status_code, [(k, v) for k, v in ev.headers if k.decode().lower() not in HOP_BY_HOP], body_iter()
+    drop = (HOP_BY_HOP - {"content-length"}) | OWN_ANSWER      # the body is relayed exactly: its length holds
+    keep = [(k, v) for k, v in ev.headers if k.decode("latin-1").lower() not in drop]
+    return ev.status_code, keep, body_iter()
 
 
 async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
@@ -188,6 +195,9 @@ async def relay(ref: SandboxRef, port: int, scope: Scope, receive: Receive, send
             await send({"type": "http.response.body", "body": b""})
     except PortClosed:
         await _port_closed(scope, send, port, ref)
+    except SandboxGone:
+        from pilldrops.e2b.routing import gone_body, send_json
+        await send_json(send, 502, gone_body(ref.e2b_id))
     except errors.PillDropsError as exc:
         from pilldrops.e2b.routing import gone_body, send_json
         await send_json(send, 502, gone_body(ref.e2b_id, f"The sandbox is running but unreachable: {exc.message}"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -82,9 +83,10 @@ def _aware(t: datetime | None) -> datetime | None:
 
 
 class E2BApi:
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, on_created: Callable[[Sandbox], None] | None = None) -> None:
         self.s = services
         self.sbx = services.sandboxes
+        self.on_created = on_created
 
     # ---- plumbing ------------------------------------------------------------------------------------
 
@@ -176,7 +178,9 @@ class E2BApi:
             raise errors.InvalidRequest(f"invalid request: {'.'.join(map(str, first.get('loc', ())))}: "
                                         f"{first.get('msg', 'invalid')}") from exc
         key = request.headers.get("idempotency-key")
-        row, _ = await self.sbx.create(p.team_id, req, key[:256] if key else None)
+        row, created = await self.sbx.create(p.team_id, req, key[:256] if key else None)
+        if created and self.on_created is not None:
+            self.on_created(row)
         return JSONResponse(self.sandbox(row, asked), status_code=201)
 
     async def connect(self, request: Request, sandbox_id: str, *, legacy_resume: bool = False) -> Response:
@@ -264,11 +268,12 @@ class E2BApi:
                                   "for usage and cost")
 
 
-def create_rest_app(services: Services) -> FastAPI:
+def create_rest_app(services: Services, on_created: Callable[[Sandbox], None] | None = None) -> FastAPI:
+    """``on_created``: called (synchronously, must not block) with each sandbox made here."""
     app = FastAPI(title="PillDrops: E2B-compatible control plane", openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
-    api = E2BApi(services)
+    api = E2BApi(services, on_created)
 
     @app.exception_handler(errors.PillDropsError)
     async def _typed(_: Request, exc: errors.PillDropsError) -> JSONResponse:

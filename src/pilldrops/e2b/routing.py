@@ -14,10 +14,10 @@ A pure ASGI middleware: nothing is buffered, so streamed answers (Connect stream
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
-import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,7 +35,6 @@ ENVD_PORT = 49983
 CODE_INTERPRETER_PORT = 49999
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9_]{1,64})\.")
 _ID_RE = re.compile(r"^[a-z0-9_]{1,64}$")
-REF_CACHE_S = 2.0
 
 
 def sandbox_target(headers: dict[str, str]) -> tuple[str, int] | None:
@@ -81,10 +80,27 @@ class E2BRouting:
     def __init__(self, app: ASGIApp, services: Services) -> None:
         self.app = app
         self.services = services
-        self.rest = create_rest_app(services)
+        self.rest = create_rest_app(services, on_created=self._created)
         self.envd = _load_envd(services)
         self.code_interpreter = code_interpreter.CodeInterpreter()
-        self._refs: dict[str, tuple[float, SandboxRef]] = {}
+        self._warming: set[asyncio.Task[None]] = set()
+
+    def _created(self, row: Any) -> None:
+        """A code-interpreter sandbox made through E2B: its kernel starts now, in the background, so the
+        first ``run_code`` (which waits for it if needed) does not pay the whole start."""
+        if row.template != code_interpreter.TEMPLATE or len(self._warming) > 256:
+            return
+        task = asyncio.get_running_loop().create_task(self._warm(row.id))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, sandbox_id: str) -> None:
+        try:
+            ref = await self.resolve(sandbox_id)
+            if ref is not None:
+                await self.code_interpreter.start(ref)
+        except Exception as exc:  # noqa: BLE001 - the first run_code tries again and reports it
+            log.info("warming the code interpreter of %s failed: %r", sandbox_id, exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -122,25 +138,17 @@ class E2BRouting:
             await ports.relay(ref, port, scope, receive, send)
 
     async def resolve(self, e2b_id: str) -> SandboxRef | None:
-        """The running sandbox behind an id (cached for a moment: every envd call resolves), else None."""
-        sandbox_id = from_e2b_id(e2b_id)
-        hit = self._refs.get(sandbox_id)
-        now = time.monotonic()
-        if hit is not None and now - hit[0] < REF_CACHE_S:
-            return hit[1]
+        """The running sandbox behind an id, else None. Read from the store on every request (one lookup
+        by primary key): a sandbox killed a moment ago must already answer "not found" (``is_running``)."""
         sbx = self.services.sandboxes
-        row = await sbx.store.get_sandbox(sandbox_id)
+        row = await sbx.store.get_sandbox(from_e2b_id(e2b_id))
         if row is None or row.state != "running":
-            self._refs.pop(sandbox_id, None)
             return None
         node = await sbx.node_for(row)
         ref = SandboxRef(id=row.id, e2b_id=to_e2b_id(row.id), team_id=row.team_id, template=row.template,
                          access_token=row.access_token, envs=dict(row.envs or {}), workdir=None,
                          node=NodeLink(url=node.url, sandbox_id=row.id, access_token=row.access_token,
                                        http=sbx.nodes.http))
-        if len(self._refs) > 10_000:
-            self._refs.clear()
-        self._refs[sandbox_id] = (now, ref)
         return ref
 
 
