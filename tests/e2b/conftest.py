@@ -1,0 +1,177 @@
+"""A real PillDrops for the E2B-compatibility tests: `pilldrops up` as a subprocess on free ports with its own
+data dir, config dir and node name, the real crun runtime and the Debian templates `base` and
+`code-interpreter` (built on first start, a minute or two; `PILLDROPS_E2B_TEMPLATES_FROM=<data dir>` copies
+already built ones in). The stock E2B clients are the drivers: they get only the three environment
+variables a user would set. Every test is leak-checked; the session ends with SIGINT and checks that
+stopping `up` tore everything down.
+
+Fixtures for the envd tests (another module's) live in ``envd_fixtures.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def _import_stock_clients() -> None:
+    """This directory is called ``e2b`` too: with ``tests/`` on ``sys.path`` (other tiers' conftests put it
+    there) ``import e2b`` would find it. The real packages are imported first, without that entry, and
+    stay in ``sys.modules``."""
+    tests_dir = str(Path(__file__).resolve().parent.parent)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != tests_dir]
+    try:
+        import e2b  # noqa: F401
+        import e2b_code_interpreter  # noqa: F401
+    finally:
+        sys.path[:] = saved
+
+
+_import_stock_clients()
+
+from tests import leakcheck  # noqa: E402
+from tests.e2e.fleet import clean_env, free_port  # noqa: E402
+
+NAME = f"e2b{os.getpid()}"
+MATCH = f"pilldrops-{NAME}"
+TEMPLATES = "base,code-interpreter"
+
+
+@dataclass
+class Up:
+    api_url: str
+    api_key: str
+    data_dir: Path
+    config_home: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def crun_root(self) -> Path:
+        return self.data_dir / "node" / "crun"
+
+    def snapshot(self) -> dict[str, object]:
+        return leakcheck.snapshot([self.crun_root], match=MATCH)
+
+    @property
+    def e2b_env(self) -> dict[str, str]:
+        """The three lines of the README's "Coming from E2B"."""
+        return {"E2B_API_URL": self.api_url, "E2B_SANDBOX_URL": self.api_url, "E2B_API_KEY": self.api_key}
+
+
+def _why_not_runnable() -> str | None:
+    if os.geteuid() != 0:
+        return "the E2B tests run a real `pilldrops up`, which needs root (mounts, cgroups, crun)"
+    if not shutil.which("crun"):
+        return "crun is not installed (run scripts/install-system-deps)"
+    return None
+
+
+def _seed_templates(data_dir: Path) -> None:
+    src = os.environ.get("PILLDROPS_E2B_TEMPLATES_FROM")
+    if src and (Path(src) / "templates").is_dir():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cp", "-a", "--reflink=auto", str(Path(src) / "templates"), str(data_dir / "templates")],
+                       check=True)
+
+
+@pytest.fixture(scope="session")
+def pd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    why = _why_not_runnable()
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp(MATCH, numbered=False)
+    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
+    _seed_templates(data_dir)
+    before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
+    port, node_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+         "--data-dir", str(data_dir), "--templates", TEMPLATES, "--node-name", NAME],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=clean_env(config_home, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900         # first start builds two Debian templates
+    while "is up at" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
+    up = Up(url, key, data_dir, config_home, proc, log)
+    # one warm-up sandbox: the node's cgroup parent exists before the first per-test snapshot
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        sid = c.post("/v1/sandboxes", json={"template": "base"}).raise_for_status().json()["id"]
+        c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+    try:
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
+        leakcheck.assert_no_leaks(before, settle=5)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that uses the server leaves no container, mount, cgroup or process behind."""
+    if "pd_up" not in request.fixturenames:
+        yield
+        return
+    up: Up = request.getfixturevalue("pd_up")
+    before = up.snapshot()
+    yield
+    leakcheck.assert_no_leaks(before, settle=5)
+
+
+@pytest.fixture
+def e2b_env(pd_up: Up, monkeypatch: pytest.MonkeyPatch) -> Up:
+    """The stock clients configured exactly as the README tells E2B users to: three variables."""
+    for k in [k for k in os.environ if k.startswith(("E2B_", "PILLDROPS_"))]:
+        monkeypatch.delenv(k)
+    for k, v in pd_up.e2b_env.items():
+        monkeypatch.setenv(k, v)
+    return pd_up
+
+
+@pytest.fixture
+def api(pd_up: Up) -> Iterator[httpx.Client]:
+    """Our own REST API (to check what E2B calls did, e.g. history)."""
+    with httpx.Client(base_url=pd_up.api_url, headers={"Authorization": f"Bearer {pd_up.api_key}"},
+                      timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def e2b_http(pd_up: Up) -> Iterator[httpx.Client]:
+    """Raw HTTP with an E2B client's auth header, for wire-level checks."""
+    with httpx.Client(base_url=pd_up.api_url, headers={"X-API-Key": pd_up.api_key}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def e2b_sandbox(e2b_env: Up) -> Iterator[object]:
+    """A stock ``e2b.Sandbox`` on template ``base``, killed afterwards."""
+    from e2b import Sandbox
+    sb = Sandbox.create()
+    try:
+        yield sb
+    finally:
+        sb.kill()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
