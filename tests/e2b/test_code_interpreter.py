@@ -113,12 +113,9 @@ def test_interrupted_client_keeps_kernel(e2b_env: Up) -> None:
         with pytest.raises(Exception):
             sb.run_code("import time\ntime.sleep(60)", timeout=2)
         assert time.monotonic() - t < 30
-        deadline = time.monotonic() + 20
-        while True:              # the interrupt lands once the server notices the closed connection
-            ex = sb.run_code("kept")
-            if ex.text == "'yes'" or time.monotonic() > deadline:
-                break
-        assert ex.text == "'yes'"
+        t = time.monotonic()
+        ex = sb.run_code("kept")          # waits for the interrupted cell: not for its whole minute
+        assert ex.text == "'yes'" and time.monotonic() - t < 20
 
 
 # ---- unit: what the sandbox sends is bounded and validated -------------------------------------------

@@ -105,12 +105,23 @@ class CodeInterpreter:
         except errors.PayloadTooLarge as exc:
             await _send(send, 413, exc.message.encode())
             return
-        try:
-            await self._relay(ref, scope, send, path, method, body, headers)
-        except errors.PillDropsError as exc:
+        failure: errors.PillDropsError | None = None
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:       # the client went away: the tunnel closes, the kernel stops
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await self._relay(ref, scope, send, path, method, body, headers)
+            except errors.PillDropsError as exc:
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
             # 502 is what the SDKs read as "sandbox timeout"; a template without a kernel is a plain 400
-            status = 400 if isinstance(exc, errors.InvalidRequest) else 502
-            await _send(send, status, exc.message.encode())
+            status = 400 if isinstance(failure, errors.InvalidRequest) else 502
+            await _send(send, status, failure.message.encode())
 
     @staticmethod
     async def _read(receive: Receive) -> bytes:

@@ -19,6 +19,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import queue
+import select
+import socket
 import sys
 import threading
 import uuid
@@ -77,13 +80,13 @@ class Context:
                     and msg["content"].get("execution_state") == "idle":
                 return
 
-    def execute(self, code: str, env_vars: dict | None, emit) -> None:
+    def execute(self, code: str, env_vars: dict | None, emit, client_gone=lambda: False) -> None:
         with self.lock:
             if env_vars:
                 self._silent("import os as __pd_os\n__pd_saved = {k: __pd_os.environ.get(k) for k in %r}\n"
                              "__pd_os.environ.update(%r)" % (list(env_vars), env_vars))
             try:
-                self._run(code, emit)
+                self._run(code, emit, client_gone)
             finally:
                 if env_vars:
                     self._silent("for __k, __v in __pd_saved.items():\n"
@@ -91,7 +94,7 @@ class Context:
                                  "else __pd_os.environ.__setitem__(__k, __v))\n"
                                  "del __pd_saved")
 
-    def _run(self, code: str, emit) -> None:
+    def _run(self, code: str, emit, client_gone=lambda: False) -> None:
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
         gone = False
 
@@ -106,7 +109,13 @@ class Context:
                 self.km.interrupt_kernel()      # nobody reads: stop the code, keep the kernel's state
 
         while True:
-            msg = self.kc.get_iopub_msg(timeout=None)
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.5)
+            except queue.Empty:
+                if not gone and client_gone():
+                    gone = True
+                    self.km.interrupt_kernel()
+                continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, c = msg["msg_type"], msg["content"]
@@ -273,7 +282,16 @@ class Handler(BaseHTTPRequestHandler):
             except OSError as e:
                 raise ClientGone() from e
 
-        ctx.execute(code, env_vars, emit)
+        def client_gone() -> bool:
+            """The request was read whole, so a readable socket with nothing to read is the peer's close."""
+            try:
+                if not select.select([self.connection], [], [], 0)[0]:
+                    return False
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        ctx.execute(code, env_vars, emit, client_gone)
 
 
 def main() -> None:
