@@ -70,6 +70,15 @@ class Up:
         return {"E2B_API_URL": self.api_url, "E2B_SANDBOX_URL": self.api_url, "E2B_API_KEY": self.api_key}
 
 
+def envd_available() -> bool:
+    """envd (``pilldrops.e2b.envd``) is built by another branch; the tests that need it skip without it."""
+    try:
+        import pilldrops.e2b.envd.app  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _why_not_runnable() -> str | None:
     if os.geteuid() != 0:
         return "the E2B tests run a real `pilldrops up`, which needs root (mounts, cgroups, crun)"
