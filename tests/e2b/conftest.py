@@ -40,8 +40,8 @@ def _import_stock_clients() -> None:
 
 _import_stock_clients()
 
-from tests import leakcheck  # noqa: E402
-from tests.e2e.fleet import clean_env, free_port  # noqa: E402
+from tests import leakcheck
+from tests.e2e.fleet import clean_env, free_port
 
 NAME = f"e2b{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"

@@ -168,10 +168,23 @@ def test_history_shows_e2b_sandboxes_with_cost(e2b_env: Up) -> None:
     time.sleep(1.5)
     sb.kill()
     out = subprocess.run([sys.executable, "-m", "pilldrops", "history", "--json", "-m", "run=history"],
-                         capture_output=True, text=True, timeout=60,
+                         capture_output=True, text=True, timeout=60, check=False,
                          env={"PATH": "/usr/bin:/bin", "XDG_CONFIG_HOME": str(e2b_env.config_home)})
     assert out.returncode == 0, out.stderr
     records = json.loads(out.stdout)
     rec = next(r for r in records if r["id"].replace("_", "", 1) == sb.sandbox_id)
     assert rec["template"] == "base" and rec["end_reason"] == "killed" and rec["metadata"] == {"run": "history"}
     assert rec["vcpu_s"] >= 1.0 and rec["cost_usd"] > 0
+
+
+def test_hex_key_for_old_sdks(pd_up: Up) -> None:
+    """Python e2b 2.25 to 2.45 accept only ``e2b_<hex>`` keys: the hex of a PillDrops key works as that key."""
+    from pilldrops.e2b.rest import decode_key, encode_key
+    hexed = encode_key(pd_up.api_key)
+    assert hexed.startswith("e2b_") and all(c in "0123456789abcdef" for c in hexed[4:])
+    assert decode_key(hexed) == pd_up.api_key and decode_key("e2b_zz") == "e2b_zz"
+    assert decode_key("e2b_" + b"not-a-pd-key".hex()) == "e2b_" + b"not-a-pd-key".hex()
+    ok = httpx.get(f"{pd_up.api_url}/v2/sandboxes", headers={"X-API-Key": hexed})
+    assert ok.status_code == 200
+    bad = httpx.get(f"{pd_up.api_url}/v2/sandboxes", headers={"X-API-Key": encode_key("pd_wrong")})
+    assert bad.status_code == 401

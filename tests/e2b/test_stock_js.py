@@ -22,7 +22,7 @@ def _why_no_node() -> str | None:
     node = shutil.which("node")
     if node is None:
         return "node is not installed (scripts/install-node)"
-    major = int(subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
+    major = int(subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout.strip()
                 .lstrip("v").split(".")[0] or 0)
     if major < 20:
         return f"npm e2b 2.51 needs node >= 20.18 (found v{major})"
@@ -36,7 +36,7 @@ def drive(up: Up, mode: str) -> dict:
     if why:
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "PILLDROPS_"))}
-    r = subprocess.run(["node", str(JS / "driver.mjs"), mode], capture_output=True, text=True, timeout=180,
+    r = subprocess.run(["node", str(JS / "driver.mjs"), mode], capture_output=True, text=True, timeout=180, check=False,
                        env={**env, **up.e2b_env}, cwd=JS)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -65,7 +65,7 @@ def test_pause_resume_keeps_files_and_processes(e2b_env: Up) -> None:
         sb.files.write("/root/state.txt", "kept")
         try:
             sb.pause()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if "not supported" in str(exc):
                 pytest.skip(f"checkpoints are not supported here: {exc}")
             raise

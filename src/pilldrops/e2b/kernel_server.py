@@ -36,7 +36,7 @@ MAX_BODY = 64 * 1024 * 1024
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 class ClientGone(Exception):
@@ -199,7 +199,7 @@ class Handler(BaseHTTPRequestHandler):
             raise ValueError("the body must be a JSON object")
         return data
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         if self.path == "/health":
             self._text(200, "OK")
         elif self.path.split("?")[0] == "/contexts":
@@ -208,7 +208,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._text(404, "not found")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         parts = self.path.strip("/").split("/")
         if len(parts) == 2 and parts[0] == "contexts":
             with STATE.lock:
@@ -221,7 +221,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._text(404, "not found")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         try:
             body = self._body()
         except ValueError as e:

@@ -16,8 +16,8 @@ Mapping:
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -58,8 +58,8 @@ def _ts(t: datetime | None) -> str | None:
     if t is None:
         return None
     if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
-    return t.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        t = t.replace(tzinfo=UTC)
+    return t.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def e2b_error(exc: errors.PillDropsError, status: int | None = None) -> JSONResponse:
@@ -74,12 +74,30 @@ def e2b_error(exc: errors.PillDropsError, status: int | None = None) -> JSONResp
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def encode_key(key: str) -> str:
+    """A PillDrops key in the form E2B SDKs 2.25 to 2.45 insist on (``e2b_`` + lowercase hex)."""
+    return "e2b_" + key.encode().hex()
+
+
+def decode_key(key: str) -> str:
+    """``e2b_<hex of a PillDrops key>`` -> that key; anything else as it is."""
+    rest = key[4:]
+    if key.startswith("e2b_") and rest and len(rest) % 2 == 0 and len(rest) <= 512:
+        try:
+            decoded = bytes.fromhex(rest).decode()
+        except ValueError:
+            return key
+        if decoded.startswith("pd_"):
+            return decoded
+    return key
+
+
 def e2b_template(name: str) -> str:
     return TEMPLATE_ALIASES.get(name, name)
 
 
 def _aware(t: datetime | None) -> datetime | None:
-    return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
+    return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
 class E2BApi:
@@ -96,7 +114,7 @@ class E2BApi:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         try:
-            return await self.s.auth.authenticate(key)
+            return await self.s.auth.authenticate(decode_key(key) if key else key)
         except errors.AuthenticationError as exc:
             raise errors.AuthenticationError("Invalid API key") from exc
 
