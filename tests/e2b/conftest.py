@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -40,26 +38,17 @@ def _import_stock_clients() -> None:
 
 _import_stock_clients()
 
-from tests import leakcheck
-from tests.e2e.fleet import clean_env, free_port
+from tests import leakcheck  # noqa: E402
+from tests.e2e.conftest import Server, stop_up  # noqa: E402
+from tests.e2e.fleet import clean_env, free_port  # noqa: E402
 
 NAME = f"e2b{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
 TEMPLATES = "base,code-interpreter"
 
 
-@dataclass
-class Up:
-    api_url: str
-    api_key: str
-    data_dir: Path
-    config_home: Path
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def crun_root(self) -> Path:
-        return self.data_dir / "node" / "crun"
+class Up(Server):
+    """tests/e2e's server record, with this session's leak-check scope."""
 
     def snapshot(self) -> dict[str, object]:
         return leakcheck.snapshot([self.crun_root], match=MATCH)
@@ -126,9 +115,7 @@ def pd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     try:
         yield up
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        code = stop_up(proc)
         assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
         leakcheck.assert_no_leaks(before, settle=5)
 

@@ -3,14 +3,16 @@ was resolved to, and a link to its node's data plane."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pilldrops import errors
+
+if TYPE_CHECKING:
+    from pilldrops.server.nodes.client import NodeClient
 
 ENVD_VERSION = "0.5.7"
 ID_PREFIX = "sb_"
@@ -37,7 +39,11 @@ class NodeLink:
     url: str
     sandbox_id: str
     access_token: str
-    http: httpx.AsyncClient = field(repr=False)
+    client: NodeClient = field(repr=False)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return self.client.http
 
     def _url(self, path: str) -> str:
         return f"{self.url}/v1/sandboxes/{self.sandbox_id}{path}"
@@ -54,19 +60,11 @@ class NodeLink:
         except httpx.HTTPError as exc:
             raise errors.NodeUnavailable(f"node at {self.url} did not answer: {exc!r}") from exc
 
-    @asynccontextmanager
-    async def stream(self, method: str, path: str, *, params: Any = None, headers: dict[str, str] | None = None,
-                     content: Any = None, timeout: float | None = None) -> AsyncIterator[httpx.Response]:
-        req = self.http.build_request(method, self._url(path), params=params, headers=self._headers(headers),
-                                      content=content, timeout=httpx.Timeout(timeout, connect=5.0, pool=30.0))
-        try:
-            resp = await self.http.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            raise errors.NodeUnavailable(f"node at {self.url} did not answer: {exc!r}") from exc
-        try:
-            yield resp
-        finally:
-            await resp.aclose()
+    def stream(self, method: str, path: str, *, params: Any = None, headers: dict[str, str] | None = None,
+               content: Any = None) -> AbstractAsyncContextManager[httpx.Response]:
+        """The answer not yet read (no overall timeout: streams last as long as they need)."""
+        return self.client.proxy(method, self._url(path), headers=self._headers(headers), params=params,
+                                 body=content)
 
 
 @dataclass(frozen=True)

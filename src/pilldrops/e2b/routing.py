@@ -148,7 +148,7 @@ class E2BRouting:
         ref = SandboxRef(id=row.id, e2b_id=to_e2b_id(row.id), team_id=row.team_id, template=row.template,
                          access_token=row.access_token, envs=dict(row.envs or {}), workdir=None,
                          node=NodeLink(url=node.url, sandbox_id=row.id, access_token=row.access_token,
-                                       http=sbx.nodes.http))
+                                       client=sbx.nodes))
         return ref
 
 
