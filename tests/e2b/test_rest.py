@@ -36,6 +36,7 @@ def test_lifecycle_sync(e2b_env: Up) -> None:
         assert (same.get_info().end_at - info.started_at).total_seconds() > 500
     finally:
         assert sb.kill() is True
+    assert sb.is_running() is False                              # envd's /health: 502 "not found", at once
     assert Sandbox.kill(sb.sandbox_id) is False                  # already gone: False, as on E2B
     from e2b.exceptions import NotFoundException
     with pytest.raises(NotFoundException):
@@ -188,3 +189,25 @@ def test_hex_key_for_old_sdks(pd_up: Up) -> None:
     assert ok.status_code == 200
     bad = httpx.get(f"{pd_up.api_url}/v2/sandboxes", headers={"X-API-Key": encode_key("pd_wrong")})
     assert bad.status_code == 401
+
+
+def test_sandbox_timeout_ends_it(e2b_env: Up) -> None:
+    """The E2B ``timeout`` is the sandbox's life: past it the node ends it, E2B calls say "not found", and
+    history records ``timeout``."""
+    from e2b import Sandbox
+    from e2b.exceptions import NotFoundException
+    sb = Sandbox.create(timeout=2, metadata={"run": "expire"})
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sb.get_info()
+        except NotFoundException:
+            break
+        assert time.monotonic() < deadline, "the sandbox outlived its timeout by 28 s"
+        time.sleep(0.5)
+    assert sb.is_running() is False
+    out = subprocess.run([sys.executable, "-m", "pilldrops", "history", "--json", "-m", "run=expire"],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={"PATH": "/usr/bin:/bin", "XDG_CONFIG_HOME": str(e2b_env.config_home)})
+    rec = json.loads(out.stdout)[0]
+    assert rec["end_reason"] == "timeout" and 1.5 <= rec["vcpu_s"] <= 6
