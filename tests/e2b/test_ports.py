@@ -128,3 +128,4 @@ def test_websocket(served: dict[str, str], pd_up: Up) -> None:
     with pytest.raises(InvalidStatus):    # nothing listens there: the handshake is refused
         ws_connect(f"{ws_url}/", additional_headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8766"},
                    open_timeout=10).close()
+
