@@ -50,8 +50,10 @@ TEMPLATES = "base,code-interpreter"
 class Up(Server):
     """tests/e2e's server record, with this session's leak-check scope."""
 
+    match = MATCH          # this session's leak-check scope (node name, cgroups, mounts)
+
     def snapshot(self) -> dict[str, object]:
-        return leakcheck.snapshot([self.crun_root], match=MATCH)
+        return leakcheck.snapshot([self.crun_root], match=self.match)
 
     @property
     def e2b_env(self) -> dict[str, str]:
