@@ -145,8 +145,10 @@ class E2BRouting:
         if row is None or row.state != "running":
             return None
         node = await sbx.node_for(row)
+        workdir = next((t.get("workdir") for t in node.templates or [] if isinstance(t, dict)
+                        and t.get("name") == row.template), None)
         ref = SandboxRef(id=row.id, e2b_id=to_e2b_id(row.id), team_id=row.team_id, template=row.template,
-                         access_token=row.access_token, envs=dict(row.envs or {}), workdir=None,
+                         access_token=row.access_token, envs=dict(row.envs or {}), workdir=workdir,
                          node=NodeLink(url=node.url, sandbox_id=row.id, access_token=row.access_token,
                                        client=sbx.nodes))
         return ref

@@ -543,7 +543,8 @@ class NodeAgent:
             cache[st.name] = t
             built = datetime.fromtimestamp(t.built_at, timezone.utc) if t.built_at else None
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
-                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built))
+                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
+                                      workdir=getattr(t, "workdir", None)))
         self._tpl_cache = cache
         return infos
 
