@@ -24,11 +24,10 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketExce
 
 from pilldrops import errors
 from pilldrops.e2b.context import SandboxRef
+from pilldrops.schema.node import PORT_TUNNEL_READY, PORT_TUNNEL_REFUSED
 
 log = logging.getLogger("pilldrops.e2b")
-CLOSE_REFUSED = 4502        # node.portforward's close codes
-CLOSE_GONE = 4404
-READY = "connected"
+CLOSE_REFUSED, READY = PORT_TUNNEL_REFUSED, PORT_TUNNEL_READY
 TUNNEL_MESSAGE_MAX = 1024 * 1024
 MAX_HEADER_BYTES = 64 * 1024
 MAX_WS_MESSAGE = 16 * 1024 * 1024

@@ -25,14 +25,13 @@ import anyio
 import anyio.abc
 
 from pilldrops import errors
+from pilldrops.schema.node import PORT_TUNNEL_GONE, PORT_TUNNEL_READY, PORT_TUNNEL_REFUSED
 
 CLONE_NEWNET = 0x40000000
 CHUNK = 64 * 1024
 CONNECT_TIMEOUT_S = 5.0
-# WebSocket close codes the control plane reads (4000-4999 are free for applications)
-CLOSE_REFUSED = 4502       # nothing listens on that port in the sandbox
-CLOSE_GONE = 4404          # the sandbox (or its init) is gone
-READY = "connected"        # the one text message, sent once the connection inside is made; then bytes only
+# what the control plane reads (schema: shared by both sides)
+CLOSE_REFUSED, CLOSE_GONE, READY = PORT_TUNNEL_REFUSED, PORT_TUNNEL_GONE, PORT_TUNNEL_READY
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
