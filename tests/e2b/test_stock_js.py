@@ -1,6 +1,6 @@
-"""The stock npm `e2b` client (tests/e2b/js, `e2b` 2.51.0 pinned by its lock) driven by node against a real
-`pilldrops up`, configured by the three environment variables only. `scripts/install-node` installs node
-and the package (`npm ci`); without them these tests skip and say why."""
+"""The stock npm `e2b` and `@e2b/code-interpreter` clients (tests/e2b/js: 2.51.0 and 2.8.0, pinned by its
+lock) driven by node against a real `pilldrops up`, configured by the three environment variables only.
+`scripts/install-node` installs node and the packages (`npm ci`); without them these tests skip and say why."""
 
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ def _why_no_node() -> str | None:
                 .lstrip("v").split(".")[0] or 0)
     if major < 20:
         return f"npm e2b 2.51 needs node >= 20.18 (found v{major})"
-    if not (JS / "node_modules" / "e2b").is_dir():
+    if not all((JS / "node_modules" / p).is_dir() for p in ("e2b", "@e2b/code-interpreter")):
         return "the npm e2b package is not installed (scripts/install-node runs `npm ci` in tests/e2b/js)"
     return None
 
 
-def drive(up: Up, mode: str) -> dict:
+def drive(up: Up, mode: str, script: str = "driver.mjs") -> dict:
     why = _why_no_node()
     if why:
         pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "PILLDROPS_"))}
-    r = subprocess.run(["node", str(JS / "driver.mjs"), mode], capture_output=True, text=True, timeout=180, check=False,
+    r = subprocess.run(["node", str(JS / script), mode], capture_output=True, text=True, timeout=180, check=False,
                        env={**env, **up.e2b_env}, cwd=JS)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -61,3 +61,12 @@ def test_js_commands_and_files(pd_up: Up) -> None:
     assert out["exists"] == [True, False] and out["readMissing"] == "FileNotFoundError"
     assert out["background"] == "bg\n" and out["running"] is True
     assert out["runAfterKill"] in ("SandboxNotFoundError", "TimeoutError", "SandboxError")
+
+
+def test_js_code_interpreter(pd_up: Up) -> None:
+    out = drive(pd_up, "", "driver-code-interpreter.mjs")
+    assert out["template"] == "code-interpreter" and out["killed"] is True
+    assert out["first"] == {"text": "42", "stdout": ["from js\n"], "streamed": ["from js\n"], "error": None}
+    assert out["state"] == "21"                                            # the kernel kept x
+    assert out["error"] == {"name": "ValueError", "value": "bad value", "hasTraceback": True}
+    assert out["context"] == {"language": "python", "cwd": "/tmp", "isolated": "NameError"}
