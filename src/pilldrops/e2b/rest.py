@@ -15,6 +15,7 @@ Mapping:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -127,7 +128,6 @@ class E2BApi:
                 raise errors.PayloadTooLarge(f"request body is larger than {MAX_BODY} bytes")
         if not raw.strip():
             return {}
-        import json
         try:
             data = json.loads(raw)
         except ValueError as exc:
