@@ -37,7 +37,7 @@ from pilldrops.server.domain.states import ENDED
 if TYPE_CHECKING:
     from pilldrops.server.api.app import Services
     from pilldrops.server.service.auth import Principal
-    from pilldrops.server.store.models import Sandbox
+    from pilldrops.server.store.interface import SandboxRecord as Sandbox
 
 log = logging.getLogger("pilldrops.e2b")
 S = SandboxState
