@@ -90,28 +90,70 @@ def _seed_templates(data_dir: Path) -> None:
         shutil.copy2(manifest, dst / "manifest.json")
 
 
+def _build_templates(request: pytest.FixtureRequest, data_dir: Path, config_home: Path, log: Path) -> None:
+    """The Debian templates take minutes on a fresh machine (CI): longer than pytest-timeout's per-test
+    limit, which counts this fixture's setup against the first test. The limit is paused for the build
+    (which has its own) and set again for the rest of that test."""
+    item = getattr(request, "_pyfuncitem", None)
+    hook = request.config.hook
+    paused = item is not None and hasattr(hook, "pytest_timeout_cancel_timer")
+    if paused:
+        hook.pytest_timeout_cancel_timer(item=item)
+    try:
+        with open(log, "ab") as out:
+            for name in TEMPLATES.split(","):
+                r = subprocess.run([sys.executable, "-m", "pilldrops", "template", "build", name, "--data-dir",
+                                    str(data_dir)], stdout=out, stderr=subprocess.STDOUT, timeout=1800,
+                                   env=clean_env(config_home), check=False)
+                if r.returncode != 0:
+                    raise RuntimeError(f"building template {name} failed:\n{log.read_text()[-3000:]}")
+    finally:
+        if paused:
+            try:
+                import pytest_timeout
+                settings = pytest_timeout._get_item_settings(item)  # noqa: SLF001 - no public getter
+                if settings.timeout:
+                    hook.pytest_timeout_set_timer(item=item, settings=settings)
+            except (ImportError, AttributeError):
+                pass
+
+
+def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`pilldrops up` on free ports; started again once if it exits at once (a port taken between
+    ``free_port`` and its bind by another process on this shared machine)."""
+    for attempt in range(2):
+        mark = len(log.read_text()) if log.exists() else 0
+        port, node_port = free_port(), free_port()
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+                 "--data-dir", str(data_dir), "--templates", TEMPLATES, "--node-name", NAME],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=clean_env(config_home, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + 120
+        while "is up at" not in log.read_text()[mark:]:
+            if proc.poll() is not None and attempt == 0 and "Address already in use" in log.read_text()[mark:]:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        else:
+            return proc, f"http://127.0.0.1:{port}"
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
-def pd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def pd_up(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Up]:
     why = _why_not_runnable()
     if why:
         pytest.skip(why)
     root = tmp_path_factory.mktemp(MATCH, numbered=False)
     data_dir, config_home, log = root / "data", root / "config", root / "up.log"
     _seed_templates(data_dir)
+    _build_templates(request, data_dir, config_home, log)
     before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
-    port, node_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
-         "--data-dir", str(data_dir), "--templates", TEMPLATES, "--node-name", NAME],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=clean_env(config_home, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900         # first start builds two Debian templates
-    while "is up at" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
+    proc, url = _start(data_dir, config_home, log)
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
     up = Up(url, key, data_dir, config_home, proc, log)
     # one warm-up sandbox: the node's cgroup parent exists before the first per-test snapshot

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import anyio
 import pytest
@@ -76,7 +75,7 @@ async def test_portforward_connects_inside_a_network_namespace() -> None:
     finally:
         proc.kill()
         proc.wait()
-    time.sleep(0.05)
+    await anyio.sleep(0.05)
     with pytest.raises(errors.SandboxNotFound):
         await portforward.connect(proc.pid, 18765)            # the process (and its namespace) is gone
 
