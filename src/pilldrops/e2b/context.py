@@ -3,16 +3,14 @@ was resolved to, and a link to its node's data plane."""
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from pilldrops import errors
-
-if TYPE_CHECKING:
-    from pilldrops.server.nodes.client import NodeClient
 
 ENVD_VERSION = "0.5.7"
 ID_PREFIX = "sb_"
@@ -39,11 +37,7 @@ class NodeLink:
     url: str
     sandbox_id: str
     access_token: str
-    client: NodeClient = field(repr=False)
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        return self.client.http
+    http: httpx.AsyncClient = field(repr=False)     # the control plane's pooled node client (node token set)
 
     def _url(self, path: str) -> str:
         return f"{self.url}/v1/sandboxes/{self.sandbox_id}{path}"
@@ -60,11 +54,20 @@ class NodeLink:
         except httpx.HTTPError as exc:
             raise errors.NodeUnavailable(f"node at {self.url} did not answer: {exc!r}") from exc
 
-    def stream(self, method: str, path: str, *, params: Any = None, headers: dict[str, str] | None = None,
-               content: Any = None) -> AbstractAsyncContextManager[httpx.Response]:
+    @asynccontextmanager
+    async def stream(self, method: str, path: str, *, params: Any = None, headers: dict[str, str] | None = None,
+                     content: Any = None) -> AsyncIterator[httpx.Response]:
         """The answer not yet read (no overall timeout: streams last as long as they need)."""
-        return self.client.proxy(method, self._url(path), headers=self._headers(headers), params=params,
-                                 body=content)
+        req = self.http.build_request(method, self._url(path), params=params, headers=self._headers(headers),
+                                      content=content, timeout=httpx.Timeout(None, connect=5.0, pool=30.0))
+        try:
+            resp = await self.http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"node at {self.url} did not answer: {exc!r}") from exc
+        try:
+            yield resp
+        finally:
+            await resp.aclose()
 
 
 @dataclass(frozen=True)

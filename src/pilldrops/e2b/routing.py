@@ -150,7 +150,7 @@ class E2BRouting:
         ref = SandboxRef(id=row.id, e2b_id=to_e2b_id(row.id), team_id=row.team_id, template=row.template,
                          access_token=row.access_token, envs=dict(row.envs or {}), workdir=workdir,
                          node=NodeLink(url=node.url, sandbox_id=row.id, access_token=row.access_token,
-                                       client=sbx.nodes))
+                                       http=sbx.nodes.http))
         return ref
 
 
