@@ -50,12 +50,15 @@ def test_not_ready_silent_and_draining_nodes_are_explained() -> None:
     nodes = [row("a", silent_s=60), row("b", state="unreachable"), row("c", draining=True), row("d", mem=256)]
     with pytest.raises(errors.CapacityUnavailable) as info:
         placement.for_create(Request("tiny", 1, 512), nodes, {}, [], NOW)
-    assert info.value.message == "0/4 nodes fit: 2 not ready, 1 draining, 1 insufficient memory"
-    assert info.value.details == {"reasons": {"not ready": 2, "draining": 1, "insufficient memory": 1}}
+    assert info.value.message == ("0/4 nodes fit: 2 not ready, 1 draining, 1 insufficient memory; node d offers "
+                                  "256 MiB with 0 MiB in use and this asks memory_mb=512 MiB; start the node with "
+                                  "`--capacity-memory-mb N` to offer more")
+    assert info.value.details["reasons"] == {"not ready": 2, "draining": 1, "insufficient memory": 1}
 
 
 def test_larger_than_any_node_and_unknown_template() -> None:
-    with pytest.raises(errors.InvalidRequest, match=r"larger than any node \(0/1 nodes fit"):
+    with pytest.raises(errors.InvalidRequest, match=r"larger than any node: memory_mb=9000 MiB is more than any "
+                                                    r"node offers \(largest: a, \d+ MiB\) \(0/1 nodes fit"):
         placement.for_create(Request("tiny", 1, 9000), [row("a")], {}, [], NOW)
-    with pytest.raises(errors.TemplateNotFound, match=r"'big' is not built on any node \(available: tiny\)"):
+    with pytest.raises(errors.TemplateNotFound, match=r"'big' is not built on any node; available: tiny"):
         placement.for_create(Request("big", 1, 512), [row("a")], {}, [], NOW)

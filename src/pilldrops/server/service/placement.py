@@ -13,6 +13,7 @@ no I/O, the pool config read beforehand.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -53,12 +54,53 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
     return out, warm
 
 
+# what a node offers is set where it starts: these are the flags that change it
+CAPACITY_FLAGS = {"vcpu": "--capacity-vcpu", "memory": "--capacity-memory-mb"}
+
+
 def _check_template(template: str, nodes: Sequence[NodeRecord]) -> None:
     if not any(template in _templates(n) for n in nodes):
         known = sorted({t.get("name") for n in nodes for t in n.templates})
+        close = difflib.get_close_matches(template, known, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise errors.TemplateNotFound(
-            f"template {template!r} is not built on any node (available: {', '.join(known) or 'none'}); "
-            f"build it with `pilldrops template build {template}`")
+            f"template {template!r} is not built on any node; {hint}available: {', '.join(known) or 'none'} "
+            f"(build it with `pilldrops template build {template}`)",
+            details={"template": template, "available": known, "did_you_mean": close[0] if close else None})
+
+
+def _capacity_notes(req: scheduler.Request, result: scheduler.Unschedulable,
+                    nodes: Sequence[NodeRecord], node_views: list[scheduler.NodeView]) -> list[str]:
+    """For each dimension that rejected nodes: the roomiest node's cap and current use, and the flag that
+    changes the cap (sandbox limits are caps, not reservations: offering more is safe while memory allows)."""
+    names = {n.id: n.name for n in nodes}
+    usable = [v for v in node_views if v.ready and not v.draining and req.template in v.templates] or node_views
+    notes = []
+    if "insufficient vcpu" in result.reasons:
+        v = max(usable, key=lambda n: n.capacity_vcpu - n.used_vcpu)
+        notes.append(f"node {names.get(v.id, v.id)} offers {v.capacity_vcpu:g} vCPU with {v.used_vcpu:g} in use "
+                     f"and this asks {req.vcpu:g}; vcpu is a cap, not a reservation: start the node with "
+                     f"`{CAPACITY_FLAGS['vcpu']} N` (pilldrops up / pilldrops node) to offer more")
+    if "insufficient memory" in result.reasons:
+        v = max(usable, key=lambda n: n.capacity_memory_mb - n.used_memory_mb)
+        notes.append(f"node {names.get(v.id, v.id)} offers {v.capacity_memory_mb} MiB with {v.used_memory_mb} "
+                     f"MiB in use and this asks memory_mb={req.memory_mb} MiB; start the node with "
+                     f"`{CAPACITY_FLAGS['memory']} N` to offer more")
+    return notes
+
+
+def _too_large(req: scheduler.Request, nodes: Sequence[NodeRecord]) -> str:
+    """Why a request can never fit: each dimension it exceeds, with its unit and the largest node's size."""
+    biggest_cpu = max(nodes, key=lambda n: n.capacity_vcpu)
+    biggest_mem = max(nodes, key=lambda n: n.capacity_memory_mb)
+    out = []
+    if req.vcpu > biggest_cpu.capacity_vcpu:
+        out.append(f"vcpu={req.vcpu:g} is more than any node offers (largest: {biggest_cpu.name}, "
+                   f"{biggest_cpu.capacity_vcpu:g} vCPU)")
+    if req.memory_mb > biggest_mem.capacity_memory_mb:
+        out.append(f"memory_mb={req.memory_mb} MiB is more than any node offers (largest: {biggest_mem.name}, "
+                   f"{biggest_mem.capacity_memory_mb} MiB)")
+    return "; ".join(out) or "larger than any node"
 
 
 def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: list[scheduler.NodeView],
@@ -66,9 +108,11 @@ def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: lis
     result = scheduler.place(req, node_views, [*scorers, scheduler.BEST_FIT])
     if isinstance(result, scheduler.Unschedulable):
         if result.never:
-            raise errors.InvalidRequest(f"request is larger than any node ({result.explain()})",
-                                        details={"reasons": result.reasons})
-        raise errors.CapacityUnavailable(result.explain(), details={"reasons": result.reasons})
+            raise errors.InvalidRequest(f"request is larger than any node: {_too_large(req, nodes)} "
+                                        f"({result.explain()})", details={"reasons": result.reasons})
+        notes = _capacity_notes(req, result, nodes, node_views)
+        raise errors.CapacityUnavailable("; ".join([result.explain(), *notes]),
+                                         details={"reasons": result.reasons, "notes": notes})
     return next(n for n in nodes if n.id == result.node_id)
 
 
