@@ -1062,6 +1062,8 @@ export interface components {
              * @default 0
              */
             size_bytes: number;
+            /** Workdir */
+            workdir?: string | null;
         };
         /** TemplateList */
         TemplateList: {
