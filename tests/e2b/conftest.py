@@ -1,8 +1,7 @@
 """A real PillDrops for the E2B-compatibility tests: `pilldrops up` as a subprocess on free ports with its own
 data dir, config dir and node name, the real crun runtime and the Debian templates `base` and
-`code-interpreter` (built on first start, a minute or two; `PILLDROPS_E2B_TEMPLATES_FROM=<data dir>` copies
-already built ones in). The stock E2B clients are the drivers: they get only the three environment
-variables a user would set. Every test is leak-checked; the session ends with SIGINT and checks that
+`code-interpreter` from the machine's template cache (built there once, minutes the first time). The stock
+E2B clients are the drivers: they get only the three environment variables a user would set. Every test is leak-checked; the session ends with SIGINT and checks that
 stopping `up` tore everything down.
 
 Fixtures for the envd tests (another module's) live in ``envd_fixtures.py``."""
@@ -41,6 +40,7 @@ _import_stock_clients()
 from tests import leakcheck  # noqa: E402
 from tests.e2e.conftest import Server, stop_up  # noqa: E402
 from tests.e2e.fleet import clean_env, free_port  # noqa: E402
+from tests.e2e.test_pause_e2e import seed_templates  # noqa: E402
 
 NAME = f"e2b{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
@@ -78,35 +78,18 @@ def _why_not_runnable() -> str | None:
     return None
 
 
-def _seed_templates(data_dir: Path) -> None:
-    """Built templates of another data dir, without copying them: their manifests name their (read-only)
-    layers by absolute path, so copying the manifests is enough."""
-    src = os.environ.get("PILLDROPS_E2B_TEMPLATES_FROM")
-    if not src or not (Path(src) / "templates").is_dir():
-        return
-    for manifest in (Path(src) / "templates").glob("*/*/manifest.json"):
-        dst = data_dir / "templates" / manifest.parent.parent.name / manifest.parent.name
-        dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(manifest, dst / "manifest.json")
-
-
-def _build_templates(request: pytest.FixtureRequest, data_dir: Path, config_home: Path, log: Path) -> None:
-    """The Debian templates take minutes on a fresh machine (CI): longer than pytest-timeout's per-test
-    limit, which counts this fixture's setup against the first test. The limit is paused for the build
-    (which has its own) and set again for the rest of that test."""
+def _seed_templates(request: pytest.FixtureRequest, data_dir: Path) -> None:
+    """The Debian templates from the machine's template cache (built there once if missing, as for the
+    other tiers that need them: ``tests.e2e.test_pause_e2e.seed_templates``). A first build takes minutes on a
+    fresh machine (CI): longer than pytest-timeout's per-test limit, which counts this fixture's setup against
+    the first test. The limit is paused for the build and set again for the rest of that test."""
     item = getattr(request, "_pyfuncitem", None)
     hook = request.config.hook
     paused = item is not None and hasattr(hook, "pytest_timeout_cancel_timer")
     if paused:
         hook.pytest_timeout_cancel_timer(item=item)
     try:
-        with open(log, "ab") as out:
-            for name in TEMPLATES.split(","):
-                r = subprocess.run([sys.executable, "-m", "pilldrops", "template", "build", name, "--data-dir",
-                                    str(data_dir)], stdout=out, stderr=subprocess.STDOUT, timeout=1800,
-                                   env=clean_env(config_home), check=False)
-                if r.returncode != 0:
-                    raise RuntimeError(f"building template {name} failed:\n{log.read_text()[-3000:]}")
+        seed_templates(data_dir, TEMPLATES.split(","))
     finally:
         if paused:
             try:
@@ -150,8 +133,7 @@ def pd_up(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         pytest.skip(why)
     root = tmp_path_factory.mktemp(MATCH, numbered=False)
     data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    _seed_templates(data_dir)
-    _build_templates(request, data_dir, config_home, log)
+    _seed_templates(request, data_dir)
     before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
     proc, url = _start(data_dir, config_home, log)
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
