@@ -1,8 +1,8 @@
 """A real PillDrops for the E2B-compatibility tests: `pilldrops up` as a subprocess on free ports with its own
 data dir, config dir and node name, the real crun runtime and the Debian templates `base` and
 `code-interpreter` from the machine's template cache (built there once, minutes the first time). The stock
-E2B clients are the drivers: they get only the three environment variables a user would set. Every test is leak-checked; the session ends with SIGINT and checks that
-stopping `up` tore everything down.
+E2B clients are the drivers: they get only the three environment variables a user would set. Every test
+is leak-checked; the session ends with SIGINT and checks that stopping `up` tore everything down.
 
 Fixtures for the envd tests (another module's) live in ``envd_fixtures.py``."""
 
@@ -114,15 +114,22 @@ def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Pop
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=clean_env(config_home, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 120
-        while "is up at" not in log.read_text()[mark:]:
-            if proc.poll() is not None and attempt == 0 and "Address already in use" in log.read_text()[mark:]:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
+        try:
+            while "is up at" not in log.read_text()[mark:]:
+                busy = "already in use" in log.read_text()[mark:]
+                if proc.poll() is not None and attempt == 0 and busy:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+            else:
+                return proc, f"http://127.0.0.1:{port}"
+        except BaseException:        # incl. pytest-timeout: never leave an `up` running behind a failed start
+            try:
+                stop_up(proc)              # SIGINT: it tears down whatever it had started
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        else:
-            return proc, f"http://127.0.0.1:{port}"
+            raise
     raise AssertionError("unreachable")
 
 
