@@ -1106,6 +1106,8 @@ export interface components {
              * @default 0
              */
             size_bytes: number;
+            /** Workdir */
+            workdir?: string | null;
         };
         /** TemplateList */
         TemplateList: {

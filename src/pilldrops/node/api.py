@@ -5,12 +5,13 @@ plane for SDKs (per-sandbox access token in ``X-Access-Token``, ``/v1/sandboxes/
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 
 from pilldrops import errors
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops._version import __version__
+from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
 from pilldrops.node.dataplane import DataPlane, Target
 from pilldrops.schema.api import FileInfo, RunRequest
@@ -120,6 +121,34 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     @data.get("/files/list")
     async def list_files(sandbox_id: str, path: Path_, x_access_token: Token = None) -> dict[str, list[FileInfo]]:
         return {"items": await plane.list_dir(target(sandbox_id, x_access_token), path)}
+
+    @data.websocket("/ports/{port}")
+    async def port_tunnel(sandbox_id: str, port: int, ws: WebSocket) -> None:
+        """A byte tunnel to 127.0.0.1:port inside the sandbox (``node.portforward``): node token and the
+        sandbox's access token, like every data-plane call that the control plane relays."""
+        if not same(bearer(ws) or "", node_token):     # type: ignore[arg-type]
+            await ws.close(code=1008)                     # before accept: an HTTP 403 to the client
+            return
+        await ws.accept()            # then every failure is a close code the control plane can read
+        try:
+            t = target(sandbox_id, ws.headers.get("x-access-token"))
+            if t.pausing or t.handle.pid is None:
+                raise errors.InvalidState(f"sandbox {sandbox_id} is being paused", current="pausing",
+                                          target="running")
+            stream = await portforward.connect(t.handle.pid, port)
+        except ConnectionRefusedError:
+            await ws.close(code=portforward.CLOSE_REFUSED, reason="connection refused")
+            return
+        except (errors.PillDropsError, OSError) as exc:
+            await ws.close(code=portforward.CLOSE_GONE, reason=str(exc)[:120])
+            return
+        tunnel = portforward.Tunnel()
+        t.active.add(tunnel)        # type: ignore[arg-type]
+        try:
+            await ws.send_text(portforward.READY)
+            await portforward.relay(ws, stream, tunnel)
+        finally:
+            t.active.discard(tunnel)    # type: ignore[arg-type]
 
     app.include_router(data)
     return app

@@ -39,7 +39,8 @@ class TemplateCache:
             built = datetime.fromtimestamp(t.built_at, UTC) if t.built_at else None
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
                                       layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
-                                      isolation=getattr(st, "isolation", None)))
+                                      isolation=getattr(st, "isolation", None),
+                                      workdir=getattr(t, "workdir", None)))
         self._cache = cache
         return infos
 

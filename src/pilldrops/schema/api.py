@@ -279,6 +279,7 @@ class TemplateInfo(_Response):
     size_bytes: int = 0
     built_at: datetime | None = None
     nodes: list[str] = Field(default_factory=list)
+    workdir: str | None = None          # where commands start (the spec's workdir)
     isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
 
 

@@ -127,3 +127,11 @@ class NodeEvent(_Model):
 
 NodeRegister.model_rebuild()
 NodeHeartbeat.model_rebuild()
+
+
+# The port tunnel (node data plane ``WS /v1/sandboxes/{id}/ports/{port}``, ``node.portforward``): once the
+# connection inside the sandbox is made the node sends this one text message, then only bytes; a failure is
+# a close with one of these codes.
+PORT_TUNNEL_READY = "connected"
+PORT_TUNNEL_REFUSED = 4502       # nothing listens on that port in the sandbox
+PORT_TUNNEL_GONE = 4404          # the sandbox (or its init) is gone

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from pilldrops import errors
 from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
+from pilldrops.e2b.routing import E2BRouting
 from pilldrops.schema.api import (
     BatchCreateRequest, BatchCreateResponse, CreateSandboxRequest, HistoryPage, KeyCreated, KeyCreateRequest, KeyInfo, NodeInfo, NodeList, PoolInfo, PoolList,
     PoolSetRequest, Rates, SandboxInfo, SandboxList, SandboxState, SetTimeoutRequest, TemplateList, UsageSummary,
@@ -77,6 +78,7 @@ def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="PillDrops control plane", version=VERSION,
                   description="Disposable sandboxes for RL rollouts. See docs/api.md.")
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
     install_error_handlers(app)
     app.state.services = services
 

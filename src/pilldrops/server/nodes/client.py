@@ -30,6 +30,11 @@ class NodeClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The pooled client, with the node token set (for data-plane relays: ``pilldrops.e2b``)."""
+        return self._http
+
     async def _call(self, method: str, url: str, **kw: Any) -> Any:
         try:
             resp = await self._http.request(method, url, **kw)
