@@ -32,6 +32,7 @@ from pilldrops._version import __version__
 from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.pools import WarmPools
+from pilldrops.node.processes import Processes
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
@@ -156,6 +157,7 @@ class NodeAgent:
         self._tg: anyio.abc.TaskGroup | None = None
         self.creating: set[str] = set()      # in flight: reported as starting, so never taken for lost
         self._wake_heartbeat = anyio.Event()
+        self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.pools = WarmPools(runtime, self._member_spec, self._has_template,
                                concurrency=settings.pool_concurrency, template_version=self._template_version)
 
@@ -170,6 +172,7 @@ class NodeAgent:
             tg.start_soon(self._monitor_loop)
             tg.start_soon(self._template_watch)
             tg.start_soon(self.pools.run)
+            tg.start_soon(self.processes.run)
             if self.settings.control_plane_url:
                 tg.start_soon(self._control_plane_loop)
             task_status.started()
