@@ -70,6 +70,14 @@ def _why_not_runnable() -> str | None:
     return None
 
 
+def _relocate(templates: Path) -> None:
+    """Manifests name their layers by absolute path: point the copies' at the copies."""
+    for manifest in templates.glob("*/*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        m["layers"] = [str(templates / p.split("/templates/", 1)[1]) for p in m["layers"]]
+        manifest.write_text(json.dumps(m))
+
+
 @pytest.fixture(scope="session")
 def envd_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
     why = _why_not_runnable()
@@ -82,6 +90,7 @@ def envd_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
         data_dir.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cp", "-a", "--reflink=auto", str(Path(src) / "templates"), str(data_dir / "templates")],
                        check=True)
+        _relocate(data_dir / "templates")
     before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
     port, node_port = free_port(), free_port()
     proc = subprocess.Popen(
@@ -98,7 +107,9 @@ def envd_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
     up = UpRef(f"http://127.0.0.1:{port}", key, data_dir / "node" / "crun", MATCH)
     with httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "base"}).raise_for_status().json()["id"]
+        r = c.post("/v1/sandboxes", json={"template": "base"})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
         c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
     try:
         yield up

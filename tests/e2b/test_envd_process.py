@@ -72,6 +72,7 @@ def test_timeout_kills_the_process(e2b_debug):  # type: ignore[no-untyped-def]
     assert not [p for p in sb.commands.list() if "sleep 30" in " ".join(p.args)]
 
 
+@pytest.mark.anyio
 async def test_async_client(envd, monkeypatch):  # type: ignore[no-untyped-def]
     for k in ("E2B_API_KEY", "E2B_API_URL"):
         monkeypatch.delenv(k, raising=False)
