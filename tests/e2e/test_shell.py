@@ -50,7 +50,7 @@ def test_shell_resize_ctrl_c_exit_code(server, box):  # type: ignore[no-untyped-
     assert child.exitstatus == 5
 
 
-def test_exec_it_and_background_logs(server, box):  # type: ignore[no-untyped-def]
+def test_exec_it_and_background_logs(server, box, api):  # type: ignore[no-untyped-def]
     child = cli(server, "sandbox", "exec", "-it", box, "--", "sh", "-c", "read x; echo got-$x; exit 3")
     time.sleep(1.0)
     child.sendline("hello")
@@ -72,6 +72,13 @@ def test_exec_it_and_background_logs(server, box):  # type: ignore[no-untyped-de
     logs.expect(pexpect.EOF)
     logs.close()
     assert logs.exitstatus == 0
+    # the control plane proxies the process routes (API key instead of the access token)
+    items = api.get(f"/v1/sandboxes/{box}/processes").raise_for_status().json()["items"]
+    assert [p["pid"] for p in items if p["running"]] == [int(pid)]
+    assert api.post(f"/v1/sandboxes/{box}/processes/{pid}/signal", json={"signal": "TERM"}).json() == {"delivered": True}
+    out = api.get(f"/v1/sandboxes/{box}/processes/{pid}/output").raise_for_status().json()
+    assert out["events"][0]["type"] in ("stdout", "stderr")
+    assert api.get(f"/v1/sandboxes/{box}/fs/stat", params={"path": "/"}).json()["type"] == "dir"
 
 
 def test_shell_unknown_sandbox_fails_cleanly(server):  # type: ignore[no-untyped-def]
