@@ -14,6 +14,7 @@ a real ``pilldrops up`` (the Debian ``base`` template, for the ``/bin/bash`` E2B
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -78,11 +79,32 @@ def _relocate(templates: Path) -> None:
         manifest.write_text(json.dumps(m))
 
 
+_shared: dict[str, Any] = {"up": None, "users": 0}
+
+
 @pytest.fixture(scope="session")
 def envd_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
+    """One ``up`` per test session even though every test module imports these fixtures (pytest then holds
+    one session fixture per module): the first starts it, the last one out stops it."""
     why = _why_not_runnable()
     if why:
         pytest.skip(why)
+    _shared["users"] += 1
+    try:
+        if _shared["up"] is None:
+            gen = _start_own_up(tmp_path_factory)
+            _shared["up"] = (next(gen), gen)
+        yield _shared["up"][0]
+    finally:
+        _shared["users"] -= 1
+        if _shared["users"] == 0 and _shared["up"] is not None:
+            gen = _shared["up"][1]
+            _shared["up"] = None
+            with contextlib.suppress(StopIteration):
+                next(gen)
+
+
+def _start_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
     root = tmp_path_factory.mktemp(MATCH, numbered=False)
     data_dir, config_home, log = root / "data", root / "config", root / "up.log"
     src = os.environ.get("PILLDROPS_E2B_TEMPLATES_FROM")

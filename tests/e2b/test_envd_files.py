@@ -43,9 +43,12 @@ def test_read_write_list_mkdir_rename_remove(e2b_debug):  # type: ignore[no-unty
         sb.files.read("/tmp/e2bt/missing")
     with pytest.raises(NotFoundException):
         sb.files.list("/tmp/e2bt/missing")
-    # relative paths resolve against the user's home; commands see the same file
+    # relative paths resolve against the default user's home, the sandbox's workdir: commands see the file
     sb.files.write("rel.txt", "home")
-    assert sb.commands.run("cat /root/rel.txt").stdout == "home"
+    assert sb.commands.run("cat rel.txt; echo; pwd; echo $HOME").stdout == "home\n/root\n/root\n"
+    assert sb.files.read("~/rel.txt") == "home"
+    sb.files.write("u.txt", "as user", user="user")          # another user: its own home
+    assert sb.commands.run("cat /home/user/u.txt").stdout == "as user"
     # binary, larger than one chunk, and a file-like upload (octet-stream)
     blob = bytes(range(256)) * 20_000
     sb.files.write("/tmp/e2bt/blob", blob)

@@ -123,11 +123,12 @@ async def test_multipart_bounds() -> None:
 
 
 def test_users_and_paths() -> None:
-    assert user_from_header(None) == "root"
+    assert user_from_header(None) is None
     assert user_from_header("Basic dXNlcjo=") == "user"           # "user:"
     with pytest.raises(ConnectError, match="invalid username"):
         user_from_header("Basic " + __import__("base64").b64encode(b"../x:").decode())
     assert resolve("", "root", "/work") == "/work"
+    assert resolve("a.txt", None, "/home/user") == "/home/user/a.txt" and resolve("~", None, "/w") == "/w"
     assert resolve("~", "user", "/w") == "/home/user" and resolve("~/a", "root", "/w") == "/root/a"
     assert resolve("a/../b", "user", "/w") == "/home/user/b" and resolve("/x//y/", "root", "/w") == "/x/y"
 

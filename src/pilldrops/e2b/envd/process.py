@@ -37,7 +37,7 @@ class Ctx:
     """One request: the sandbox (the router's ``SandboxRef``), the resolved user, the request's headers."""
 
     ref: Any
-    user: str
+    user: str | None                 # None: the default user
     headers: dict[str, str]
 
     @property
@@ -147,7 +147,8 @@ async def start(ctx: Ctx, req: pb.StartRequest) -> AsyncIterator[pb.StartRespons
             raise ConnectError("invalid_argument", f"cwd '{cwd}' does not exist") from None
         if entry.get("type") != "dir":
             raise ConnectError("invalid_argument", f"cwd '{cwd}' is not a directory")
-    envs = {"HOME": home(ctx.user), "USER": ctx.user, **dict(ctx.ref.envs or {}), **dict(cfg.envs)}
+    envs = {"HOME": home(ctx.user, ctx.workdir), "USER": ctx.user or "root", **dict(ctx.ref.envs or {}),
+            **dict(cfg.envs)}
     body: dict[str, Any] = {"cmd": [cfg.cmd, *cfg.args], "envs": envs, "cwd": cwd,
                             "stdin": req.stdin if req.HasField("stdin") else True,
                             "timeout": ctx.timeout_s()}
