@@ -40,7 +40,7 @@ from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxSt
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._base import RunResult
 from pilldrops.sdk._sync.sandbox import Sandbox
-from pilldrops.sdk.fanout import MapResult, amap, map  # noqa: A004 - pilldrops.map, like the builtin
+from pilldrops.sdk.fanout import MapItem, MapResult, amap, map  # noqa: A004 - pilldrops.map, like the builtin
 
 __version__ = "0.1.0"
 
@@ -58,6 +58,7 @@ __all__ = [
     "InsufficientCredits",
     "InvalidRequest",
     "InvalidState",
+    "MapItem",
     "MapResult",
     "NodeUnavailable",
     "NotFound",

@@ -40,3 +40,7 @@ def test_code_interpreter_template(server: Server, api: httpx.Client) -> None:
         lines = r.stdout.splitlines()
         assert lines[0] == "6" and lines[1].startswith("Python 3.11") and lines[-1] == "/home/user"
         assert sb.run("cat /etc/debian_version").stdout.startswith("12")
+        tools = sb.run("ps -e >/dev/null && ip -o link show lo && curl --version && git --version")
+        assert tools.exit_code == 0, tools.stderr                    # the tools people reach for
+    sizes = {t["name"]: t["size_bytes"] for t in api.get("/v1/templates").json()["items"]}
+    assert sizes["code-interpreter"] > sizes["base"] > 0             # full size: every layer counted

@@ -25,6 +25,8 @@ def test_packaged_specs_parse() -> None:
     ci = specs["code-interpreter"]
     assert ci.base == "base" and ci.workdir == "/home/user"
     assert ci.steps[0].kind == "run" and "python3-numpy" in ci.steps[0].value
+    assert all(tool in " ".join(st.value for st in ci.steps if st.kind == "run")
+               for tool in ("procps", "iproute2", "curl", "git"))
     assert len({store.hash(n) for n in ("tiny", "base", "code-interpreter")}) == 3
 
 
@@ -57,7 +59,8 @@ def test_copy_source_content_is_hashed(tmp_path: Path) -> None:
     ('name = "x"\nfrom = "busybox"\nworkdir = "rel"\n', "workdir"),
     ('name = "x"\nfrom = "busybox"\n[[steps]]\nrun = ""\n', "run"),
     ('name = "x"\nfrom = "busybox"\n[[steps]]\nfrobnicate = "a"\n', "unknown step"),
-    ('name = "x"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "../etc/passwd", dest = "/p"}\n', "relative"),
+    ('name = "x"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "/etc/passwd", dest = "/p"}\n',
+     "is absolute; write it relative to the spec file"),
     ('name = "x"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "a"}\n', "copy"),
     ('name = "x"\nfrom = "x"\n', "itself"),
     ('name = "x"\nfrom = "busybox"\n[env]\nA = 1\n', "strings"),
@@ -100,3 +103,52 @@ def test_env_and_workdir_resolution(tmp_path: Path) -> None:
 
 def test_apt_mirror_is_a_url() -> None:
     assert T.apt_mirror().startswith(("http://", "https://"))
+
+
+def test_copy_src_may_leave_the_spec_folder(tmp_path: Path) -> None:
+    """``copy = {src = "../../env"}``: relative to the spec, outside its folder (an env next to the code)."""
+    env = tmp_path / "project" / "env"
+    env.mkdir(parents=True)
+    (env / "episode.py").write_text("print(1)")
+    specs = tmp_path / "project" / "cfg" / "templates"
+    specs.mkdir(parents=True)
+    write(specs, "c", 'name = "c"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "../../env", dest = "/env"}\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[specs])
+    h = store.hash("c")
+    (env / "episode.py").write_text("print(2)")
+    assert store.hash("c") != h                       # its content is hashed like any copy source
+    write(specs, "c", 'name = "c"\nfrom = "busybox"\n[[steps]]\ncopy = {src = "../nope", dest = "/env"}\n')
+    with pytest.raises(T.TemplateSpecError, match="copy source missing: .*relative to the spec's folder"):
+        store.hash("c")
+
+
+def test_build_errors_are_one_line() -> None:
+    err = T.TemplateBuildError("template x: step 2/3 `pip install nope` failed (exit 1)",
+                               "Collecting nope\n  lots of lines\nERROR: No matching distribution found for nope\n\n",
+                               log_path=Path("/d/templates/x/build.log"))
+    assert "\n" not in str(err)
+    assert str(err) == ("template x: step 2/3 `pip install nope` failed (exit 1): ERROR: No matching "
+                        "distribution found for nope (full log: /d/templates/x/build.log)")
+
+
+def test_build_steps_get_the_hosts_proxy_and_ca(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ca = tmp_path / "corp-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.internal:3128")
+    monkeypatch.setenv("no_proxy", "localhost")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    assert T.host_ca_bundle() == ca
+    env = T.build_step_env({"PIP_INDEX_URL": "x"}, ca_in_root=True)
+    assert env["https_proxy"] == env["HTTPS_PROXY"] == "http://proxy.internal:3128"
+    assert env["no_proxy"] == env["NO_PROXY"] == "localhost"
+    assert env["PIP_CERT"] == env["REQUESTS_CA_BUNDLE"] == env["SSL_CERT_FILE"] == T.BUILD_CA
+    assert env["PIP_INDEX_URL"] == "x" and env["PATH"] == T.BUILD_PATH
+    root = tmp_path / "root"
+    (root / "tmp").mkdir(parents=True)
+    (root / "etc" / "apt" / "apt.conf.d").mkdir(parents=True)
+    with T._host_network_settings(root) as ca_in:
+        assert ca_in and (root / T.BUILD_CA.lstrip("/")).read_text() == ca.read_text()
+        conf = (root / T.BUILD_APT_CONF.lstrip("/")).read_text()
+        assert 'Acquire::https::Proxy "http://proxy.internal:3128";' in conf and T.BUILD_CA in conf
+    # nothing of the host's settings stays in the layer
+    assert not (root / T.BUILD_CA.lstrip("/")).exists() and not (root / T.BUILD_APT_CONF.lstrip("/")).exists()

@@ -1,7 +1,9 @@
 """Where the SDK and the CLI find the API URL and key, and where `pilldrops up` saves them.
 
-Order for each value: explicit argument > environment > the user's config file > default.
-The key may also come from ``E2B_API_KEY`` when ``PILLDROPS_API_KEY`` is unset (stock E2B users).
+Order for the URL: explicit argument > ``PILLDROPS_API_URL`` > the user's config file > default.
+Order for the key: explicit argument > ``PILLDROPS_API_KEY`` > the config file (the key ``pilldrops up``
+saved) > ``E2B_API_KEY`` (stock E2B users). A stale E2B key in the shell never hides the saved one, and
+:func:`resolve_api_key_source` tells where the key came from so an auth error can name it.
 The config file is ``$XDG_CONFIG_HOME/pilldrops/config.json`` (default ``~/.config/pilldrops/config.json``),
 mode 0600, holding ``{"api_url": ..., "api_key": ...}``.
 """
@@ -48,6 +50,19 @@ def resolve_api_url(explicit: str | None = None) -> str:
             or DEFAULT_API_URL).rstrip("/")
 
 
+def resolve_api_key_source(explicit: str | None = None) -> tuple[str | None, str]:
+    """``(key, where it came from)``; the key is ``None`` when none is found anywhere."""
+    if explicit:
+        return explicit, "the api_key argument"
+    if os.environ.get("PILLDROPS_API_KEY"):
+        return os.environ["PILLDROPS_API_KEY"], "$PILLDROPS_API_KEY"
+    saved = load_file().get("api_key")
+    if saved:
+        return saved, f"the config file {config_path()}"
+    if os.environ.get("E2B_API_KEY"):
+        return os.environ["E2B_API_KEY"], "$E2B_API_KEY"
+    return None, "nowhere"
+
+
 def resolve_api_key(explicit: str | None = None) -> str | None:
-    return (explicit or os.environ.get("PILLDROPS_API_KEY") or os.environ.get("E2B_API_KEY")
-            or load_file().get("api_key") or None)
+    return resolve_api_key_source(explicit)[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -70,3 +71,22 @@ def parse_pairs(values: Iterable[str], what: str) -> dict[str, str]:
             raise click.BadParameter(f"expected KEY=VALUE, got {raw!r}", param_hint=what)
         out[key] = value
     return out
+
+
+#: how many rows ``history`` and ``sandbox list`` show unless ``--limit`` says otherwise
+DEFAULT_LIMIT = 100
+
+
+def note_limit(shown: int, limit: int) -> None:
+    """Say on stderr when a listing stopped at its limit (there may be more)."""
+    if shown >= limit:
+        click.echo(f"showing the newest {limit}; --limit N shows more", err=True)
+
+
+def fmt_usd(value: float) -> str:
+    """Dollars with at least four significant digits, so that small episodes can be told apart
+    (0.00001625, not 0.000016), and six decimals for larger amounts."""
+    if value == 0:
+        return "0.000000"
+    decimals = min(12, max(6, 3 - math.floor(math.log10(abs(value)))))
+    return f"{value:.{decimals}f}"

@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from pilldrops._internal.timeparse import parse_time
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
 from pilldrops.schema.api import HistoryRecord, SandboxState, UsageSummary
@@ -16,6 +17,7 @@ from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
 
+DEFAULT_LIMIT = _output.DEFAULT_LIMIT
 HISTORY_COLUMNS = ["ID", "TEMPLATE", "VCPU", "MEMORY_MB", "VCPU_S", "GB_S", "COST_USD", "STARTED",
                    "ENDED/STATE", "END_REASON"]
 
@@ -24,21 +26,21 @@ def _parse_time(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return None
     try:
-        return datetime.fromisoformat(value.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected an ISO 8601 date or time (e.g. 2025-01-31 or "
-                                 f"2025-01-31T12:00:00Z), got {value!r}") from None
+        return parse_time(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _period_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--until", callback=_parse_time, metavar="ISO",
-                      help="Only sandboxes created before this time (ISO 8601; no zone means UTC).")(fn)
-    return click.option("--since", callback=_parse_time, metavar="ISO",
-                        help="Only sandboxes created at or after this time (ISO 8601; no zone means UTC).")(fn)
+    fn = click.option("--until", callback=_parse_time, metavar="WHEN",
+                      help="Only sandboxes created before this time: ISO 8601 (no zone means UTC) "
+                           "or a time ago (30m, 1h, 2d).")(fn)
+    return click.option("--since", callback=_parse_time, metavar="WHEN",
+                        help="Only sandboxes created at or after this time: ISO 8601 (no zone means UTC) "
+                             "or a time ago (30m, 1h, 2d).")(fn)
 
 
-def fmt_usd(value: float) -> str:
-    return f"{value:.6f}"
+fmt_usd = _output.fmt_usd
 
 
 def fmt_seconds(value: float) -> str:
@@ -69,11 +71,12 @@ def total_line(records: list[HistoryRecord]) -> str:
               help="Only these states (repeatable), e.g. stopped.")
 @click.option("--template", default=None, help="Only sandboxes of this template.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Only with this metadata (repeatable).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show at most N sandboxes (newest).")
+@click.option("--limit", type=click.IntRange(min=1), default=DEFAULT_LIMIT, show_default=True,
+              help="Show at most N sandboxes (the newest).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of the records.")
 @pass_state
 def history(state: CliState, since: datetime | None, until: datetime | None, states: tuple[str, ...],
-            template: str | None, metadata: tuple[str, ...], limit: int | None, as_json: bool) -> None:
+            template: str | None, metadata: tuple[str, ...], limit: int, as_json: bool) -> None:
     """Sandboxes of the team with their usage and cost, newest first, and the total.
 
     Running sandboxes show their cost so far. --since/--until select sandboxes created in [since, until).
@@ -87,6 +90,7 @@ def history(state: CliState, since: datetime | None, until: datetime | None, sta
     _output.print_table(HISTORY_COLUMNS, [_history_row(r) for r in records], empty="no sandboxes")
     if records:
         _output.console.print(f"[bold]{escape(total_line(records))}[/bold]")
+    _output.note_limit(len(records), limit)
 
 
 def _period_text(u: UsageSummary) -> str:

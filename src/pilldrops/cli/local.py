@@ -9,6 +9,8 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,6 @@ def _control_plane_options(f: Any) -> Any:
     opts = [
         click.option("--unlimited-credits", is_flag=True, envvar="PILLDROPS_UNLIMITED_CREDITS",
                      help="turn credits off: no balance, never refuse or stop for lack of credits"),
-        click.option("--initial-credits", type=float, default=5.0, show_default=True,
-                     help="USD of credits a new team starts with"),
         click.option("--credits-grace", type=float, default=60.0, show_default=True,
                      help="seconds running sandboxes keep going after their team's credits reach zero"),
         click.option("--rate-vcpu-s", type=float, default=0.0000140, show_default=True, help="USD per vCPU-second"),
@@ -58,13 +58,15 @@ def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention")}
 
 
-def _billing(kw: dict[str, Any]) -> Any:
+def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
+    """Billing settings; ``credits_usd`` None means no credit limit (``up``'s default)."""
     from pilldrops.server.domain.billing import Rates
     from pilldrops.server.service.billing import BillingSettings
+    unlimited = kw.pop("unlimited_credits") or credits_usd is None
     return BillingSettings(
         rates=Rates(vcpu_s_usd=kw.pop("rate_vcpu_s"), gb_s_usd=kw.pop("rate_gb_s"),
                     storage_gb_month_usd=kw.pop("rate_storage_gb_month")),
-        credits_enabled=not kw.pop("unlimited_credits"), initial_credits=kw.pop("initial_credits"),
+        credits_enabled=not unlimited, initial_credits=credits_usd if credits_usd is not None else 5.0,
         grace_s=kw.pop("credits_grace"), commit_every_s=kw.pop("usage_commit_interval"))
 
 
@@ -84,8 +86,24 @@ def _console() -> Any:
     return Console(stderr=True)
 
 
+@contextmanager
+def _one_line_build_errors() -> Iterator[None]:
+    """A failed template build is one clear line (what failed, its last output line, the log file), not a
+    traceback."""
+    from pilldrops.node.templates import TemplateBuildError, TemplateSpecError
+    try:
+        yield
+    except (TemplateBuildError, TemplateSpecError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...] = ()) -> None:
     """Build (or find cached) templates, with a live progress line per template."""
+    with _one_line_build_errors():
+        _build_templates(data_dir, names, templates_dirs)
+
+
+def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...]) -> None:
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     console = _console()
@@ -145,11 +163,16 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--capacity-memory-mb", type=int, default=None, help="MiB the node offers [default: RAM × 32]")
 @_templates_dir_option
 @_control_plane_options
+@click.option("--credits", "credits_usd", type=float, default=None, metavar="USD",
+              help="give teams this many USD of credits and refuse creates at zero [default: no credit "
+                   "limit on your own machine]")
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
        keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
-       templates_dirs: tuple[Path, ...], verbose: bool, **billing: Any) -> None:
-    """Run the control plane and one node agent on this machine (SQLite), in the foreground."""
+       templates_dirs: tuple[Path, ...], credits_usd: float | None, verbose: bool, **billing: Any) -> None:
+    """Run the control plane and one node agent on this machine (SQLite), in the foreground.
+
+    It is one person's machine: there is no credit limit unless --credits USD is given."""
     import anyio
 
     from pilldrops.node.agent import default_capacity
@@ -159,7 +182,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
     cpu, mem = default_capacity()
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name, _billing(billing),
+    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
+              _billing(billing, credits_usd),
               liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
 
 
@@ -227,15 +251,18 @@ def _node_token(data_dir: Path, given: str | None) -> str:
               help="token node agents must present [default: generated and kept in the data dir]")
 @_data_dir_option
 @_control_plane_options
+@click.option("--free-credits", "--initial-credits", "free_credits", type=float, default=5.0, show_default=True,
+              metavar="USD", help="USD of credits a new team starts with")
 @click.option("-v", "--verbose", is_flag=True)
-def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, verbose: bool,
-          **billing: Any) -> None:
+def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
+          verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing), liveness)
+    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
+              liveness)
 
 
 async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool,
@@ -341,7 +368,7 @@ def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     if force:
         t0 = time.monotonic()
-        with _console().status(f"rebuilding {name}") as status:
+        with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),
                               force=True)
         _console().print(f"[green]✓[/] {name} rebuilt in {time.monotonic() - t0:.0f}s")

@@ -55,7 +55,7 @@ def report_error(exc: PillDropsError, *, debug: bool = False) -> None:
 @click.option("--api-url", envvar="PILLDROPS_API_URL", metavar="URL",
               help="Control plane URL [env PILLDROPS_API_URL; default from `pilldrops up` or http://127.0.0.1:7070].")
 @click.option("--api-key", metavar="KEY",
-              help="API key [env PILLDROPS_API_KEY, then E2B_API_KEY, then the config file].")
+              help="API key [env PILLDROPS_API_KEY, then the config file, then E2B_API_KEY].")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.version_option(__version__, prog_name="pilldrops")
 @click.pass_context

@@ -20,6 +20,7 @@ LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxS
 #: ``--state`` values; a wrong one is a usage error listing these.
 STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
 KILL_WORKERS = 16
+PAUSED_STATES = (SandboxState.pausing, SandboxState.paused, SandboxState.resuming)
 
 
 def _rows(items: list[SandboxInfo]) -> list[list[object]]:
@@ -63,20 +64,24 @@ def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout:
               help="Only these states (repeatable), e.g. stopped. Default: live ones (running, starting, paused).")
 @click.option("--all", "all_", is_flag=True, help="Every state, ended sandboxes included.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Only with this metadata.")
+@click.option("--limit", type=click.IntRange(min=1), default=_output.DEFAULT_LIMIT, show_default=True,
+              help="Show at most N sandboxes (the newest).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @pass_state
-def list_(state: CliState, states: tuple[str, ...], all_: bool, metadata: tuple[str, ...], as_json: bool) -> None:
+def list_(state: CliState, states: tuple[str, ...], all_: bool, metadata: tuple[str, ...], limit: int,
+          as_json: bool) -> None:
     """List sandboxes, newest first: live ones unless --all or --state."""
     if all_ and states:
         raise click.UsageError("--all and --state are exclusive: --state already picks the states")
     wanted = list(states) or (None if all_ else LIVE_STATES)
-    items = Sandbox.list(state=wanted, metadata=_output.parse_pairs(metadata, "--metadata"),
+    items = Sandbox.list(state=wanted, metadata=_output.parse_pairs(metadata, "--metadata"), limit=limit,
                          **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(items))
-    else:
-        _output.print_table(_COLUMNS, _rows(items),
-                            empty="no sandboxes" if all_ or states else "no live sandboxes (--all shows ended ones)")
+        return
+    _output.print_table(_COLUMNS, _rows(items),
+                        empty="no sandboxes" if all_ or states else "no live sandboxes (--all shows ended ones)")
+    _output.note_limit(len(items), limit)
 
 
 @sandbox.command("get")
@@ -90,6 +95,13 @@ def get(state: CliState, sandbox_id: str, as_json: bool) -> None:
         _output.print_json(_output.to_jsonable(info))
         return
     fields = info.model_dump(exclude={"envd_url", "access_token"})
+    if info.state in PAUSED_STATES:
+        # paused time does not count against the timeout: end_at is set again at resume
+        fields.pop("end_at", None)
+        left = info.timeout_left
+        fields["timeout_left"] = f"{left:.0f} s (counted again from resume)" if left is not None else None
+    else:
+        fields.pop("timeout_left", None)
     _output.print_table(["FIELD", "VALUE"], [[k, getattr(v, "value", v)] for k, v in fields.items()])
 
 

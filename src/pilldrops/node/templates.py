@@ -58,11 +58,20 @@ class TemplateSpecError(ValueError):
 
 
 class TemplateBuildError(RuntimeError):
-    """A build step failed; ``output`` holds the tail of its output."""
+    """A build step failed. ``str()`` is one line: what failed and the last line it printed; ``output``
+    holds the tail of its output, ``exit_code`` the failed command's status and ``log_path`` (when set)
+    the file with the whole build log."""
 
-    def __init__(self, message: str, output: str = "") -> None:
-        super().__init__(f"{message}\n{output[-4000:]}" if output else message)
+    def __init__(self, message: str, output: str = "", log_path: Path | None = None) -> None:
+        last = next((ln.strip() for ln in reversed(output.splitlines()) if ln.strip()), "")
+        self.message = f"{message}: {last[:300]}" if last else message
+        super().__init__(self.message)
         self.output = output
+        self.log_path = log_path
+        self.exit_code: int | None = None
+
+    def __str__(self) -> str:
+        return self.message + (f" (full log: {self.log_path})" if self.log_path else "")
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,7 @@ class Template:
     env: dict[str, str]
     workdir: str
     hash: str
-    size: int = 0
+    size: int = 0                 # bytes of every layer (this one and its parents'): what a sandbox sees
     built_at: float = 0.0
 
 
@@ -155,8 +164,11 @@ def parse_spec(path: Path) -> TemplateSpec:
                     or not all(isinstance(x, str) for x in value.values())
                     or not value["dest"].startswith("/")):
                 raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
-            if Path(value["src"]).is_absolute() or ".." in Path(value["src"]).parts:
-                raise TemplateSpecError(f"{where}: copy src must be relative to the spec file")
+            if Path(value["src"]).is_absolute():
+                rel = os.path.relpath(value["src"], path.resolve().parent)
+                raise TemplateSpecError(
+                    f"{where}: copy src {value['src']!r} is absolute; write it relative to the spec file "
+                    f"(e.g. {rel!r}) so that the spec and its files can move together")
             value = dict(value)
         elif kind == "env":
             value = _str_map(value, where)
@@ -180,7 +192,7 @@ def _hash_path(h: Any, p: Path) -> None:
     elif p.exists():
         h.update(p.read_bytes())
     else:
-        raise TemplateSpecError(f"copy source missing: {p}")
+        raise TemplateSpecError(f"copy source missing: {p} (copy src is relative to the spec's folder)")
 
 
 def spec_hash(spec: TemplateSpec, parent_hash: str) -> str:
@@ -225,8 +237,18 @@ def _run(argv: list[str], progress: Progress | None, *, env: dict[str, str] | No
         if progress:
             progress(line)
     if proc.wait() != 0:
-        raise TemplateBuildError(f"command failed (exit {proc.returncode}): {' '.join(argv)[:300]}",
+        err = TemplateBuildError(f"command failed (exit {proc.returncode}): {' '.join(argv)[:300]}",
                                  "\n".join(tail))
+        err.exit_code = proc.returncode
+        raise err
+
+
+def _layer_size(layer: Path) -> int:
+    """A built layer's size from its manifest (``<hash>/layer`` next to ``<hash>/manifest.json``)."""
+    try:
+        return int(json.loads((layer.parent / "manifest.json").read_text())["size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _tree_size(p: Path) -> int:
@@ -238,6 +260,72 @@ def _tree_size(p: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+PROXY_VARS = ("http_proxy", "https_proxy", "ftp_proxy", "no_proxy", "all_proxy")
+BUILD_CA = "/tmp/.pilldrops-build-ca.crt"    # the host's CA bundle, inside the chroot during steps only
+BUILD_APT_CONF = "/etc/apt/apt.conf.d/99pilldrops-build"
+CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
+          "NODE_EXTRA_CA_CERTS")
+
+
+def host_proxy_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The host's proxy settings (both spellings), for build steps: a build behind a proxy works."""
+    environ = dict(os.environ if environ is None else environ)
+    out: dict[str, str] = {}
+    for var in PROXY_VARS:
+        value = environ.get(var) or environ.get(var.upper())
+        if value:
+            out[var] = out[var.upper()] = value
+    return out
+
+
+def host_ca_bundle(environ: dict[str, str] | None = None) -> Path | None:
+    """The CA bundle the host trusts (a proxy's CA included): the one its env names, else the system one."""
+    environ = dict(os.environ if environ is None else environ)
+    for var in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"):
+        if environ.get(var) and Path(environ[var]).is_file():
+            return Path(environ[var])
+    system = Path("/etc/ssl/certs/ca-certificates.crt")
+    return system if system.is_file() else None
+
+
+def build_step_env(env: dict[str, str], ca_in_root: bool) -> dict[str, str]:
+    """What a ``run`` step sees: a fixed PATH/HOME, the host's proxies and CA bundle, then the spec's env."""
+    out = {"PATH": BUILD_PATH, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C",
+           **host_proxy_env()}
+    if ca_in_root:
+        out.update({var: BUILD_CA for var in CA_ENV})
+    return {**out, **env}
+
+
+@contextmanager
+def _host_network_settings(root: Path) -> Iterator[bool]:
+    """The host's CA bundle at BUILD_CA and an apt config for its proxy and CA while the steps run; both are
+    removed after them (a file made in the overlay's upper and removed again leaves nothing in the layer).
+    Yields whether the CA bundle is in place."""
+    made: list[Path] = []
+    ca_in_root = False
+    ca = host_ca_bundle()
+    try:
+        if ca is not None and (root / "tmp").is_dir():
+            dest = root / BUILD_CA.lstrip("/")
+            shutil.copyfile(ca, dest)
+            made.append(dest)
+            ca_in_root = True
+        lines = [f'Acquire::{k.split("_")[0]}::Proxy "{v}";' for k, v in host_proxy_env().items()
+                 if k in ("http_proxy", "https_proxy")]
+        if ca_in_root:
+            lines.append(f'Acquire::https::CAInfo "{BUILD_CA}";')
+        apt_dir = root / "etc" / "apt" / "apt.conf.d"
+        if lines and apt_dir.is_dir():
+            conf = root / BUILD_APT_CONF.lstrip("/")
+            conf.write_text("\n".join(lines) + "\n")
+            made.append(conf)
+        yield ca_in_root
+    finally:
+        for f in made:
+            f.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -364,8 +452,9 @@ class TemplateStore:
             raise TemplateNotFound(f"template {name!r} is not built (hash {h}); build it with "
                                    f"TemplateStore.build({name!r})", details={"template": name, "hash": h})
         m = json.loads(manifest.read_text())
-        return Template(name=m["name"], layers=tuple(Path(p) for p in m["layers"]), env=m["env"],
-                        workdir=m["workdir"], hash=m["hash"], size=m["size"], built_at=m["built_at"])
+        layers = tuple(Path(p) for p in m["layers"])
+        return Template(name=m["name"], layers=layers, env=m["env"], workdir=m["workdir"], hash=m["hash"],
+                        size=sum(_layer_size(p) for p in layers), built_at=m["built_at"])
 
     def list(self) -> list[TemplateStatus]:
         out = []
@@ -397,8 +486,15 @@ class TemplateStore:
             if progress:
                 progress(f"building template {name} ({h}) from {s.base}")
             tmp = self.root / name / f".tmp-{h}-{uuid.uuid4().hex[:8]}"
+            log_path = self.root / name / "build.log"
+            log = open(log_path, "w")   # the whole output of the last build; errors point to it
+            logged = _tee(progress, log)
             try:
-                self._build_into(s, parent, tmp, progress)
+                try:
+                    self._build_into(s, parent, tmp, logged)
+                except TemplateBuildError as exc:
+                    exc.log_path = log_path
+                    raise
                 layers = [str(final / "layer")] + ([str(p) for p in parent.layers] if parent else [])
                 env, workdir = self._resolve_env(s, parent)
                 manifest = {"name": name, "hash": h, "layers": layers, "env": env, "workdir": workdir,
@@ -411,6 +507,7 @@ class TemplateStore:
                     shutil.rmtree(old, ignore_errors=True)
                 os.rename(tmp, final)
             finally:
+                log.close()
                 if tmp.exists():
                     umount_all_under(tmp)
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -455,7 +552,7 @@ class TemplateStore:
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
-        with _chroot_mounts(root):
+        with _chroot_mounts(root), _host_network_settings(root) as ca_in_root:
             for i, st in enumerate(s.steps):
                 if progress:
                     progress(f"[{s.name} step {i + 1}/{len(s.steps)}] {st.kind}: {st.value}")
@@ -473,11 +570,25 @@ class TemplateStore:
                         shutil.copy2(src, dest / src.name if dest.is_dir() else dest)
                 else:
                     (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-                    run_env = {"PATH": BUILD_PATH, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive",
-                               "LC_ALL": "C", **env}
                     script = f"cd {_shq(workdir)} && {st.value}"
-                    _run(["chroot", str(root), "/bin/sh", "-c", script], progress, env=run_env)
+                    try:
+                        _run(["chroot", str(root), "/bin/sh", "-c", script], progress,
+                             env=build_step_env(env, ca_in_root))
+                    except TemplateBuildError as exc:
+                        failed = TemplateBuildError(
+                            f"template {s.name}: step {i + 1}/{len(s.steps)} `{st.value[:120]}` failed "
+                            f"(exit {exc.exit_code})", exc.output)
+                        failed.exit_code = exc.exit_code
+                        raise failed from None
         (root / (s.workdir or workdir).lstrip("/")).mkdir(parents=True, exist_ok=True)
+
+
+def _tee(progress: Progress | None, log: Any) -> Progress:
+    def both(line: str) -> None:
+        log.write(line + "\n")
+        if progress:
+            progress(line)
+    return both
 
 
 def _shq(s: str) -> str:

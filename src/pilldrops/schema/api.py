@@ -10,7 +10,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TIMEOUT_S = 86_400
 DEFAULT_TIMEOUT_S = 300
@@ -104,6 +104,23 @@ class BatchCreateRequest(CreateSandboxRequest):
 
     count: int = Field(..., ge=1, le=MAX_BATCH)
     capacity_wait: float = Field(60.0, ge=0, le=600, description="seconds each item may wait for capacity")
+    item_metadata: list[dict[str, str]] | None = Field(
+        None, description="one dict per item (count of them), merged over metadata: each episode findable")
+
+    @model_validator(mode="after")
+    def _item_metadata(self) -> BatchCreateRequest:
+        if self.item_metadata is not None:
+            if len(self.item_metadata) != self.count:
+                raise ValueError(f"item_metadata has {len(self.item_metadata)} entries for count {self.count}")
+            for i, m in enumerate(self.item_metadata):
+                _check_string_map({**self.metadata, **m}, f"item {i} metadata")
+        return self
+
+    def item_request(self, i: int) -> CreateSandboxRequest:
+        """Item ``i`` as a single create (its own metadata merged over the shared one)."""
+        extra = self.item_metadata[i] if self.item_metadata is not None else {}
+        return CreateSandboxRequest(**{**self.model_dump(exclude={"count", "capacity_wait", "item_metadata"}),
+                                       "metadata": {**self.metadata, **extra}})
 
 
 class ErrorInfo(_Response):

@@ -33,9 +33,12 @@ import anyio.to_thread
 import httpx
 import pydantic
 
+from pilldrops._internal.timeparse import parse_time
 from pilldrops.errors import (
+    AuthenticationError,
     CommandFailed,
     InvalidRequest,
+    InvalidState,
     PillDropsError,
     RequestTimeout,
     ServerError,
@@ -127,16 +130,17 @@ def list_params(state: str | list[str] | None, metadata: dict[str, str] | None, 
 def iso_param(value: datetime | date | str | None, what: str) -> str | None:
     """A time query parameter as ISO 8601 UTC (``...Z``); a naive datetime or a date is taken as UTC.
 
-    A string must parse as ISO 8601 (``2025-01-31``, ``2025-01-31T12:00``, ``...+02:00``, ``...Z``);
-    otherwise it is an :class:`InvalidRequest` before any I/O.
+    A string must parse as ISO 8601 (``2025-01-31``, ``2025-01-31T12:00``, ``...+02:00``, ``...Z``) or be a
+    time ago (``90s``, ``30m``, ``1h``, ``2d``, ``1w``); otherwise it is an :class:`InvalidRequest` before
+    any I/O.
     """
     if value is None:
         return None
     if isinstance(value, str):
         try:
-            value = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise InvalidRequest(f"{what} must be an ISO 8601 date or time, got {value!r}") from None
+            value = parse_time(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"{what}: {exc}") from None
     if not isinstance(value, datetime):
         value = datetime(value.year, value.month, value.day)
     if value.tzinfo is None:
@@ -169,6 +173,19 @@ def check_limit(limit: int | None, what: str = "limit") -> None:
     """A client-side cap on returned records must be a positive integer (or None for no cap)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InvalidRequest(f"{what} must be a positive integer, got {limit!r}")
+
+
+Metadata = dict[str, str] | Callable[[T], dict[str, str]] | None
+
+
+def item_metadata(metadata: Metadata[T], item: T) -> dict[str, str]:
+    """The metadata of one item's sandbox: the dict, or what the function gives for the item (as strings)."""
+    got = metadata(item) if callable(metadata) else metadata
+    if got is None:
+        return {}
+    if not isinstance(got, dict):
+        raise TypeError(f"metadata for item {item!r} must be a dict, not {type(got).__name__}")
+    return {str(k): str(v) for k, v in got.items()}
 
 
 def new_idempotency_key() -> str:
@@ -211,6 +228,10 @@ def map_transport_errors(url: str | httpx.URL | None = None) -> Iterator[None]:
     where = f" {str(url).split('?', 1)[0]}" if url else ""
     try:
         yield
+    except httpx.ConnectError as exc:   # nothing listens there: say what usually fixes it
+        at = f" at{where}" if where else ""
+        raise TransportError(f"cannot reach PillDrops{at} — is `pilldrops up` running? (or set "
+                             f"PILLDROPS_API_URL) [{exc.__class__.__name__}: {exc}]") from exc
     except httpx.TimeoutException as exc:
         what = f"request to{where}" if where else "request"
         raise RequestTimeout(f"{what} timed out: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
@@ -223,6 +244,31 @@ def map_transport_errors(url: str | httpx.URL | None = None) -> Iterator[None]:
         raise TransportError(f"HTTP error{at}: {exc.__class__.__name__}: {exc}".rstrip(": ")) from exc
     except httpx.InvalidURL as exc:
         raise InvalidRequest(f"invalid URL: {exc}") from exc
+
+
+def name_key_source(exc: PillDropsError, config: ClientConfig, target: Target) -> PillDropsError:
+    """A 401 from the control plane says which key was used and where it came from (a stale
+    ``E2B_API_KEY`` in the shell or an old config file are the usual causes)."""
+    if isinstance(exc, AuthenticationError) and "Authorization" in target.headers:
+        hint = f" (API key from {config.api_key_source})"
+        if hint not in exc.message:
+            exc.message = f"{exc.message}{hint}"
+            exc.args = (exc.message,)
+    return exc
+
+
+ENDED_STATES = frozenset({SandboxState.stopping, SandboxState.stopped, SandboxState.failed, SandboxState.lost})
+
+
+def stopped_error(info: SandboxInfo) -> InvalidState | None:
+    """The error for using a sandbox that has ended ("sandbox sb_x is stopped (killed at ...)"), or None."""
+    if info.state not in ENDED_STATES:
+        return None
+    why = info.end_reason.value if info.end_reason is not None else info.state.value
+    when = f" at {info.ended_at.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}" if info.ended_at else ""
+    return InvalidState(f"sandbox {info.id} is {info.state.value} ({why}{when})", current=info.state.value,
+                        details={"from": info.state.value, "end_reason": why,
+                                 "ended_at": info.ended_at.isoformat() if info.ended_at else None})
 
 
 def error_from_response(response: httpx.Response) -> PillDropsError:

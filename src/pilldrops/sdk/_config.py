@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pilldrops._internal.config import resolve_api_key, resolve_api_url
+from pilldrops._internal.config import resolve_api_key_source, resolve_api_url
 from pilldrops.errors import AuthenticationError
 
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
@@ -36,6 +36,7 @@ class ClientConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     max_retries: int = DEFAULT_MAX_RETRIES
     transport: Any = None
+    api_key_source: str = "the api_key argument"   # named in auth errors ("key from $E2B_API_KEY")
 
     @property
     def pool_key(self) -> tuple[str, str, int]:
@@ -71,11 +72,12 @@ def transport_override(transport: Any) -> Iterator[Any]:
 def resolve(api_url: str | None = None, api_key: str | None = None, *,
             request_timeout: float | None = None, transport: Any = None,
             max_retries: int | None = None) -> ClientConfig:
-    """Resolve URL and key (explicit > PILLDROPS_* env > E2B_API_KEY > config file > default).
+    """Resolve URL (explicit > PILLDROPS_API_URL > config file > default) and key (explicit >
+    PILLDROPS_API_KEY > config file > E2B_API_KEY).
 
     Raises :class:`AuthenticationError` when no key can be found anywhere.
     """
-    key = resolve_api_key(api_key)
+    key, source = resolve_api_key_source(api_key)
     if not key:
         raise AuthenticationError(NO_KEY_MESSAGE)
     return ClientConfig(
@@ -84,4 +86,5 @@ def resolve(api_url: str | None = None, api_key: str | None = None, *,
         request_timeout=DEFAULT_REQUEST_TIMEOUT_S if request_timeout is None else float(request_timeout),
         max_retries=DEFAULT_MAX_RETRIES if max_retries is None else max_retries,
         transport=transport if transport is not None else _transport_override,
+        api_key_source=source,
     )

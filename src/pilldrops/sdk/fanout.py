@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -34,6 +35,7 @@ from pilldrops.errors import (
 )
 from pilldrops.schema.api import DEFAULT_TIMEOUT_S
 from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._base import Metadata, item_metadata
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 T = TypeVar("T")
@@ -47,13 +49,56 @@ class _Stop(Exception):
     pass
 
 
-class MapResult(list, Generic[R]):  # type: ignore[type-arg]
-    """Results in item order. A failed item's slot holds its exception (also in :attr:`errors`)."""
 
-    def __init__(self, results: list[Any], errors: dict[int, BaseException], elapsed: float) -> None:
+
+@dataclass
+class MapItem(Generic[R]):
+    """One item of a :func:`map`: its value or error, and the episode's sandbox, cost and end.
+
+    ``cost_usd`` and ``end_reason`` are the sandbox's final record (None if its create failed);
+    ``duration`` is the seconds from the create's start to the sandbox's teardown, as this client saw them.
+    """
+
+    index: int
+    value: R | None = None
+    error: BaseException | None = None
+    sandbox_id: str | None = None
+    cost_usd: float | None = None
+    duration: float = 0.0
+    end_reason: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def _finish(self, sb: Any, t0: float) -> None:
+        self.duration = time.monotonic() - t0
+        if sb is not None:
+            info = sb.info
+            self.sandbox_id, self.cost_usd, self.metadata = info.id, info.cost_usd, dict(info.metadata)
+            self.end_reason = info.end_reason.value if info.end_reason is not None else None
+
+
+class MapResult(list, Generic[R]):  # type: ignore[type-arg]
+    """Results in item order. A failed item's slot holds its exception (also in :attr:`errors`).
+
+    :attr:`items` has, per item, the sandbox id, final cost, duration and end reason beside the value or
+    error (:class:`MapItem`); :attr:`total_cost_usd` sums the costs.
+    """
+
+    def __init__(self, results: list[Any], errors: dict[int, BaseException], elapsed: float,
+                 items: list[MapItem[R]] | None = None) -> None:
         super().__init__(results)
         self.errors = errors
         self.elapsed = elapsed
+        self.items: list[MapItem[R]] = items if items is not None else [
+            MapItem(i, value=None if i in errors else r, error=errors.get(i)) for i, r in enumerate(results)]
+
+    @property
+    def total_cost_usd(self) -> float:
+        """The cost of every item's sandbox, in USD."""
+        return sum(it.cost_usd or 0.0 for it in self.items)
 
     @property
     def ok(self) -> int:
@@ -128,27 +173,32 @@ class _Progress:
 
 def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "base",  # noqa: A001
         vcpu: float = 1, memory_mb: int = 512, timeout: int = DEFAULT_TIMEOUT_S, concurrency: int = 64,
-        envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+        envs: dict[str, str] | None = None, metadata: Metadata[T] = None,
         capacity_wait: float = 600.0, progress: bool | None = None, api_key: str | None = None,
-        api_url: str | None = None) -> MapResult[R]:
+        api_url: str | None = None, transport: Any = None) -> MapResult[R]:
     """Call ``fn(sandbox, item)`` for every item, each in a fresh sandbox, ``concurrency`` at a time
-    (threads). Returns a :class:`MapResult` in item order; ``progress`` shows a bar on stderr (default:
-    when stderr is a terminal) and a summary of failures after it. ``capacity_wait`` is how long a create
-    may wait for room in the fleet. A create error no item can get past (unknown template, bad shape or
-    key, no credits) is raised at once instead."""
+    (threads). Returns a :class:`MapResult` in item order (``result.items[i]`` has the sandbox id, cost,
+    duration and end reason of item ``i``); ``progress`` shows a bar on stderr (default: when stderr is a
+    terminal) and a summary of failures after it. ``metadata`` is a dict for every sandbox or a function
+    of the item returning one (``metadata=lambda seed: {"seed": str(seed)}`` makes each episode findable
+    in history). ``capacity_wait`` is how long a create may wait for room in the fleet. A create error no
+    item can get past (unknown template, bad shape or key, no credits) is raised at once instead."""
     work = list(items)
     results: list[Any] = [None] * len(work)
     errors: dict[int, BaseException] = {}
+    meta = [item_metadata(metadata, x) for x in work]
+    done: list[MapItem[R]] = [MapItem(i, metadata=meta[i]) for i in range(len(work))]
     opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
-                metadata=metadata, capacity_wait=capacity_wait, api_key=api_key, api_url=api_url)
+                capacity_wait=capacity_wait, api_key=api_key, api_url=api_url, transport=transport)
     t0 = time.monotonic()
     fatal: list[BaseException] = []
 
     def one(i: int, bar: _Progress) -> None:
         if fatal:
             return
+        started, sb = time.monotonic(), None
         try:
-            sb = Sandbox.create(**opts)  # type: ignore[arg-type]
+            sb = Sandbox.create(metadata=meta[i], **opts)  # type: ignore[arg-type]
         except FATAL_CREATE_ERRORS as exc:
             fatal.append(exc)
             return
@@ -160,6 +210,8 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
                     results[i] = fn(sb, work[i])
             except Exception as exc:  # noqa: BLE001 - per-item errors are data
                 results[i] = errors[i] = exc
+        done[i]._finish(sb, started)
+        done[i].value, done[i].error = (None, errors[i]) if i in errors else (results[i], None)
         bar.advance(i in errors)
 
     with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
@@ -171,29 +223,32 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
             pool.shutdown(wait=True, cancel_futures=True)     # Ctrl-C: queued items never start
     if fatal:
         raise fatal[0]
-    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0, done)
     bar.summary(result)
     return result
 
 
 async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T], *, template: str = "base",
                vcpu: float = 1, memory_mb: int = 512, timeout: int = DEFAULT_TIMEOUT_S, concurrency: int = 64,
-               envs: dict[str, str] | None = None, metadata: dict[str, str] | None = None,
+               envs: dict[str, str] | None = None, metadata: Metadata[T] = None,
                capacity_wait: float = 600.0, progress: bool | None = None, api_key: str | None = None,
-               api_url: str | None = None) -> MapResult[R]:
+               api_url: str | None = None, transport: Any = None) -> MapResult[R]:
     """The asyncio twin of :func:`map`: ``await fn(sandbox, item)`` per item, ``concurrency`` tasks."""
     work = list(items)
     results: list[Any] = [None] * len(work)
     errors: dict[int, BaseException] = {}
+    meta = [item_metadata(metadata, x) for x in work]
+    done: list[MapItem[R]] = [MapItem(i, metadata=meta[i]) for i in range(len(work))]
     opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
-                metadata=metadata, capacity_wait=capacity_wait, api_key=api_key, api_url=api_url)
+                capacity_wait=capacity_wait, api_key=api_key, api_url=api_url, transport=transport)
     limit = anyio.Semaphore(max(1, concurrency))
     t0 = time.monotonic()
 
     async def one(i: int, bar: _Progress) -> None:
         async with limit:
+            started, sb = time.monotonic(), None
             try:
-                sb = await AsyncSandbox.create(**opts)  # type: ignore[arg-type]
+                sb = await AsyncSandbox.create(metadata=meta[i], **opts)  # type: ignore[arg-type]
             except FATAL_CREATE_ERRORS as exc:
                 raise _Stop() from exc                 # cancels the other items
             except Exception as exc:  # noqa: BLE001 - per-item errors are data
@@ -204,6 +259,8 @@ async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T]
                         results[i] = await fn(sb, work[i])
                 except Exception as exc:  # noqa: BLE001 - per-item errors are data
                     results[i] = errors[i] = exc
+            done[i]._finish(sb, started)
+            done[i].value, done[i].error = (None, errors[i]) if i in errors else (results[i], None)
             bar.advance(i in errors)
 
     with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
@@ -216,9 +273,9 @@ async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T]
             if stop is None:
                 raise
             raise stop.exceptions[0].__cause__ from None  # type: ignore[misc]
-    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0)
+    result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0, done)
     bar.summary(result)
     return result
 
 
-__all__ = ["MapResult", "amap", "map"]
+__all__ = ["MapItem", "MapResult", "amap", "map"]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
+from pilldrops.cli._output import fmt_usd
 from pilldrops.cli.main import cli, main
 from pilldrops.sdk._config import transport_override
 from pilldrops.sdk.testing import FakeControlPlane
@@ -215,7 +216,7 @@ def test_history_table_has_a_total_line(fake: FakeControlPlane) -> None:
     records = json.loads(run("history", "--json").output)
     cost = sum(r["cost_usd"] for r in records)
     expected = (f"TOTAL  3 sandboxes  vcpu_s {sum(r['vcpu_s'] for r in records):.1f}"
-                f"  gb_s {sum(r['gb_s'] for r in records):.1f}  storage_gb_s 0.0  cost_usd {cost:.6f}")
+                f"  gb_s {sum(r['gb_s'] for r in records):.1f}  storage_gb_s 0.0  cost_usd {fmt_usd(cost)}")
     assert total == [expected]
     empty = run("history", "--since", "2100-01-01")
     assert "no sandboxes" in empty.output and "TOTAL" not in empty.output
@@ -236,8 +237,8 @@ def test_usage(fake: FakeControlPlane) -> None:
     assert summary["vcpu_s"] == pytest.approx(60, abs=0.01)
     assert summary["credits_usd"] == pytest.approx(5.0 - summary["cost_usd"]) and not summary["credits_unlimited"]
     table = run("usage").output
-    assert "all time" in table and f"{summary['cost_usd']:.6f}" in table
-    assert f"{summary['credits_usd']:.6f}" in table
+    assert "all time" in table and fmt_usd(summary["cost_usd"]) in table
+    assert fmt_usd(summary["credits_usd"]) in table
     later = json.loads(run("usage", "--json", "--since", "2100-01-01T00:00:00Z").output)
     assert later["sandboxes"] == 0 and later["since"].startswith("2100-01-01")
     assert "since 2100-01-01 00:00" in run("usage", "--since", "2100-01-01").output
@@ -306,3 +307,43 @@ def test_kill_all_and_by_metadata(fake: FakeControlPlane) -> None:
     assert res.exit_code == 0 and "no live sandboxes" in res.stderr
     assert CliRunner().invoke(cli, ["sandbox", "kill"]).exit_code == 2
     assert CliRunner().invoke(cli, ["sandbox", "kill", c, "--all"]).exit_code == 2
+
+
+def test_cost_digits_tell_small_episodes_apart() -> None:
+    assert fmt_usd(0.00001625) == "0.00001625" and fmt_usd(0.0000163) == "0.00001630"
+    assert fmt_usd(0.0000016) != fmt_usd(0.0000024)              # both were 0.000002
+    assert fmt_usd(4.99) == "4.990000" and fmt_usd(0) == "0.000000" and fmt_usd(0.000195) == "0.0001950"
+
+
+def test_since_takes_relative_times(fake: FakeControlPlane) -> None:
+    _three_sandboxes(fake)
+    for value in ("1h", "2d", "30m", "90s", "1w", "2h ago"):
+        res = run("history", "--since", value, "--json")
+        assert res.exit_code == 0, (value, res.output)
+    sent = [r.url.params["since"] for r in fake.requests_to("GET", "/v1/history") if "since" in r.url.params]
+    assert len(sent) == 6 and all(v.endswith("Z") for v in sent)
+    bad = CliRunner().invoke(cli, ["history", "--since", "yesterday"])
+    assert bad.exit_code == 2 and "30m, 1h, 2d" in bad.output
+
+
+def test_listings_have_a_default_limit(fake: FakeControlPlane) -> None:
+    _three_sandboxes(fake)
+    assert len(json.loads(run("history", "--limit", "2", "--json").stdout)) == 2
+    assert len(json.loads(run("sandbox", "list", "--all", "--limit", "2", "--json").stdout)) == 2
+    assert len(json.loads(run("sandbox", "list", "--all", "--json").stdout)) == 3
+    for args in (["history", "--limit", "2"], ["sandbox", "list", "--all", "--limit", "2"]):
+        res = run(*args, env={"COLUMNS": "200"})
+        assert "--limit N shows more" in res.stderr and res.stdout.count("sb_") == 2
+    assert "shows more" not in run("sandbox", "list", "--all").stderr
+
+
+def test_get_on_a_paused_sandbox_shows_timeout_left_not_end_at(fake: FakeControlPlane) -> None:
+    from pilldrops.schema.api import SandboxState
+    sid = run("sandbox", "create").output.strip()
+    sb = fake.sandboxes[sid]
+    sb.info = sb.info.model_copy(update={"state": SandboxState.paused, "timeout_left": 1234.4})
+    out = run("sandbox", "get", sid, env={"COLUMNS": "200"}).output
+    assert "timeout_left" in out and "1234 s (counted again from resume)" in out and "end_at" not in out
+    sb.info = sb.info.model_copy(update={"state": SandboxState.running})
+    out = run("sandbox", "get", sid, env={"COLUMNS": "200"}).output
+    assert "end_at" in out and "timeout_left" not in out

@@ -58,3 +58,18 @@ async def test_items_fail_on_their_own_and_wait_for_capacity(tmp_path, store_url
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
         unknown = (await c.post("/v1/sandboxes/batch", json={"template": "nope", "count": 2})).json()
         assert unknown["failed"] == 2 and unknown["items"][0]["error"]["code"] == "template_not_found"
+
+
+async def test_item_metadata_makes_each_episode_findable(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
+        r = await c.post("/v1/sandboxes/batch", json={
+            "template": "tiny", "count": 3, "metadata": {"run": "b2"},
+            "item_metadata": [{"episode": str(i)} for i in range(3)]})
+        assert r.status_code == 200, r.text
+        got = [it["sandbox"]["metadata"] for it in r.json()["items"]]
+        assert got == [{"run": "b2", "episode": str(i)} for i in range(3)]
+        found = (await c.get("/v1/sandboxes", params={"metadata.episode": "1"})).json()["items"]
+        assert [sb["metadata"]["episode"] for sb in found] == ["1"]
+        bad = await c.post("/v1/sandboxes/batch", json={"template": "tiny", "count": 3, "item_metadata": [{}]})
+        assert bad.status_code == 400 and "item_metadata has 1 entries for count 3" in bad.text
+        assert len(s.agent.live) == 3

@@ -106,7 +106,7 @@ async def test_credits_run_out(tmp_path, store_url) -> None:  # noqa: ANN001
             assert usage["credits_usd"] < 0 and not usage["credits_unlimited"]
             r = await c.post("/v1/sandboxes", json={"template": "tiny"})
             assert r.status_code == 402 and r.json()["error"]["code"] == "insufficient_credits"
-            assert "credits" in r.json()["error"]["message"]
+            assert "pilldrops credits add poor 10" in r.json()["error"]["message"]
             with anyio.fail_after(10):
                 while (await c.get(f"/v1/sandboxes/{other['id']}")).json()["state"] == "running":
                     await anyio.sleep(0.1)

@@ -21,6 +21,7 @@ from pilldrops.sdk._base import (
     control_target,
     error_from_response,
     map_transport_errors,
+    name_key_source,
     parse_retry_after,
 )
 from pilldrops.sdk._config import ClientConfig
@@ -86,7 +87,7 @@ class AsyncAPIClient:
                     response = await self._http.send(request)
                 if response.status_code >= 400:
                     retry_after = parse_retry_after(response.headers.get("retry-after"))
-                    raise error_from_response(response)
+                    raise name_key_source(error_from_response(response), self.config, target)
                 return response
             except PillDropsError as exc:
                 delay = policy.next_delay(exc, retry_after)
@@ -120,7 +121,7 @@ class AsyncAPIClient:
                     finally:
                         await response.aclose()
                     retry_after = parse_retry_after(response.headers.get("retry-after"))
-                    raise error_from_response(response)
+                    raise name_key_source(error_from_response(response), self.config, target)
                 break
             except PillDropsError as exc:
                 delay = policy.next_delay(exc, retry_after)

@@ -44,8 +44,7 @@ class AsyncFiles:
         """The file's raw bytes. Raises :class:`FileNotFound`."""
         check_remote_path(path)
         sb = self._sandbox
-        resp = await sb._client.request("GET", self._path("/files"), target=sb._data_target(),
-                                        params={"path": path}, idempotent=True)
+        resp = await sb._data_request("GET", self._path("/files"), params={"path": path}, idempotent=True)
         return resp.content
 
     async def read(self, path: str, *, encoding: str = "utf-8") -> str:
@@ -57,18 +56,16 @@ class AsyncFiles:
         check_remote_path(path)
         body = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         sb = self._sandbox
-        resp = await sb._client.request("PUT", self._path("/files"), target=sb._data_target(),
-                                        params={"path": path}, content=body,
-                                        headers={"Content-Type": "application/octet-stream"},
-                                        idempotent=True)
+        resp = await sb._data_request("PUT", self._path("/files"), params={"path": path}, content=body,
+                                      headers={"Content-Type": "application/octet-stream"}, idempotent=True)
         return parse_model(FileInfo, resp)
 
     async def list(self, path: str) -> builtins.list[FileInfo]:
         """Entries of the directory ``path``. Raises :class:`FileNotFound`."""
         check_remote_path(path)
         sb = self._sandbox
-        resp = await sb._client.request("GET", self._path("/files/list"), target=sb._data_target(),
-                                        params={"path": path}, idempotent=True)
+        resp = await sb._data_request("GET", self._path("/files/list"), params={"path": path},
+                                      idempotent=True)
         return parse_model(_FileList, resp).items
 
     async def exists(self, path: str) -> bool:

@@ -22,6 +22,7 @@ from pilldrops.sdk._base import (
     control_target,
     error_from_response,
     map_transport_errors,
+    name_key_source,
     parse_retry_after,
 )
 from pilldrops.sdk._config import ClientConfig
@@ -87,7 +88,7 @@ class APIClient:
                     response = self._http.send(request)
                 if response.status_code >= 400:
                     retry_after = parse_retry_after(response.headers.get("retry-after"))
-                    raise error_from_response(response)
+                    raise name_key_source(error_from_response(response), self.config, target)
                 return response
             except PillDropsError as exc:
                 delay = policy.next_delay(exc, retry_after)
@@ -121,7 +122,7 @@ class APIClient:
                     finally:
                         response.close()
                     retry_after = parse_retry_after(response.headers.get("retry-after"))
-                    raise error_from_response(response)
+                    raise name_key_source(error_from_response(response), self.config, target)
                 break
             except PillDropsError as exc:
                 delay = policy.next_delay(exc, retry_after)

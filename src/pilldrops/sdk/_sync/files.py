@@ -45,8 +45,7 @@ class Files:
         """The file's raw bytes. Raises :class:`FileNotFound`."""
         check_remote_path(path)
         sb = self._sandbox
-        resp = sb._client.request("GET", self._path("/files"), target=sb._data_target(),
-                                        params={"path": path}, idempotent=True)
+        resp = sb._data_request("GET", self._path("/files"), params={"path": path}, idempotent=True)
         return resp.content
 
     def read(self, path: str, *, encoding: str = "utf-8") -> str:
@@ -58,18 +57,16 @@ class Files:
         check_remote_path(path)
         body = data.encode("utf-8") if isinstance(data, str) else bytes(data)
         sb = self._sandbox
-        resp = sb._client.request("PUT", self._path("/files"), target=sb._data_target(),
-                                        params={"path": path}, content=body,
-                                        headers={"Content-Type": "application/octet-stream"},
-                                        idempotent=True)
+        resp = sb._data_request("PUT", self._path("/files"), params={"path": path}, content=body,
+                                      headers={"Content-Type": "application/octet-stream"}, idempotent=True)
         return parse_model(FileInfo, resp)
 
     def list(self, path: str) -> builtins.list[FileInfo]:
         """Entries of the directory ``path``. Raises :class:`FileNotFound`."""
         check_remote_path(path)
         sb = self._sandbox
-        resp = sb._client.request("GET", self._path("/files/list"), target=sb._data_target(),
-                                        params={"path": path}, idempotent=True)
+        resp = sb._data_request("GET", self._path("/files/list"), params={"path": path},
+                                      idempotent=True)
         return parse_model(_FileList, resp).items
 
     def exists(self, path: str) -> bool:

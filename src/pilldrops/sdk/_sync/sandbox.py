@@ -15,7 +15,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pilldrops.errors import PillDropsError, SandboxNotFound, from_wire
+import httpx
+
+from pilldrops.errors import (
+    InvalidState, NodeUnavailable, PillDropsError, SandboxNotFound, TransportError, from_wire,
+)
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
@@ -49,6 +53,7 @@ from pilldrops.sdk._base import (
     data_target,
     download_tempfile,
     hybridmethod,
+    item_metadata,
     extract_download,
     history_params,
     list_params,
@@ -57,6 +62,7 @@ from pilldrops.sdk._base import (
     parse_model,
     period_params,
     sandbox_path,
+    stopped_error,
     stream_timeout,
 )
 from pilldrops.sdk._config import DEFAULT_REQUEST_TIMEOUT_S
@@ -108,6 +114,33 @@ class Sandbox:
     def _data_target(self) -> Target:
         return data_target(self.info, self._client.config)
 
+    def _raise_if_ended(self) -> None:
+        """Using a sandbox this object saw end fails at once, saying so (no request)."""
+        err = stopped_error(self.info)
+        if err is not None:
+            raise err
+
+    def _explain(self, exc: PillDropsError) -> PillDropsError:
+        """A data-plane failure of a sandbox that has ended becomes "sandbox X is stopped (killed at ...)"."""
+        if not isinstance(exc, SandboxNotFound | InvalidState | NodeUnavailable | TransportError):
+            return exc
+        try:
+            info = self.get_info()
+        except PillDropsError:
+            return exc
+        return stopped_error(info) or exc
+
+    def _data_request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request to the sandbox's data plane, with an ended sandbox explained."""
+        self._raise_if_ended()
+        try:
+            return self._client.request(method, path, target=self._data_target(), **kwargs)
+        except PillDropsError as exc:
+            better = self._explain(exc)
+            if better is exc:
+                raise
+            raise better from exc
+
     def _update(self, info: SandboxInfo) -> SandboxInfo:
         # Listings and get never carry the data-plane address or token: keep the ones we have.
         if info.envd_url is None and info.access_token is None:
@@ -149,7 +182,8 @@ class Sandbox:
 
     @classmethod
     def create_many(cls, count: int, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                          timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
+                          timeout: int = DEFAULT_TIMEOUT_S,
+                          metadata: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                           envs: dict[str, str] | None = None, capacity_wait: float = 60.0,
                           return_exceptions: bool = False, api_key: str | None = None, api_url: str | None = None,
                           request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -162,10 +196,14 @@ class Sandbox:
         the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
         failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
         in the list, and the sandboxes that were made are yours to kill.
+
+        ``metadata`` may be a function of the item's index (``lambda i: {"episode": str(i)}``) so that each
+        sandbox is findable in history on its own.
         """
         capacity_wait = check_capacity_wait(capacity_wait)
+        per_item = callable(metadata)
         body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata=metadata or {}, envs=envs or {},
+                           timeout=timeout, metadata={} if per_item else (metadata or {}), envs=envs or {},
                            capacity_wait=min(capacity_wait, 600.0))
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
@@ -173,8 +211,11 @@ class Sandbox:
         try:
             for start in range(0, count, BATCH_CHUNK):
                 n = min(BATCH_CHUNK, count - start)
+                chunk = {**body.model_dump(mode="json", exclude_none=True), "count": n}
+                if per_item:
+                    chunk["item_metadata"] = [item_metadata(metadata, i) for i in range(start, start + n)]
                 resp = client.request(
-                    "POST", "/v1/sandboxes/batch", json={**body.model_dump(mode="json"), "count": n},
+                    "POST", "/v1/sandboxes/batch", json=chunk,
                     headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
                     timeout=batch_timeout(client.config, n, capacity_wait))
                 for item in parse_model(BatchCreateResponse, resp).items:
@@ -214,23 +255,27 @@ class Sandbox:
     def list(cls, *, state: str | SandboxState | builtins.list[str | SandboxState] | None = None,
                    metadata: dict[str, str] | None = None, api_key: str | None = None,
                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
-                   transport: Any = None, page_size: int = 100) -> builtins.list[SandboxInfo]:
-        """The caller's sandboxes, newest first, following every page.
+                   transport: Any = None, page_size: int = 100,
+                   limit: int | None = None) -> builtins.list[SandboxInfo]:
+        """The caller's sandboxes, newest first, following every page (at most ``limit`` if given).
 
         ``state`` filters by one state or any of several; ``metadata`` keeps sandboxes having every pair.
         """
+        check_limit(limit)
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         states: Any = [state] if isinstance(state, (str, SandboxState)) else state
         items: builtins.list[SandboxInfo] = []
         cursor: str | None = None
         while True:
+            size = page_size if limit is None else min(page_size, limit - len(items))
             resp = client.request("GET", "/v1/sandboxes", idempotent=True,
-                                        params=list_params(states, metadata, page_size, cursor))
+                                        params=list_params(states, metadata, size, cursor))
             page = parse_model(SandboxList, resp)
             items.extend(page.items)
-            if not page.next_cursor or page.next_cursor == cursor:
-                return items
+            if (not page.next_cursor or page.next_cursor == cursor
+                    or (limit is not None and len(items) >= limit)):
+                return items if limit is None else items[:limit]
             cursor = page.next_cursor
 
     @classmethod
@@ -430,14 +475,21 @@ class Sandbox:
                            max_output_bytes=max_output_bytes)
         decoder = RunDecoder(cmd=cmd, on_stdout=on_stdout, on_stderr=on_stderr,
                              max_output_bytes=max_output_bytes)
-        with self._client.stream("POST", sandbox_path(self.id, "/run"), target=self._data_target(),
-                                       json=body.model_dump(mode="json", exclude_none=True),
-                                       timeout=stream_timeout(self._client.config),
-                                       idempotent=False) as resp:
-            for line in resp.iter_lines():
-                decoder.feed(line)
-                if decoder.done:
-                    break
+        self._raise_if_ended()
+        try:
+            with self._client.stream("POST", sandbox_path(self.id, "/run"), target=self._data_target(),
+                                           json=body.model_dump(mode="json", exclude_none=True),
+                                           timeout=stream_timeout(self._client.config),
+                                           idempotent=False) as resp:
+                for line in resp.iter_lines():
+                    decoder.feed(line)
+                    if decoder.done:
+                        break
+        except PillDropsError as exc:
+            better = self._explain(exc)
+            if better is exc:
+                raise
+            raise better from exc
         result = decoder.result()
         return result.check_returncode() if check else result
 
@@ -454,10 +506,10 @@ class Sandbox:
         check_remote_path(remote, "remote path")
         plan = Blocking.run(pack_upload, local, remote)
         try:
-            self._client.request(
-                "PUT", sandbox_path(self.id, "/archive"), target=self._data_target(),
-                params={"path": plan.dest}, content=lambda: iter_file(plan.tar_path),
-                headers={"Content-Type": "application/x-tar"}, idempotent=False)
+            self._data_request(
+                "PUT", sandbox_path(self.id, "/archive"), params={"path": plan.dest},
+                content=lambda: iter_file(plan.tar_path), headers={"Content-Type": "application/x-tar"},
+                idempotent=False)
         finally:
             plan.cleanup()
         return plan.entries
@@ -470,14 +522,21 @@ class Sandbox:
         or :class:`InvalidRequest` (before any request) when ``remote`` is not absolute.
         """
         check_remote_path(remote, "remote path")
+        self._raise_if_ended()
         tmp_path, f = download_tempfile(local)
         try:
             with f:
-                with self._client.stream("GET", sandbox_path(self.id, "/archive"),
-                                               target=self._data_target(), params={"path": remote},
-                                               idempotent=True) as resp:
-                    for chunk in resp.iter_bytes():
-                        f.write(chunk)
+                try:
+                    with self._client.stream("GET", sandbox_path(self.id, "/archive"),
+                                                   target=self._data_target(), params={"path": remote},
+                                                   idempotent=True) as resp:
+                        for chunk in resp.iter_bytes():
+                            f.write(chunk)
+                except PillDropsError as exc:
+                    better = self._explain(exc)
+                    if better is exc:
+                        raise
+                    raise better from exc
             return Blocking.run(extract_download, tmp_path, remote, local)
         finally:
             try:

@@ -130,9 +130,11 @@ class BillingService:
             self._balances[team_id] = (time.monotonic(), team.credits_usd)
         if team is not None and team.credits_usd <= 0:
             raise errors.InsufficientCredits(
-                f"your team has no credits left (balance ${team.credits_usd:.6f}); new sandboxes are refused "
-                "until credits are added (`pilldrops credits add TEAM AMOUNT`)",
-                details={"credits_usd": team.credits_usd})
+                f"team {team.name!r} has no credits left (balance ${team.credits_usd:.6f}); new sandboxes are "
+                f"refused until credits are added: `pilldrops credits add {team.name} 10` on the control "
+                "plane's host (or run it with --unlimited-credits)",
+                details={"credits_usd": team.credits_usd, "team": team.name,
+                         "fix": f"pilldrops credits add {team.name} 10"})
 
     async def enforce_credits(self, stop: Callable[[str, str], Awaitable[object]]) -> int:
         """Stop the running sandboxes of teams whose credits ran out more than ``grace_s`` ago."""

@@ -181,7 +181,6 @@ class SandboxService:
         """``count`` creates of one spec, each on its own: a full fleet makes an item wait (up to
         ``capacity_wait``) rather than fail, other errors fail only that item. Item ``i`` uses the
         idempotency key ``<key>:<i>``, so a retried batch replays the same sandboxes."""
-        single = CreateSandboxRequest(**req.model_dump(exclude={"count", "capacity_wait"}))
         items: list[BatchItem] = [BatchItem(index=i) for i in range(req.count)]
         await self.billing.check_can_create(team_id)       # a team without credits: one clear 402
 
@@ -190,7 +189,7 @@ class SandboxService:
             waited, delay = 0.0, 0.05
             while True:
                 try:
-                    row, _ = await self.create(team_id, single, key)
+                    row, _ = await self.create(team_id, req.item_request(i), key)
                     items[i] = BatchItem(index=i, sandbox=await self.info(row, with_token=True))
                     return
                 except errors.CapacityUnavailable as exc:

@@ -419,3 +419,39 @@ def test_sandboxes_share_one_client(fake: FakeControlPlane, opts: dict[str, Any]
     other = FakeControlPlane()
     c = Sandbox.create(**other.client_options())
     assert c._client._http is not a._client._http
+
+
+def test_using_an_ended_sandbox_says_it_is_stopped(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    sb.kill()
+    sent = len(fake.requests)
+    with pytest.raises(InvalidState, match=rf"sandbox {sb.id} is stopped \(killed at \d{{4}}-") as info:
+        sb.run("true")
+    assert info.value.details["end_reason"] == "killed"
+    assert len(fake.requests) == sent       # known locally: no request
+    for call in (lambda: sb.files.read("/x"), lambda: sb.upload(__file__, "/x"),
+                 lambda: sb.download("/x", "/tmp/never")):
+        with pytest.raises(InvalidState, match="is stopped"):
+            call()
+
+
+def test_a_sandbox_killed_elsewhere_is_explained(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(**opts)
+    Sandbox.kill_by_id(sb.id, **opts)       # another process killed it
+    with pytest.raises(InvalidState, match=rf"sandbox {sb.id} is stopped \(killed at "):
+        sb.run("true")
+    with pytest.raises(InvalidState, match="is stopped"):
+        sb.files.write("/x", "y")
+
+
+def test_auth_errors_name_where_the_key_came_from(fake: FakeControlPlane, opts: dict[str, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = {k: v for k, v in opts.items() if k != "api_key"}
+    monkeypatch.setenv("E2B_API_KEY", "e2b_stale")
+    with pytest.raises(AuthenticationError, match=r"from \$E2B_API_KEY"):
+        Sandbox.create(**opts)
+    monkeypatch.setenv("PILLDROPS_API_KEY", "pd_wrong")
+    with pytest.raises(AuthenticationError, match=r"from \$PILLDROPS_API_KEY"):
+        Sandbox.create(**opts)
+    with pytest.raises(AuthenticationError, match=r"from the api_key argument"):
+        Sandbox.create(api_key="pd_explicit_wrong", **opts)
