@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,11 +56,7 @@ MATCH = f"pilldrops-{NAME}"
 class UpRef:
     api_url: str
     api_key: str
-    crun_root: Path
-    match: str
-
-    def snapshot(self) -> dict[str, object]:
-        return leakcheck.snapshot([self.crun_root], match=self.match)
+    snapshot: Callable[[], dict[str, object]]      # its leak-check snapshot (containers, mounts, cgroups)
 
 
 def _why_not_runnable() -> str | None:
@@ -127,7 +123,8 @@ def _start_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
             raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-    up = UpRef(f"http://127.0.0.1:{port}", key, data_dir / "node" / "crun", MATCH)
+    crun_root = data_dir / "node" / "crun"
+    up = UpRef(f"http://127.0.0.1:{port}", key, lambda: leakcheck.snapshot([crun_root], match=MATCH))
     with httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
         r = c.post("/v1/sandboxes", json={"template": "base"})
         assert r.status_code == 201, r.text
@@ -149,7 +146,7 @@ def envd_up(request: pytest.FixtureRequest) -> UpRef:
         up = request.getfixturevalue("pd_up")
     except pytest.FixtureLookupError:
         return request.getfixturevalue("envd_own_up")
-    return UpRef(up.api_url, up.api_key, up.crun_root, up.crun_root.parent.parent.name)
+    return UpRef(up.api_url, up.api_key, up.snapshot)
 
 
 @pytest.fixture
