@@ -267,6 +267,14 @@ async def test_hostile_socket_framing_is_bounded(tmp_path):  # type: ignore[no-u
     assert rss_kib(os.getpid()) - before < 32 * 1024
     th.join(5)
 
+    path.unlink()                                    # a socket that claims an older version mid-way
+    th = _serve_once(path, lambda conn: conn.sendall(hdr.pack(ord("V"), 4) + struct.pack("<I", 1)))
+    p = SupervisorExec(path, ["true"], env={}, cwd="/", stdin=None)
+    while await p.read() is not None:
+        pass
+    assert await p.wait() == 126 and "version hello" in (p.protocol_error or "")
+    th.join(5)
+
     path.unlink()
     th = _serve_once(path, lambda conn: None)        # closes at once, as a v1 init does on 'H'
     assert await anyio.to_thread.run_sync(probe_version, str(path)) == 1

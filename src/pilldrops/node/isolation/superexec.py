@@ -208,11 +208,8 @@ class SupervisorExec(OutputRelay):
             self._started.set()
             if self._killed:
                 self._kill_sync()
-            try:
-                typ, data = _read_frame(self._sock)
-            except EOFError:
-                raise ProtocolError("the sandbox's init closed the connection at the version hello: it "
-                                    f"speaks protocol 1, this agent {PROTO}") from None
+            # (EOF here is a lost connection, as anywhere: the runtime asked the init's version before)
+            typ, data = _read_frame(self._sock)
             if typ != ord("V") or _i32(data) < PROTO:
                 raise ProtocolError(f"the sandbox's init answered {chr(typ)!r} "
                                     f"{_i32(data) if typ == ord('V') else ''} to the version hello "
