@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from google.protobuf.message import DecodeError, Message
 from pilldrops import errors
 
 MAX_MESSAGE = 16 * 1024 * 1024
+log = logging.getLogger("pilldrops.envd")
 END_STREAM = 0x02
 COMPRESSED = 0x01
 _ENV = struct.Struct(">BI")
@@ -227,6 +229,10 @@ async def serve_rpc(method: Method, ctx: Any, headers: dict[str, str], receive: 
         except errors.PillDropsError as e:
             await send_unary_error(send, from_pilldrops(e))
             return
+        except Exception as e:  # noqa: BLE001
+            log.exception("envd call failed")
+            await send_unary_error(send, ConnectError("internal", f"{type(e).__name__}: {e}"[:500]))
+            return
         await send_response(send, 200, codec.encode(resp), codec.content_type)
         return
     if method.kind == CLIENT_STREAM:
@@ -279,5 +285,8 @@ async def _stream_answer(send: Send, codec: Codec, messages: AsyncIterator[Messa
             err = from_pilldrops(e)
         except TimeoutError:
             err = ConnectError("deadline_exceeded", "context deadline exceeded")
+        except Exception as e:  # noqa: BLE001 - a bug must still end the stream the way clients expect
+            log.exception("envd stream failed")
+            err = ConnectError("internal", f"{type(e).__name__}: {e}"[:500])
         await send({"type": "http.response.body", "body": end_stream(err), "more_body": False})
         tg.cancel_scope.cancel()
