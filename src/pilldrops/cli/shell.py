@@ -98,8 +98,9 @@ def run_terminal(url: str, headers: dict[str, str], sandbox_id: str, cmd: str | 
                 if ev.get("type") == "exit":
                     code = int(ev.get("exit_code") if ev.get("exit_code") is not None else 1)
                     break
-                if ev.get("type") == "error":
-                    raise from_wire(500, {"error": ev})
+                if ev.get("type") == "error":          # not fatal: e.g. input after the terminal closed
+                    sys.stderr.write(f"\r\npilldrops: {ev.get('message')}\r\n")
+                    sys.stderr.flush()
         except ConnectionClosed:
             pass
         finally:

@@ -151,12 +151,18 @@ async def terminal(ws: WebSocket, procs: Processes, t: Target) -> None:
                     if msg["type"] == "websocket.disconnect":
                         tg.cancel_scope.cancel()
                         return
-                    if msg.get("bytes"):
-                        data: bytes = msg["bytes"]
-                        for i in range(0, len(data), STDIN_CHUNK):
-                            await procs.write(m, data[i:i + STDIN_CHUNK])
-                    elif msg.get("text"):
-                        await control(procs, m, msg["text"])
+                    try:
+                        if msg.get("bytes"):
+                            data: bytes = msg["bytes"]
+                            for i in range(0, len(data), STDIN_CHUNK):
+                                await procs.write(m, data[i:i + STDIN_CHUNK])
+                        elif msg.get("text"):
+                            await control(procs, m, msg["text"])
+                    except errors.PillDropsError as e:      # e.g. input after EOF, a bad signal name
+                        await ws.send_text(json.dumps({"type": "error", **e.to_body()["error"]}))
+                    except ValueError as e:                 # a malformed control message
+                        await ws.send_text(json.dumps({"type": "error", "code": "invalid_request",
+                                                       "message": str(e)[:500]}))
             tg.start_soon(pump_in)
             with reader:
                 async for _kind, data in reader:
