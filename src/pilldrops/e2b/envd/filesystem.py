@@ -4,8 +4,9 @@ Watching is by polling, not inotify: a watcher lists the directory (to ``MAX_WAT
 recursive) every ``POLL_S`` seconds inside the sandbox and reports the difference as events: a new path is
 CREATE (plus WRITE when it already has content, as inotify would report the write), a changed size or
 mtime WRITE, a changed mode CHMOD, a missing path REMOVE. Changes within one poll coalesce, and a rename
-shows as REMOVE + CREATE. ``CreateWatcher`` watchers live in this control-plane process, at most
-``MAX_WATCHERS`` per sandbox, and are dropped after ``WATCHER_IDLE_S`` without a ``GetWatcherEvents``.
+shows as REMOVE + CREATE. A watched tree may hold at most ``MAX_WATCH_ENTRIES`` entries. ``CreateWatcher``
+watchers live in this control-plane process, at most ``MAX_WATCHERS`` per sandbox and ``MAX_WATCHERS_TOTAL``
+in all, and are dropped after ``WATCHER_IDLE_S`` without a ``GetWatcherEvents``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from pilldrops.e2b.envd.users import resolve
 
 POLL_S = 0.5
 MAX_WATCH_DEPTH = 16
-MAX_WATCHERS = 16
+MAX_WATCHERS = 16                  # per sandbox
+MAX_WATCHERS_TOTAL = 256           # in this control-plane process
+MAX_WATCH_ENTRIES = 10_000         # a watched tree larger than this is refused (each poll lists it whole)
 WATCHER_IDLE_S = 600.0
 MAX_PENDING_EVENTS = 10_000
 _TYPES = {"file": pb.FILE_TYPE_FILE, "dir": pb.FILE_TYPE_DIRECTORY, "symlink": pb.FILE_TYPE_SYMLINK}
@@ -110,6 +113,9 @@ class Watcher:
             raise ConnectError("not_found", f"path '{self.path}' does not exist") from None
         except errors.InvalidRequest:
             raise ConnectError("invalid_argument", f"path '{self.path}' is not a directory") from None
+        if len(listing["items"]) > MAX_WATCH_ENTRIES or listing.get("truncated"):
+            raise ConnectError("resource_exhausted", f"'{self.path}' holds more than {MAX_WATCH_ENTRIES} entries "
+                                                     "to watch")
         self.entries = {e["path"]: e for e in listing["items"]}
         return {e["path"]: (e["type"], int(e["size"]), float(e["mtime"]), int(e["mode"])) for e in listing["items"]}
 
@@ -175,6 +181,8 @@ async def create_watcher(ctx: Ctx, req: pb.CreateWatcherRequest) -> pb.CreateWat
     _reap()
     if sum(1 for sid, _ in _watchers.values() if sid == ctx.ref.id) >= MAX_WATCHERS:
         raise ConnectError("resource_exhausted", f"at most {MAX_WATCHERS} watchers per sandbox")
+    if len(_watchers) >= MAX_WATCHERS_TOTAL:
+        raise ConnectError("resource_exhausted", "too many watchers on this server; stop some")
     w = Watcher(ctx, _path(ctx, req.path), req.recursive, req.include_entry)
     await w.start()
     wid = secrets.token_hex(8)
