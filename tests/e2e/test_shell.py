@@ -79,6 +79,16 @@ def test_exec_it_and_background_logs(server, box, api):  # type: ignore[no-untyp
     out = api.get(f"/v1/sandboxes/{box}/processes/{pid}/output").raise_for_status().json()
     assert out["events"][0]["type"] in ("stdout", "stderr")
     assert api.get(f"/v1/sandboxes/{box}/fs/stat", params={"path": "/"}).json()["type"] == "dir"
+    # logs -f follows a running process to its end
+    bg = cli(server, "sandbox", "exec", "-d", box, "--", "sleep 4; for i in 1 2 3; do echo tick$i; sleep 0.3; done")
+    bg.expect(r"(\d+)")
+    pid = bg.match.group(1)
+    bg.expect(pexpect.EOF)
+    follow = cli(server, "sandbox", "logs", box, "--pid", pid, "-f")
+    follow.expect_exact("tick3")
+    follow.expect(pexpect.EOF)
+    follow.close()
+    assert follow.exitstatus == 0, follow.before
 
 
 def test_shell_unknown_sandbox_fails_cleanly(server):  # type: ignore[no-untyped-def]

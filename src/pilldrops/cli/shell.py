@@ -178,7 +178,7 @@ def _check(r: httpx.Response) -> None:
 @sandbox.command("logs")
 @click.argument("sandbox_id")
 @click.option("--pid", type=int, default=None, help="Only this process.")
-@click.option("--follow", "-f", is_flag=True, help="Keep printing what running processes write (one: --pid).")
+@click.option("--follow", "-f", is_flag=True, help="Then keep printing what it writes until it exits.")
 @pass_state
 def logs(state: CliState, sandbox_id: str, pid: int | None, follow: bool) -> None:
     """What the sandbox's background processes wrote.
@@ -209,10 +209,10 @@ def logs(state: CliState, sandbox_id: str, pid: int | None, follow: bool) -> Non
             for ev in body["events"]:
                 out.write(base64.b64decode(ev.get("data") or ""))
             out.flush()
-        if follow:
-            running = [p for p in procs if p["running"]]
+        running = [p for p in procs if p["running"]]
+        if follow and running:           # (nothing runs any more: what was kept is all there is)
             if len(running) != 1:
-                raise InvalidState("--follow needs exactly one running process (use --pid)")
+                raise InvalidState(f"--follow follows one process; {len(running)} run: pick one with --pid")
             with c.stream("GET", f"{base}/{running[0]['pid']}/events") as resp:
                 _check(resp)
                 for line in resp.iter_lines():
