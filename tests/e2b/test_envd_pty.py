@@ -41,6 +41,7 @@ def test_pty_kill_and_connect(e2b_debug):  # type: ignore[no-untyped-def]
     h2 = sb.pty.connect(h.pid)
     sb.pty.send_stdin(h.pid, b"echo again\n")
     assert sb.pty.kill(h.pid) is True
-    with pytest.raises(Exception):
+    from e2b import CommandExitException
+    with pytest.raises(CommandExitException):
         h2.wait()
     assert h.pid not in [p.pid for p in sb.commands.list()]

@@ -75,7 +75,7 @@ class FileOps:
         self.plane = plane
 
     async def _run(self, t: Target, script: str, *args: str, limit: int = 1024 * 1024) -> tuple[bytes, str, int]:
-        out, err, code = await self.plane._sh(t, script, *args, limit=limit)  # noqa: SLF001 - same layer
+        out, err, code = await self.plane._sh(t, script, *args, limit=limit)
         return out, err.decode(errors="replace").strip(), code
 
     async def stat(self, t: Target, path: str) -> FileEntry:

@@ -23,7 +23,12 @@ from pilldrops import errors
 from pilldrops.node.dataplane import Target
 from pilldrops.node.processes import STDIN_CHUNK, Managed, Processes, line, parse_signal
 from pilldrops.schema.processes import (
-    ProcessInfo, ProcessOutput, ProcessStartRequest, PtySize, ResizeRequest, SignalRequest,
+    ProcessInfo,
+    ProcessOutput,
+    ProcessStartRequest,
+    PtySize,
+    ResizeRequest,
+    SignalRequest,
 )
 
 MAX_STDIN_REQUEST = 1024 * 1024

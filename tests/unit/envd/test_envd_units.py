@@ -40,7 +40,7 @@ def receiver(chunks: list[bytes]):  # type: ignore[no-untyped-def]
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])] or [b""]
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)] or [b""]
 
 
 @settings(max_examples=50, deadline=None)

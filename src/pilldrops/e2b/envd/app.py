@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from pilldrops._internal.ids import same_secret
 from pilldrops.e2b.envd import filesystem, process
-from pilldrops.e2b.envd.connect import ConnectError, Method, Receive, Send, send_response, send_unary_error, serve_rpc
+from pilldrops.e2b.envd.connect import (
+    ConnectError,
+    Method,
+    Receive,
+    Send,
+    send_response,
+    send_unary_error,
+    serve_rpc,
+)
 from pilldrops.e2b.envd.files import serve_files
 from pilldrops.e2b.envd.process import Ctx
 from pilldrops.e2b.envd.users import user_from_header

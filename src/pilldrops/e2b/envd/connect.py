@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +229,7 @@ async def serve_rpc(method: Method, ctx: Any, headers: dict[str, str], receive: 
         except errors.PillDropsError as e:
             await send_unary_error(send, from_pilldrops(e))
             return
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("envd call failed")
             await send_unary_error(send, ConnectError("internal", f"{type(e).__name__}: {e}"[:500]))
             return
@@ -285,7 +285,7 @@ async def _stream_answer(send: Send, codec: Codec, messages: AsyncIterator[Messa
             err = from_pilldrops(e)
         except TimeoutError:
             err = ConnectError("deadline_exceeded", "context deadline exceeded")
-        except Exception as e:  # noqa: BLE001 - a bug must still end the stream the way clients expect
+        except Exception as e:
             log.exception("envd stream failed")
             err = ConnectError("internal", f"{type(e).__name__}: {e}"[:500])
         await send({"type": "http.response.body", "body": end_stream(err), "more_body": False})

@@ -51,9 +51,8 @@ def authorize(query: dict[str, str], headers: dict[str, str], token: str, op: st
     if not sig:
         raise HTTPError(401, "unauthorized access, please provide a valid access token or method signing")
     exp = query.get("signature_expiration")
-    if exp is not None:
-        if not exp.isdigit() or int(exp) < time.time():
-            raise HTTPError(401, "signature is expired")
+    if exp is not None and (not exp.isdigit() or int(exp) < time.time()):
+        raise HTTPError(401, "signature is expired")
     want = signature(query.get("path", ""), op, query.get("username", ""), token, exp)
     if not same_secret(sig, want):
         raise HTTPError(401, "invalid signature")
@@ -132,10 +131,10 @@ async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _raw_body(body: Body) -> AsyncIterator[bytes]:
-    while await body._fill():          # noqa: SLF001 - same package
-        if body._buf:                  # noqa: SLF001
-            chunk = bytes(body._buf)   # noqa: SLF001
-            body._buf.clear()          # noqa: SLF001
+    while await body._fill():
+        if body._buf:
+            chunk = bytes(body._buf)
+            body._buf.clear()
             yield chunk
     if body.disconnected:
         raise HTTPError(400, "the client went away during the upload")

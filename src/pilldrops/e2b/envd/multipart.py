@@ -49,7 +49,7 @@ class Part:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while not self.done:
-            chunk = await self._r._body_chunk(self)      # noqa: SLF001
+            chunk = await self._r._body_chunk(self)
             if chunk:
                 yield chunk
 
