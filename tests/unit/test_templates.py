@@ -101,8 +101,26 @@ def test_env_and_workdir_resolution(tmp_path: Path) -> None:
     assert workdir == "/later"
 
 
-def test_apt_mirror_is_a_url() -> None:
-    assert T.apt_mirror().startswith(("http://", "https://"))
+def test_apt_mirror_from_env_then_apt_sources_else_an_error_naming_the_variable(tmp_path: Path) -> None:
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    with pytest.raises(T.TemplateBuildError, match=T.MIRROR_ENV):
+        T.apt_mirror(env={}, apt_dir=apt)
+    (apt / "sources.list.d" / "other.sources").write_text("Types: deb\nURIs: http://mirror.invalid/vendor\n")
+    with pytest.raises(T.TemplateBuildError, match=T.MIRROR_ENV):        # not a Debian archive
+        T.apt_mirror(env={}, apt_dir=apt)
+    (apt / "sources.list").write_text("deb http://list.invalid/debian bookworm main\n")
+    assert T.apt_mirror(env={}, apt_dir=apt) == "http://list.invalid/debian"
+    (apt / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://sec.invalid/debian-security\n\nTypes: deb\nURIs: http://deb822.invalid/debian/\n")
+    assert T.apt_mirror(env={}, apt_dir=apt) == "http://deb822.invalid/debian"
+    assert T.apt_mirror(env={T.MIRROR_ENV: "http://env.invalid/debian/"}, apt_dir=apt) == "http://env.invalid/debian"
+
+
+def test_this_machines_apt_mirror_is_a_url() -> None:
+    if not any(Path("/etc/apt").glob("sources.list*")):
+        pytest.skip("this machine has no apt sources")
+    assert T.apt_mirror(env={}).startswith(("http://", "https://"))
 
 
 def test_copy_src_may_leave_the_spec_folder(tmp_path: Path) -> None:

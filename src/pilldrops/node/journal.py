@@ -7,11 +7,18 @@ No fsync, on purpose: the journal exists for agent restarts and crashes, which l
 cache intact, so a renamed file is always seen whole by the next agent. A host crash is the one case fsync
 would cover, and it kills every sandbox process anyway (the next agent finds no runtime state and reaps).
 Two fsyncs per create cost milliseconds on the hot path for no protection.
+
+Every record carries a format version (``version``), and so does the runtime handle inside it. Records
+written before versions existed have none and are read as version 1 (the same layout), so an upgraded agent
+re-adopts the sandboxes an older one started. A record of a newer version than this agent knows (a
+downgrade) is left on disk untouched and its sandbox is neither adopted nor reaped (``Journal.skipped``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +26,29 @@ from typing import Any, Literal
 
 from pilldrops.node.runtime.base import Handle
 
+log = logging.getLogger("pilldrops.node")
 Phase = Literal["creating", "running", "pausing", "paused", "resuming"]
+FORMAT_VERSION = 1           # of a journal entry; unversioned (older) entries are version 1
+HANDLE_FORMAT_VERSION = 1    # of the runtime handle stored in an entry; unversioned ones are version 1
+_HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(Handle))
+
+
+class NewerFormat(ValueError):
+    """A record written by a newer agent: this one cannot read it and must not act on it."""
+
+
+def handle_record(handle: Handle) -> dict[str, Any]:
+    """A runtime handle as it is persisted: its fields plus its format version."""
+    return {**asdict(handle), "version": HANDLE_FORMAT_VERSION}
+
+
+def handle_from_record(record: dict[str, Any], default_id: str) -> Handle:
+    if not record:
+        return Handle(id=default_id)
+    version = int(record.get("version", 1))
+    if version > HANDLE_FORMAT_VERSION:
+        raise NewerFormat(f"runtime handle format {version} (this agent reads up to {HANDLE_FORMAT_VERSION})")
+    return Handle(**{k: v for k, v in record.items() if k in _HANDLE_FIELDS})
 
 
 @dataclass
@@ -34,9 +63,19 @@ class Entry:
     run_s: float | None = None            # paused: running seconds so far (usage continues from here)
     checkpoint: str | None = None         # pausing/paused/resuming: the checkpoint's directory
     checkpoint_bytes: int | None = None
+    version: int = FORMAT_VERSION
 
     def runtime_handle(self) -> Handle:
-        return Handle(**self.handle) if self.handle else Handle(id=self.id)
+        return handle_from_record(self.handle, self.id)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Entry:
+        version = int(record.get("version", 1))
+        if version > FORMAT_VERSION:
+            raise NewerFormat(f"journal entry format {version} (this agent reads up to {FORMAT_VERSION})")
+        entry = cls(**{**record, "version": version})
+        entry.runtime_handle()          # a newer handle format is refused here, before anything acts on it
+        return entry
 
 
 def boot_id() -> str:
@@ -52,6 +91,7 @@ class Journal:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.skipped: set[str] = set()   # sandbox/runtime ids of records the last ``entries()`` left (newer)
 
     def _path(self, sandbox_id: str) -> Path:
         return self.dir / f"{sandbox_id}.json"
@@ -68,9 +108,15 @@ class Journal:
 
     def entries(self) -> list[Entry]:
         out = []
+        self.skipped = set()
         for p in sorted(self.dir.glob("*.json")):
             try:
-                out.append(Entry(**json.loads(p.read_text())))
+                record = json.loads(p.read_text())
+                out.append(Entry.from_record(record))
+            except NewerFormat as exc:
+                log.error("journal record %s left alone: %s", p.name, exc)
+                handle = record.get("handle") if isinstance(record.get("handle"), dict) else {}
+                self.skipped |= {p.stem, str(handle.get("id") or p.stem)}
             except (OSError, ValueError, TypeError):
                 p.unlink(missing_ok=True)   # a torn write of an intent: nothing was created from it yet
         return out

@@ -1,5 +1,5 @@
 """Warm pools on one node: per (template, vcpu, memory_mb), ``size`` ready sandboxes that a create of that
-shape claims instead of booting one (ARCHITECTURE.md, issue 5).
+shape claims instead of booting one (issue 5).
 
 - A member is a sandbox made exactly like a cold one (own overlay, cgroup, namespaces, machine-id and
   hostname) that belongs to nobody yet: no deadline, no journal entry, never billed (billing starts at
@@ -203,7 +203,7 @@ class WarmPools:
         with anyio.CancelScope(shield=True):
             try:
                 await self.runtime.destroy(handle)
-            except Exception:  # noqa: BLE001 - a restarted agent reaps it as unrecorded
+            except Exception:  # a restarted agent reaps it as unrecorded
                 log.exception("destroying pool member %s failed", handle.id)
 
     async def close(self) -> None:

@@ -18,7 +18,8 @@ deletions stay as overlay whiteouts (char 0/0) that keep working when the layer 
 Layers live at ``<data_dir>/templates/<name>/<hash>/{layer,manifest.json}``; the hash covers the spec,
 copied files and the parent's hash, so any change rebuilds. A build happens in a temp dir renamed into
 place at the end (a crash never leaves a half template visible), under a per-template file lock.
-Building needs root (chroot, mount).
+Building needs root (chroot, mount). The ``debootstrap`` builder fetches from the Debian mirror named by
+``$PILLDROPS_APT_MIRROR``, else from the one this machine's apt sources use (``apt_mirror``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umoun
 BUILDERS = ("busybox", "debootstrap")
 BUILDER_VERSION = "1"          # bump to force rebuilds when builder code changes its output
 SPEC_DIR = Path(__file__).resolve().parent.parent / "templates"
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
+MIRROR_ENV = "PILLDROPS_APT_MIRROR"     # the Debian mirror for debootstrap, when apt's sources name none
+APT_SOURCES = Path("/etc/apt")
 DEFAULT_SUITE = "bookworm"
 BUILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -205,24 +207,40 @@ def spec_hash(spec: TemplateSpec, parent_hash: str) -> str:
     return h.hexdigest()[:16]
 
 
-def apt_mirror() -> str:
-    """The Debian mirror this machine's apt uses (deb822 sources first), else deb.debian.org."""
-    src = Path("/etc/apt/sources.list.d/debian.sources")
-    if src.exists():
-        for line in src.read_text().splitlines():
+def apt_mirror(env: dict[str, str] | None = None, apt_dir: Path | None = None) -> str:
+    """The Debian mirror to debootstrap from: ``$PILLDROPS_APT_MIRROR`` if set, else the one this machine's
+    apt uses (deb822 ``debian.sources`` first, then other ``*.sources`` and ``sources.list`` files; security
+    archives skipped). With neither, a ``TemplateBuildError`` says which variable to set."""
+    env = os.environ if env is None else env
+    if env.get(MIRROR_ENV):
+        return env[MIRROR_ENV].rstrip("/")
+    apt = apt_dir or APT_SOURCES
+    d = apt / "sources.list.d"
+    deb822 = sorted(d.glob("*.sources"), key=lambda p: (p.name != "debian.sources", p.name)) if d.is_dir() else []
+    for src in deb822:
+        for line in _read(src).splitlines():
             if line.startswith("URIs:"):
                 for uri in line.split()[1:]:
-                    if not uri.rstrip("/").endswith("-security"):
-                        return uri.rstrip("/")
-    lst = Path("/etc/apt/sources.list")
-    if lst.exists():
-        for line in lst.read_text().splitlines():
+                    uri = uri.rstrip("/")
+                    if not uri.endswith("-security") and (src.name == "debian.sources" or uri.endswith("/debian")):
+                        return uri
+    lists = [apt / "sources.list", *(sorted(d.glob("*.list")) if d.is_dir() else [])]
+    for lst in lists:
+        for line in _read(lst).splitlines():
             parts = line.split()
-            if len(parts) >= 3 and parts[0] == "deb" and "security" not in parts[1]:
+            if len(parts) >= 3 and parts[0] == "deb" and "security" not in line:
                 uri = next((p for p in parts[1:] if "://" in p), None)
-                if uri:
+                if uri and (lst.name == "sources.list" or uri.rstrip("/").endswith("/debian")):
                     return uri.rstrip("/")
-    return DEFAULT_MIRROR
+    raise TemplateBuildError(f"no Debian mirror: this machine's apt sources ({apt}) name none; set {MIRROR_ENV} "
+                             f"to the URL of a Debian mirror (the one apt-get would use)")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 # -- build helpers ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The CRIU userland for checkpoint/restore (issue 6, isolation.md §3.4, §10.4) and how commands run in it.
+"""The CRIU userland for checkpoint/restore (issue 6) and how commands run in it.
 
 Debian 12's crun 1.8.1 has no ``checkpoint`` command and its criu 3.17.1 fails ``criu check`` on this
 kernel (``vdso: Unexpected rt vDSO area bounds``). ``scripts/install-criu`` therefore debootstraps a Debian

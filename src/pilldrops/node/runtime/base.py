@@ -3,7 +3,7 @@
 The agent never knows which driver it holds. A driver owns everything about *how* a sandbox is isolated
 (rootfs, cgroups, namespaces, seccomp); the agent owns *what* runs and when (deadlines, caps, journal).
 
-Contract every driver keeps (tests/unit/test_runtime_contract.py runs it on each):
+Contract every driver keeps (``tests/contract/`` runs it on each runtime in its ``RUNTIMES`` registry):
 - ``create`` returns only once the sandbox's init is running; on any failure it leaves nothing behind
   and raises ``RuntimeFailure``.
 - Sandbox processes are never children of the agent: killing the agent leaves them running.

@@ -1,4 +1,4 @@
-"""The crun runtime: rootful OCI sandboxes on this host (ARCHITECTURE.md §4, isolation.md §3, §10.2).
+"""The crun runtime: rootful OCI sandboxes on this host (the production runtime).
 
 Each instance uses its own ``crun --root <state_dir>/crun`` and its own cgroup parent
 ``pilldrops-<name>``, so several agents or test sessions never see each other's sandboxes. Per sandbox::

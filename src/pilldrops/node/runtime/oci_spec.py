@@ -1,6 +1,6 @@
 """Pure builder of a sandbox's OCI runtime spec (config.json) for crun. No I/O.
 
-What a sandbox gets (ARCHITECTURE.md §3 step 3): pid/mount/network(lo only)/ipc/uts/cgroup namespaces,
+What a sandbox gets: pid/mount/network(lo only)/ipc/uts/cgroup namespaces,
 a cgroup under ``/<cgroup_parent>/<id>`` with cpu quota = vcpu, memory = memory_mb (no swap) and a pids
 limit, Docker's default capabilities minus NET_RAW and MKNOD, ``noNewPrivileges``, a default-allow seccomp
 profile denying the kernel-admin / namespace / introspection syscalls, the masked and read-only /proc and
@@ -10,7 +10,6 @@ profile denying the kernel-admin / namespace / introspection syscalls, the maske
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 from typing import Any
 

@@ -1,0 +1,266 @@
+"""Checkpoint transfer: pause a running sandbox into an image on this node's disk, resume it from that image
+or from one fetched from the node that paused it (a move), serve an image to another node, and drop one.
+
+States (``states.py``): running → pausing → paused (or back to running when the checkpoint fails and the
+sandbox still runs); paused → resuming → running (or back to paused when the restore fails; a fetched copy
+is dropped instead, the source node's image stays the sandbox's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import httpx
+
+from pilldrops import errors
+from pilldrops.node.journal import Journal
+from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
+from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
+from pilldrops.node.states import NodeState
+from pilldrops.node.template_cache import TemplateCache
+from pilldrops.schema.api import EndReason
+from pilldrops.schema.node import NodeResume, NodeSandboxStatus
+
+log = logging.getLogger("pilldrops.node")
+_TAR = ["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*"]
+
+
+class RecordEnd(Protocol):
+    def __call__(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
+                 started_mono: float | None = None, run_s: float | None = None) -> NodeSandboxStatus: ...
+
+
+def drop_image(path: str | Path | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def image_size(image: Path) -> int:
+    return sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+class Checkpoints:
+    def __init__(self, sandboxes: Sandboxes, journal: Journal, runtime: Runtime, templates: TemplateCache,
+                 directory: Path, *, node_name: str, http: httpx.AsyncClient, create_slots: anyio.Semaphore,
+                 record_end: RecordEnd, now: Callable[[], datetime]) -> None:
+        self.sandboxes = sandboxes
+        self.journal = journal
+        self.runtime = runtime
+        self.templates = templates
+        self.dir = directory
+        self.node_name = node_name
+        self._http = http
+        self._create_slots = create_slots
+        self._record_end = record_end
+        self.now = now
+
+    def _paused(self, sandbox_id: str) -> Sandbox | None:
+        """The sandbox whose image is here (paused, or resuming from it)."""
+        sb = self.sandboxes.get(sandbox_id)
+        ok = sb is not None and sb.image is not None and sb.state in (NodeState.paused, NodeState.resuming)
+        return sb if ok else None
+
+    # ---- pause ----------------------------------------------------------------------------------------
+
+    async def pause(self, sb: Sandbox) -> NodeSandboxStatus:
+        """Checkpoint a running sandbox to this node's disk: its processes and cgroup are gone afterwards.
+        Commands in flight end first (their runs report ``paused``). On failure it keeps running."""
+        sid = sb.id
+        async with sb.op:
+            if not self.sandboxes.is_current(sb, NodeState.running):
+                raise errors.InvalidState(f"sandbox {sid} ended before it could be paused",
+                                          current="stopped", target="paused")
+            assert sb.target is not None and sb.started_mono is not None
+            target = sb.target
+            self.sandboxes.move(sb, NodeState.pausing)
+            await target.end_commands()
+            run_s, _ = usage_point(sb.started_mono)
+            left = max(0.0, (sb.end_at - self.now()).total_seconds())   # the same instant as run_s
+            path = self.dir / sid
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
+            self.journal.write(sb.journal_entry())                      # phase "pausing"
+            try:
+                size = await self.runtime.checkpoint(target.handle, path)
+            except Exception as exc:  # whatever failed, find out what is left
+                target.pausing = False
+                state = await self._state_quietly(target.handle)
+                if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
+                    sb.image = None
+                    self.sandboxes.move(sb, NodeState.running)
+                    self.journal.write(sb.journal_entry())
+                    drop_image(path)
+                    raise errors.ServerError(f"pausing {sid} failed (it keeps running): {exc}") from exc
+                # its processes are gone (the dump happened, then something after it failed): what the image
+                # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
+                log.exception("pausing %s failed after its processes were gone", sid)
+                if not any(path.iterdir()):
+                    self.sandboxes.move(sb, NodeState.gone)
+                    self.journal.remove(sid)
+                    drop_image(path)
+                    self._record_end(sid, EndReason.exited, started_at=sb.started_at, run_s=run_s)
+                    raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
+                size = image_size(path)
+            sb.image.size = size
+            sb.target, sb.started_mono = None, None
+            self.sandboxes.move(sb, NodeState.paused)
+            self.journal.write(sb.journal_entry())
+        log.info("paused sandbox %s (%d bytes)", sid, size)
+        return sb.status()
+
+    async def _state_quietly(self, handle: Handle) -> str:
+        try:
+            return (await self.runtime.state(handle)).status
+        except Exception:
+            log.exception("state of %s", handle.id)
+            return "unknown"
+
+    # ---- resume ---------------------------------------------------------------------------------------
+
+    async def resume(self, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
+        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``."""
+        sb = self.sandboxes.get(sandbox_id)
+        # a move (source_url) always takes the source's copy: one left here from an earlier pause is stale
+        if sb is not None and sb.state is NodeState.paused and body.source_url:
+            self.sandboxes.move(sb, NodeState.gone)
+            self.journal.remove(sandbox_id)
+            drop_image(sb.image.path if sb.image else None)
+            sb = None
+        if sb is None:
+            if not body.source_url:
+                raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
+            sb = self.sandboxes.add(Sandbox(body.spec, NodeState.resuming))
+            fetched = True
+        else:
+            self.sandboxes.move(sb, NodeState.resuming)
+            fetched = False
+        try:
+            if fetched:
+                sb.image = await self._fetch(sandbox_id, body)
+            image = sb.image
+            assert image is not None
+            spec = body.spec.model_copy(update={"end_at": self.now() + timedelta(seconds=body.timeout_s)})
+            rt_spec = self.templates.runtime_spec(spec)
+            if image.runtime_id and image.runtime_id != rt_spec.id:   # a claimed pool member keeps its name
+                rt_spec = dataclasses.replace(rt_spec, id=image.runtime_id,
+                                              hostname=image.runtime_id.replace("_", "-"))
+            self.journal.write(sb.journal_entry())                 # phase "resuming"
+            try:
+                async with self._create_slots:
+                    handle = await self.runtime.restore(rt_spec, image.path)
+            except RuntimeFailure as exc:
+                raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
+            target = self.templates.target(spec, handle)
+        except BaseException:
+            if fetched:     # a copy: the source node's checkpoint stays the sandbox's, this one goes
+                self.sandboxes.move(sb, NodeState.gone)
+                self.journal.remove(sandbox_id)
+                drop_image(sb.image.path if sb.image else None)
+            else:
+                self.sandboxes.move(sb, NodeState.paused)
+                self.journal.write(sb.journal_entry())
+            raise
+        sb.spec, sb.target, sb.image = spec, target, None
+        sb.started_at = sb.started_at or self.now()
+        sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)
+        self.sandboxes.move(sb, NodeState.running)
+        self.journal.write(sb.journal_entry())
+        drop_image(image.path)
+        log.info("resumed sandbox %s", sandbox_id)
+        return sb.status()
+
+    async def _fetch(self, sandbox_id: str, body: NodeResume) -> Image:
+        """Copy a checkpoint from the node that paused it (same node token), as a tar stream with xattrs
+        (the writable layer's overlay whiteouts and opaque dirs)."""
+        path = self.dir / sandbox_id
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        ok = False
+        try:
+            tar = await anyio.open_process([*_TAR, "-x", "-f", "-", "-C", str(path)], stdin=subprocess.PIPE,
+                                           stderr=subprocess.PIPE)
+            async with tar:
+                assert tar.stdin is not None
+                url = f"{body.source_url}/node/v1/sandboxes/{sandbox_id}/checkpoint"
+                async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=5.0)) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise errors.from_wire(resp.status_code, _json_or_none(resp))
+                    runtime_id = resp.headers.get("x-pilldrops-runtime-id") or sandbox_id
+                    async for chunk in resp.aiter_bytes():
+                        await tar.stdin.send(chunk)
+                await tar.stdin.aclose()
+                code = await tar.wait()
+            if code != 0:
+                raise errors.ServerError(f"unpacking the checkpoint of {sandbox_id} failed (tar exit {code})")
+            ok = True
+            return Image(path, body.run_s, image_size(path), runtime_id)
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"fetching the checkpoint of {sandbox_id} failed: {exc!r}") from exc
+        finally:
+            if not ok:
+                drop_image(path)
+
+    # ---- serving and dropping images --------------------------------------------------------------------
+
+    def runtime_id_of(self, sandbox_id: str) -> str:
+        sb = self._paused(sandbox_id)
+        return sb.runtime_id if sb else sandbox_id
+
+    async def export(self, sandbox_id: str) -> AsyncIterator[bytes]:
+        """The checkpoint as a tar stream (for another node resuming it). The copy here stays until the
+        control plane says the move is done (``forget``)."""
+        sb = self._paused(sandbox_id)
+        if sb is None or sb.image is None:
+            raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
+        proc = await anyio.open_process([*_TAR, "-c", "-f", "-", "-C", str(sb.image.path), "."],
+                                        stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        async def stream() -> AsyncIterator[bytes]:
+            async with proc:
+                assert proc.stdout is not None
+                try:
+                    async for chunk in proc.stdout:
+                        yield chunk
+                    if await proc.wait() != 0:   # abort the response: the receiver sees a broken transfer
+                        raise RuntimeError(f"packing the checkpoint of {sandbox_id} failed (tar exit "
+                                           f"{proc.returncode})")
+                finally:
+                    if proc.returncode is None:
+                        proc.kill()
+        return stream()
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop a checkpoint that now lives on another node. No end is recorded: the sandbox lives on."""
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.state is not NodeState.paused:
+            raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
+        self.sandboxes.move(sb, NodeState.gone)
+        self.journal.remove(sandbox_id)
+        drop_image(sb.image.path if sb.image else None)
+        log.info("dropped checkpoint of %s (moved to another node)", sandbox_id)
+
+    def end_paused(self, sb: Sandbox, reason: EndReason) -> NodeSandboxStatus:
+        """A paused sandbox ends (killed, or its paused retention ran out): its image goes."""
+        self.sandboxes.move(sb, NodeState.gone)
+        self.journal.remove(sb.id)
+        drop_image(sb.image.path if sb.image else None)
+        run_s = sb.image.run_s if sb.image else 0.0
+        return self._record_end(sb.id, reason, started_at=sb.started_at, run_s=run_s)
