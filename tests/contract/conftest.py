@@ -43,6 +43,7 @@ class RuntimeCase:
 
     name: ClassVar[str]
     restores_processes: ClassVar[bool] = True    # checkpoint/restore keeps processes (not only files)
+    terminals: ClassVar[bool] = False            # exec(pty=(rows, cols)) runs the command on a real PTY
 
     @staticmethod
     def unavailable() -> str | None:
@@ -146,6 +147,7 @@ class FakeCase(RuntimeCase):
 
 class CrunCase(RuntimeCase):
     name = "crun"
+    terminals = True
 
     @staticmethod
     def unavailable() -> str | None:

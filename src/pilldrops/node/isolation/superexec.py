@@ -267,8 +267,8 @@ class SupervisorExec(OutputRelay):
                         put(chunk)
             with self._lock:
                 self._sock.sendall(HDR.pack(ord("E"), 0))
-        except Exception:  # noqa: BLE001, S110 - connection closed (command done or killed) or loop gone
-            pass
+        except BaseException:  # noqa: BLE001, S110 - connection closed (command done or killed), loop gone or
+            pass                   # shutting down (a CancelledError from a stdin source nobody closed)
 
     def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
         """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
