@@ -219,6 +219,20 @@ async def test_version_hello_and_old_init_fallback(env, runtime):  # type: ignor
     p = await runtime.exec(h, ["true"], env={}, cwd=None)
     assert isinstance(p, SupervisorExec)
     await p.wait()
+    # an agent that speaks only protocol 1 (no hello) still gets served by this init, as v1: no 'V' answer
+    def v1_agent() -> list[tuple[int, bytes]]:
+        from pilldrops.node.isolation.superexec import HDR, encode_request
+        frames = []
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(Path(h.bundle) / "pd" / "ctl"))
+            s.sendall(encode_request(["echo", "old-agent"], {"PATH": "/bin"}, "/", stdin=False, hello=False))
+            while not frames or frames[-1][0] != ord("X"):
+                typ, n = HDR.unpack(s.recv(HDR.size, socket.MSG_WAITALL))
+                frames.append((typ, s.recv(n, socket.MSG_WAITALL) if n else b""))
+        return frames
+    frames = await anyio.to_thread.run_sync(v1_agent)
+    assert [chr(t) for t, _ in frames] == ["P", "O", "X"] and frames[1][1] == b"old-agent\n"
     # an init that speaks only protocol 1 (an older build): plain commands go through crun exec, PTYs refuse
     runtime._proto[h.id] = (h.pid, h.pid_start_time, 1)
     p = await runtime.exec(h, ["echo", "v1"], env={}, cwd=None)
