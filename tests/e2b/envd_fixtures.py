@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,17 +160,13 @@ def envd_no_leaks(envd_up: UpRef) -> Iterator[None]:
 
 @dataclass
 class _Link:
-    """What the E2B router's ``NodeLink`` offers envd: calls to the sandbox's node data-plane routes."""
+    """Until the E2B router's ``pilldrops.e2b.context.NodeLink`` is there: the same calls to the sandbox's
+    node data-plane routes."""
 
     url: str
     sandbox_id: str
     access_token: str
-    http: Any = None
-
-    def _client(self) -> httpx.AsyncClient:
-        if self.http is None:                     # made in the serving thread's event loop
-            self.http = httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5))
-        return self.http
+    http: httpx.AsyncClient
 
     def _args(self, path: str, headers: dict[str, str] | None) -> tuple[str, dict[str, str]]:
         return f"{self.url}/v1/sandboxes/{self.sandbox_id}{path}", {**(headers or {}),
@@ -179,24 +175,20 @@ class _Link:
     async def request(self, method: str, path: str, *, params: Any = None, headers: Any = None, content: Any = None,
                       json: Any = None, timeout: float | None = 60.0) -> httpx.Response:
         url, hdrs = self._args(path, headers)
-        return await self._client().request(method, url, params=params, headers=hdrs, content=content, json=json,
-                                            timeout=httpx.Timeout(timeout, connect=5))
+        return await self.http.request(method, url, params=params, headers=hdrs, content=content, json=json,
+                                       timeout=httpx.Timeout(timeout, connect=5))
 
-    def stream(self, method: str, path: str, *, params: Any = None, headers: Any = None, content: Any = None,
-               timeout: float | None = None) -> Any:
-        from contextlib import asynccontextmanager
-
-        @asynccontextmanager
-        async def cm():  # type: ignore[no-untyped-def]
-            url, hdrs = self._args(path, headers)
-            req = self._client().build_request(method, url, params=params, headers=hdrs, content=content,
-                                               timeout=httpx.Timeout(timeout, connect=5))
-            resp = await self._client().send(req, stream=True)
-            try:
-                yield resp
-            finally:
-                await resp.aclose()
-        return cm()
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, path: str, *, params: Any = None, headers: Any = None, content: Any = None,
+                     timeout: float | None = None) -> AsyncIterator[httpx.Response]:
+        url, hdrs = self._args(path, headers)
+        req = self.http.build_request(method, url, params=params, headers=hdrs, content=content,
+                                      timeout=httpx.Timeout(timeout, connect=5))
+        resp = await self.http.send(req, stream=True)
+        try:
+            yield resp
+        finally:
+            await resp.aclose()
 
 
 @dataclass(frozen=True)
@@ -245,19 +237,30 @@ def envd(envd_up: UpRef, envd_no_leaks: None) -> Iterator[Envd]:
     api = httpx.Client(base_url=envd_up.api_url, headers={"Authorization": f"Bearer {envd_up.api_key}"},
                        timeout=60)
     info = api.post("/v1/sandboxes", json={"template": "base", "timeout": 600}).raise_for_status().json()
-    link = _Link(info["envd_url"], info["id"], info["access_token"])
-    ref = _Ref(id=info["id"], e2b_id=info["id"].replace("_", ""), team_id="", template="base",
-               access_token=info["access_token"], envs={}, workdir=None, node=link)
     envd_app = make_envd_app(None)
     seen: list[dict[str, str]] = []
+    made: list[Any] = []
+
+    def ref() -> Any:
+        """The router's own SandboxRef and NodeLink when they are there, made in the serving loop."""
+        if not made:
+            try:
+                from pilldrops.e2b.context import NodeLink, SandboxRef
+            except ImportError:
+                NodeLink, SandboxRef = _Link, _Ref  # noqa: N806
+            link = NodeLink(info["envd_url"], info["id"], info["access_token"],
+                            httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5)))
+            made.append(SandboxRef(id=info["id"], e2b_id=info["id"].replace("_", ""), team_id="", template="base",
+                                   access_token=info["access_token"], envs={}, workdir=None, node=link))
+        return made[0]
 
     async def router(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
             seen.append({"path": scope["path"], **headers})
             if headers.get("e2b-sandbox-id") == "debug_sandbox_id" and "x-access-token" not in headers:
-                scope["headers"] = [*scope["headers"], (b"x-access-token", ref.access_token.encode())]
-            scope["state"] = {**(scope.get("state") or {}), "e2b_sandbox": ref}
+                scope["headers"] = [*scope["headers"], (b"x-access-token", info["access_token"].encode())]
+            scope["state"] = {**(scope.get("state") or {}), "e2b_sandbox": ref()}
         await envd_app(scope, receive, send)
 
     url, server, th = _serve(router)
