@@ -60,6 +60,8 @@ class Stack:
     key: str
     team_id: str
     others: list[tuple[NodeAgent, FakeRuntime]] = field(default_factory=list)   # extra nodes (nodes=N)
+    # routes by host to the control plane (http://cp) and the nodes: what an SDK client is given
+    transport: httpx.AsyncBaseTransport | None = None
 
     def client(self, key: str | None = None, **kw: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key if key is not None else self.key}"} if (key or self.key) else {}
@@ -104,7 +106,7 @@ async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb
             with anyio.fail_after(10):
                 for agent, _ in agents:
                     await agent.wait_registered()
-            yield Stack(cp, agents[0][0], agents[0][1], secret, team_id, agents[1:])
+            yield Stack(cp, agents[0][0], agents[0][1], secret, team_id, agents[1:], transport=transport)
             for agent, _ in agents:
                 await agent.shutdown()
             tg.cancel_scope.cancel()

@@ -46,6 +46,9 @@ def test_server_layers_point_down() -> None:
                                                             "pilldrops.server.api", "httpx", "fastapi"))}, p
     for p in modules("server/service"):
         assert not {m for m in imports(p) if m.startswith("pilldrops.server.api")}, p
+        # services are written against the store interface (Protocols), not the tables or the SQL store
+        assert not {m for m in imports(p) if m.startswith(("pilldrops.server.store.models",
+                                                            "pilldrops.server.store.sql", "sqlalchemy"))}, p
 
 
 def test_cli_imports_server_and_node_lazily() -> None:

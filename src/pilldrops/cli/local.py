@@ -159,7 +159,7 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
 @click.option("--node-name", default=None, help="name of the embedded node [default: hostname]")
 @click.option("--capacity-vcpu", type=float, default=None,
-              help="vCPU the node offers to the scheduler [default: cores × 64, sandbox CPU limits are caps]")
+              help="vCPU the node offers to the scheduler [default: cores × 512, sandbox CPU limits are caps]")
 @click.option("--capacity-memory-mb", type=int, default=None, help="MiB the node offers [default: RAM × 32]")
 @_templates_dir_option
 @_control_plane_options
@@ -304,7 +304,7 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
 @click.option("--port", default=7071, show_default=True, type=int)
 @click.option("--public-url", default=None, help="URL clients use to reach this node [default: http://host:port]")
 @click.option("--name", default=None, help="node name [default: hostname]")
-@click.option("--capacity-vcpu", type=float, default=None, help="vCPU offered [default: cores × 64]")
+@click.option("--capacity-vcpu", type=float, default=None, help="vCPU offered [default: cores × 512; sandbox CPU limits are caps]")
 @click.option("--capacity-memory-mb", type=int, default=None, help="MiB offered [default: RAM × 32]")
 @_data_dir_option
 @click.option("--templates", "template_names", default="", help="comma-separated templates to build first")

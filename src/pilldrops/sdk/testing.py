@@ -10,18 +10,23 @@ Example::
     with Sandbox.create(**fake.client_options()) as sb:      # api_url, api_key and transport
         assert float(sb.run("python /env/episode.py").stdout) == 0.75
 
-It implements the REST contract of ``docs/api.md`` (sandboxes, run as NDJSON, archive, files, keys,
-templates, whoami, history, usage, rates, credits) with a tiny simulated shell: ``echo [-n]``, ``printf``, ``cat``, ``exit N``, ``true``,
+It implements the REST contract of ``docs/api.md`` (sandboxes, batch create, pause and resume, run as
+NDJSON, archive, files, keys, templates, pools, whoami, history, usage, rates, credits) with a tiny simulated
+shell: ``echo [-n]``, ``printf``, ``cat``, ``exit N``, ``true``,
 ``false``, ``pwd``, ``ls``, ``mkdir -p``, ``printenv``, ``sleep N`` (honours the run ``timeout``), joined
 by ``;``, ``&&`` or ``||``, with ``>&2`` and ``> file``. Register your own commands with
 :meth:`FakeControlPlane.on_command`; inject failures with :meth:`FakeControlPlane.fail_next`.
 Thread-safe; the same handler serves sync and async clients.
 
 Usage accrues deterministically on the fake clock (:meth:`FakeControlPlane.advance`): a sandbox's running
-seconds are ``(ended_at or now, capped at end_at) - started_at``; ``vcpu_s``, ``gb_s`` and ``cost_usd``
-follow from ``vcpu``, ``memory_mb`` and :attr:`FakeControlPlane.rates` (``storage_gb_s`` stays whatever a
-test set, as the fake has no pause). The team starts with ``credits_usd`` (default $5.00, None for
-unlimited); when the balance reaches zero, create answers 402 ``insufficient_credits``.
+seconds are ``(ended_at or now, capped at end_at) - started_at`` minus its paused time; ``vcpu_s``, ``gb_s``
+and ``cost_usd`` follow from ``vcpu``, ``memory_mb`` and :attr:`FakeControlPlane.rates`, and
+``storage_gb_s`` is its checkpoint's GiB x paused seconds (a pause keeps the files, its checkpoint is
+``CHECKPOINT_BASE_BYTES`` plus their size). The team starts with ``credits_usd`` (default $5.00, None for
+unlimited); when the balance reaches zero, create answers 402 ``insufficient_credits``. Pools are kept as
+configured and reported full at once (one fake node with ``size`` ready members).
+
+``tests/contract/sdk`` runs the same SDK tests against this fake and the real control plane.
 """
 
 from __future__ import annotations
@@ -58,13 +63,20 @@ from pilldrops.errors import (
     TemplateNotFound,
 )
 from pilldrops.schema.api import (
+    BatchCreateRequest,
+    BatchCreateResponse,
+    BatchItem,
     CreateSandboxRequest,
     EndReason,
+    ErrorInfo,
     FileInfo,
     HistoryRecord,
     KeyCreated,
     KeyCreateRequest,
     KeyInfo,
+    PauseInterval,
+    PoolInfo,
+    PoolSetRequest,
     Rates,
     RunRequest,
     SandboxInfo,
@@ -79,6 +91,7 @@ __all__ = ["CommandContext", "FakeControlPlane", "FakeResult", "FakeSandbox"]
 #: Default rates of docs/api.md; a month of storage is 30 days here.
 DEFAULT_RATES = Rates(vcpu_s_usd=0.0000140, gb_s_usd=0.0000045, storage_gb_month_usd=0.15)
 SECONDS_PER_MONTH = 30 * 86_400
+CHECKPOINT_BASE_BYTES = 1 << 20     # a paused fake sandbox's checkpoint: this plus its files
 
 
 @dataclass
@@ -118,6 +131,8 @@ class FakeSandbox:
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp", "/home", "/home/user"})
     links: dict[str, str] = field(default_factory=dict)
     seq: int = 0
+    pauses: list[PauseInterval] = field(default_factory=list)   # closed paused intervals, then the open one
+    paused_s: float = 0.0                                       # closed paused intervals, in seconds
 
     # -------------------------------------------------------------------------------- filesystem
     def exists(self, path: str) -> bool:
@@ -187,6 +202,11 @@ def _norm(path: str, cwd: str = "/") -> str:
     return posixpath.normpath(posixpath.join(cwd, path)) if path else cwd
 
 
+def _storage(checkpoint_bytes: int, seconds: float) -> float:
+    """Storage GiB-seconds of a checkpoint kept for ``seconds``."""
+    return max(0, checkpoint_bytes) / 1024**3 * max(0.0, seconds)
+
+
 def _bytes(v: bytes | str) -> bytes:
     return v.encode() if isinstance(v, str) else v
 
@@ -225,6 +245,7 @@ class FakeControlPlane:
         self._commands: list[tuple[re.Pattern[str], CommandHandler]] = []
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self.pools: dict[tuple[str, float, int], PoolInfo] = {}
         self._add_key("default", api_key)
         self.transport = httpx.MockTransport(self)
 
@@ -362,16 +383,44 @@ class FakeControlPlane:
         if info.started_at is None:
             return info
         end = info.ended_at or self._now
-        if info.end_at is not None:
+        if info.paused_at is not None:
+            end = min(end, info.paused_at)
+        elif info.end_at is not None:
             end = min(end, info.end_at)
-        running_s = max(0.0, (end - info.started_at).total_seconds())
+        running_s = max(0.0, (end - info.started_at).total_seconds() - sb.paused_s)
         vcpu_s = info.vcpu * running_s
         gb_s = info.memory_mb / 1024 * running_s
+        storage = sum(p.storage_gb_s for p in sb.pauses)
+        if info.paused_at is not None:           # the open interval, so far
+            storage += _storage(info.checkpoint_bytes or 0, (self._now - info.paused_at).total_seconds())
         r = self.rates
-        cost = (vcpu_s * r.vcpu_s_usd + gb_s * r.gb_s_usd
-                + info.storage_gb_s * r.storage_gb_month_usd / SECONDS_PER_MONTH)
-        sb.info = info.model_copy(update={"vcpu_s": vcpu_s, "gb_s": gb_s, "cost_usd": cost})
+        cost = (vcpu_s * r.vcpu_s_usd + gb_s * r.gb_s_usd + storage * r.storage_gb_month_usd / SECONDS_PER_MONTH)
+        sb.info = info.model_copy(update={"vcpu_s": vcpu_s, "gb_s": gb_s, "storage_gb_s": storage,
+                                          "cost_usd": cost})
         return sb.info
+
+    def _close_pause(self, sb: FakeSandbox, *, resumed: bool) -> None:
+        """End the open paused interval now (storage billed for it), as a resume or an end."""
+        info = sb.info
+        if info.paused_at is None:
+            return
+        secs = max(0.0, (self._now - info.paused_at).total_seconds())
+        sb.pauses[-1] = sb.pauses[-1].model_copy(update={
+            "resumed_at": self._now if resumed else None,
+            "storage_gb_s": _storage(info.checkpoint_bytes or 0, secs)})
+        sb.paused_s += secs
+        sb.info = info.model_copy(update={"paused_at": None, "checkpoint_bytes": None})
+
+    def _check_move(self, sb: FakeSandbox, src: SandboxState, target: SandboxState) -> None:
+        """409 unless the sandbox is in ``src`` (the server's wording: it names both states)."""
+        state = sb.info.state
+        if state == src:
+            return
+        if state == target:
+            raise InvalidState(f"sandbox {sb.info.id} is already {state.value} (asked for: {target.value})",
+                               current=state.value, target=target.value)
+        raise InvalidState(f"sandbox {sb.info.id} is {state.value}, not {src.value}: it cannot go to "
+                           f"{target.value}", current=state.value, target=target.value)
 
     def _public(self, sb: FakeSandbox, *, with_token: bool) -> dict[str, Any]:
         info = self._accrue(sb)
@@ -407,7 +456,9 @@ class FakeControlPlane:
             return self._create(request)
         if path == "/v1/sandboxes" and method == "GET":
             return self._list(params)
-        m = re.fullmatch(r"/v1/sandboxes/([^/]+)(/connect|/timeout)?", path)
+        if path == "/v1/sandboxes/batch" and method == "POST":
+            return self._batch(request)
+        m = re.fullmatch(r"/v1/sandboxes/([^/]+)(/connect|/timeout|/pause|/resume)?", path)
         if m:
             sb = self._sandbox(m.group(1))
             action = m.group(2)
@@ -415,15 +466,25 @@ class FakeControlPlane:
                 return httpx.Response(200, json=self._public(sb, with_token=False))
             if action is None and method == "DELETE":
                 if sb.info.state not in (SandboxState.stopped, SandboxState.failed, SandboxState.lost):
+                    self._accrue(sb)
+                    self._close_pause(sb, resumed=False)
                     sb.info = sb.info.model_copy(update={"state": SandboxState.stopped, "ended_at": self._now,
                                                          "end_reason": EndReason.killed})
                 return httpx.Response(200, json=self._public(sb, with_token=False))
+            if action == "/pause" and method == "POST":
+                return self._pause(sb)
+            if action == "/resume" and method == "POST":
+                return self._resume(sb)
             if action == "/connect" and method == "POST":
                 if sb.info.state != SandboxState.running:
                     raise InvalidState(current=sb.info.state.value, target="running")
                 return httpx.Response(200, json=self._public(sb, with_token=True))
             if action == "/timeout" and method == "POST":
                 req = self._body(SetTimeoutRequest, request)
+                if sb.info.state == SandboxState.paused:    # the time it will have left after resume
+                    sb.info = sb.info.model_copy(update={"timeout_left": float(req.timeout),
+                                                         "timeout": req.timeout})
+                    return httpx.Response(200, json=self._public(sb, with_token=False))
                 if sb.info.state != SandboxState.running:
                     raise InvalidState(current=sb.info.state.value, target="running")
                 sb.info = sb.info.model_copy(update={"end_at": self._now + timedelta(seconds=req.timeout),
@@ -445,6 +506,10 @@ class FakeControlPlane:
             return httpx.Response(200, json=key.model_dump(mode="json"))
         if path == "/v1/templates" and method == "GET":
             return httpx.Response(200, json={"items": [t.model_dump(mode="json") for t in self.templates.values()]})
+        if path == "/v1/pools" and method == "GET":
+            return httpx.Response(200, json={"items": [p.model_dump(mode="json") for p in self.pools.values()]})
+        if path == "/v1/pools" and method == "PUT":
+            return self._set_pool(self._body(PoolSetRequest, request))
         if path == "/v1/history" and method == "GET":
             return self._history(params)
         if path == "/v1/usage" and method == "GET":
@@ -458,18 +523,25 @@ class FakeControlPlane:
 
     def _create(self, request: httpx.Request) -> httpx.Response:
         req: CreateSandboxRequest = self._body(CreateSandboxRequest, request)
-        idem = request.headers.get("idempotency-key")
+        sb, created = self._create_one(req, request.headers.get("idempotency-key"))
+        return httpx.Response(201 if created else 200, json=self._public(sb, with_token=True))
+
+    def _check_credits(self) -> None:
+        balance = self.balance_usd()
+        if balance is not None and balance <= 0:
+            raise InsufficientCredits(f"team {self.team_id} has no credits left (balance ${balance:.2f})")
+
+    def _create_one(self, req: CreateSandboxRequest, idem: str | None) -> tuple[FakeSandbox, bool]:
+        """``(sandbox, created)``: created is False when ``idem`` replays an earlier create."""
         canonical = json.dumps(req.model_dump(mode="json"), sort_keys=True)
         if idem and idem in self._idempotency:
             body, sandbox_id = self._idempotency[idem]
             if body != canonical:
                 raise Conflict("Idempotency-Key reused with a different request body")
-            return httpx.Response(200, json=self._public(self.sandboxes[sandbox_id], with_token=True))
+            return self.sandboxes[sandbox_id], False
         if req.template not in self.templates:
             raise TemplateNotFound(f"template {req.template!r} not found")
-        balance = self.balance_usd()
-        if balance is not None and balance <= 0:
-            raise InsufficientCredits(f"team {self.team_id} has no credits left (balance ${balance:.2f})")
+        self._check_credits()
         sandbox_id = f"sb_{secrets.token_hex(8)}"
         self._now += timedelta(milliseconds=1)  # keep created_at strictly increasing for ordering
         info = SandboxInfo(id=sandbox_id, template=req.template, state=SandboxState.running, vcpu=req.vcpu,
@@ -481,7 +553,59 @@ class FakeControlPlane:
         self.sandboxes[sandbox_id] = sb
         if idem:
             self._idempotency[idem] = (canonical, sandbox_id)
-        return httpx.Response(201, json=self._public(sb, with_token=True))
+        return sb, True
+
+    def _batch(self, request: httpx.Request) -> httpx.Response:
+        """Each item created on its own (item ``i`` replays with the key ``<key>:<i>``); a failed item is
+        its error, the others are made. No credits at all is one 402 for the whole batch."""
+        req: BatchCreateRequest = self._body(BatchCreateRequest, request)
+        idem = request.headers.get("idempotency-key")
+        self._check_credits()
+        items = []
+        for i in range(req.count):
+            try:
+                sb, _ = self._create_one(req.item_request(i), f"{idem}:{i}" if idem else None)
+                items.append(BatchItem(index=i, sandbox=SandboxInfo.model_validate(self._public(sb, with_token=True))))
+            except PillDropsError as exc:
+                items.append(BatchItem(index=i, error=ErrorInfo(code=exc.code, message=exc.message,
+                                                                details=exc.details)))
+        created = sum(1 for it in items if it.sandbox is not None)
+        body = BatchCreateResponse(items=items, created=created, failed=req.count - created)
+        return httpx.Response(200, json=body.model_dump(mode="json"))
+
+    def _pause(self, sb: FakeSandbox) -> httpx.Response:
+        self._check_move(sb, SandboxState.running, SandboxState.paused)
+        info = self._accrue(sb)
+        size = CHECKPOINT_BASE_BYTES + sum(len(d) for d in sb.files.values())
+        left = max(0.0, ((info.end_at or self._now) - self._now).total_seconds())
+        sb.pauses.append(PauseInterval(paused_at=self._now, checkpoint_bytes=size))
+        sb.info = info.model_copy(update={"state": SandboxState.paused, "paused_at": self._now,
+                                          "checkpoint_bytes": size, "timeout_left": left})
+        return httpx.Response(200, json=self._public(sb, with_token=False))
+
+    def _resume(self, sb: FakeSandbox) -> httpx.Response:
+        self._check_move(sb, SandboxState.paused, SandboxState.running)
+        left = max(sb.info.timeout_left if sb.info.timeout_left is not None else float(sb.info.timeout), 1.0)
+        self._close_pause(sb, resumed=True)
+        sb.info = sb.info.model_copy(update={"state": SandboxState.running, "timeout_left": None,
+                                             "end_at": self._now + timedelta(seconds=left)})
+        return httpx.Response(200, json=self._public(sb, with_token=True))
+
+    def _set_pool(self, req: PoolSetRequest) -> httpx.Response:
+        key = (req.template, round(float(req.vcpu), 3), req.memory_mb)
+        if req.size == 0:
+            if key not in self.pools:
+                have = ", ".join(f"{t} {c:g} vCPU / {m} MiB" for t, c, m in self.pools) or "none"
+                raise NotFound(f"no pool {req.template} {req.vcpu:g} vCPU / {req.memory_mb} MiB to remove "
+                               f"(a pool is one template and shape; pools: {have})")
+            removed = self.pools.pop(key)
+            return httpx.Response(200, json=removed.model_copy(update={"size": 0}).model_dump(mode="json"))
+        if req.template not in self.templates:
+            raise TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "
+                                   f"(`pilldrops template build {req.template}`)")
+        self.pools[key] = PoolInfo(template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb, size=req.size,
+                                   nodes=1, ready=req.size)
+        return httpx.Response(200, json=self.pools[key].model_dump(mode="json"))
 
     def _list(self, params: list[tuple[str, str]]) -> httpx.Response:
         states = {v for k, v in params if k == "state"}
@@ -533,9 +657,17 @@ class FakeControlPlane:
                 and all(s.info.metadata.get(k) == v for k, v in meta.items())]
         page, nxt = self._page(rows, query)
         fields = set(HistoryRecord.model_fields)
-        items = [HistoryRecord(**self._accrue(s).model_dump(include=fields)).model_dump(mode="json")
-                 for s in page]
+        items = [HistoryRecord(**self._accrue(s).model_dump(include=fields), pauses=self._intervals(s)
+                               ).model_dump(mode="json") for s in page]
         return httpx.Response(200, json={"items": items, "next_cursor": nxt})
+
+    def _intervals(self, sb: FakeSandbox) -> list[PauseInterval]:
+        """Its paused intervals, the open one with the storage it has accrued so far."""
+        out = list(sb.pauses)
+        if sb.info.paused_at is not None and out:
+            secs = (self._now - sb.info.paused_at).total_seconds()
+            out[-1] = out[-1].model_copy(update={"storage_gb_s": _storage(out[-1].checkpoint_bytes, secs)})
+        return out
 
     def _usage(self, query: dict[str, str]) -> httpx.Response:
         since, until, rows = self._period(query)
@@ -579,7 +711,14 @@ class FakeControlPlane:
 
     def _untar(self, sb: FakeSandbox, dest: str, data: bytes) -> int:
         try:
-            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115 - closed by the with below
+        except tarfile.TarError as exc:
+            raise InvalidRequest(f"not a tar stream: {exc}") from None
+        with tar:
+            return self._apply_tar(sb, dest, tar)
+
+    def _apply_tar(self, sb: FakeSandbox, dest: str, tar: tarfile.TarFile) -> int:
+        try:
             members = tar.getmembers()
         except tarfile.TarError as exc:
             raise InvalidRequest(f"not a tar stream: {exc}") from None

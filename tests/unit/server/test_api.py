@@ -134,17 +134,38 @@ async def test_unknown_template_and_capacity(tmp_path, store_url) -> None:  # no
     async with stack(tmp_path, db_url=store_url, capacity_vcpu=8, capacity_memory_mb=1024) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json={"template": "nosuch"})
         assert r.status_code == 404 and error_of(r)["code"] == "template_not_found"
-        assert "tiny" in error_of(r)["message"]
+        assert "tiny" in error_of(r)["message"] and "did you mean" not in error_of(r)["message"]
+        r = await c.post("/v1/sandboxes", json={"template": "tinyy"})       # a typo: the fix is named
+        assert r.status_code == 404 and "did you mean 'tiny'?" in error_of(r)["message"]
+        assert error_of(r)["details"]["did_you_mean"] == "tiny"
         r = await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 4096})
-        assert r.status_code == 400 and "larger than any node" in error_of(r)["message"]
+        msg = error_of(r)["message"]
+        assert r.status_code == 400 and "larger than any node" in msg
+        assert "memory_mb=4096 MiB is more than any node offers (largest: " in msg and "1024 MiB)" in msg
         ok = [await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 512}) for _ in range(2)]
         assert all(x.status_code == 201 for x in ok)
         r = await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 512})
         assert r.status_code == 503 and error_of(r)["code"] == "capacity_unavailable"
-        assert error_of(r)["message"] == "0/1 nodes fit: 1 insufficient memory"
+        msg = error_of(r)["message"]
+        assert msg.startswith("0/1 nodes fit: 1 insufficient memory; node ")
+        # the cap, the current use and the flag that changes it
+        assert "offers 1024 MiB with 1024 MiB in use and this asks memory_mb=512 MiB" in msg
+        assert "--capacity-memory-mb N" in msg
         assert r.headers["retry-after"]
         await c.delete(f"/v1/sandboxes/{ok[0].json()['id']}")   # capacity comes back after a kill
         assert (await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 512})).status_code == 201
+
+
+async def test_vcpu_capacity_errors_name_the_cap_the_use_and_the_flag(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=2, capacity_memory_mb=65536) as st, st.client() as c:
+        ok = [await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1}) for _ in range(2)]
+        assert all(x.status_code == 201 for x in ok)
+        r = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1})
+        msg = error_of(r)["message"]
+        assert r.status_code == 503 and "1 insufficient vcpu" in msg
+        assert "offers 2 vCPU with 2 in use and this asks 1" in msg and "--capacity-vcpu N" in msg
+        r = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 4})
+        assert r.status_code == 400 and "vcpu=4 is more than any node offers" in error_of(r)["message"]
 
 
 async def test_failed_start_is_recorded(tmp_path, store_url) -> None:  # noqa: ANN001

@@ -34,7 +34,7 @@ async def _run(c: httpx.AsyncClient, sid: str, cmd: str) -> dict[str, Any]:
     return {"out": out, "exit": events[-1]}
 
 
-async def test_pause_resume_keeps_files_and_states_flow(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_pause_resume_keeps_files_and_states_flow(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sb = await _create(c, timeout=600)
         sid = sb["id"]
@@ -62,7 +62,7 @@ async def test_pause_resume_keeps_files_and_states_flow(tmp_path, store_url) -> 
         assert hist["pauses"][0]["checkpoint_bytes"] == info["checkpoint_bytes"]
 
 
-async def test_illegal_transitions_are_409_naming_both_states(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_illegal_transitions_are_409_naming_both_states(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sid = (await _create(c))["id"]
         r = await c.post(f"/v1/sandboxes/{sid}/resume")
@@ -78,14 +78,14 @@ async def test_illegal_transitions_are_409_naming_both_states(tmp_path, store_ur
         assert (await c.post("/v1/sandboxes/sb_nope/pause")).status_code == 404
 
 
-async def test_two_concurrent_resumes_exactly_one_wins(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_two_concurrent_resumes_exactly_one_wins(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         for _ in range(3):
             sid = (await _create(c))["id"]
             assert (await c.post(f"/v1/sandboxes/{sid}/pause")).status_code == 200
             codes: list[int] = []
 
-            async def resume(sid: str = sid) -> None:
+            async def resume(sid: str = sid, codes: list[int] = codes) -> None:
                 codes.append((await c.post(f"/v1/sandboxes/{sid}/resume")).status_code)
 
             async with anyio.create_task_group() as tg:
@@ -96,7 +96,7 @@ async def test_two_concurrent_resumes_exactly_one_wins(tmp_path, store_url) -> N
             assert list(s.runtime._boxes).count(sid) == 1
 
 
-async def test_a_run_in_flight_ends_promptly_as_paused(tmp_path) -> None:  # noqa: ANN001
+async def test_a_run_in_flight_ends_promptly_as_paused(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         sid = (await _create(c))["id"]
         result: dict[str, Any] = {}
@@ -115,7 +115,7 @@ async def test_a_run_in_flight_ends_promptly_as_paused(tmp_path) -> None:  # noq
         assert result["exit"]["exit_code"] != 0
 
 
-async def test_failures_leave_a_consistent_state(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_failures_leave_a_consistent_state(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sid = (await _create(c))["id"]
         s.runtime.fail_checkpoint = True
@@ -139,7 +139,7 @@ async def test_failures_leave_a_consistent_state(tmp_path, store_url) -> None:  
 
 
 async def test_paused_time_bills_storage_only_and_does_not_count_against_the_timeout(
-        tmp_path, store_url) -> None:  # noqa: ANN001
+        tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sid = (await _create(c, timeout=2))["id"]
         await _run(c, sid, "head -c 2000000 /dev/zero > big")
@@ -166,7 +166,7 @@ async def test_paused_time_bills_storage_only_and_does_not_count_against_the_tim
         assert p["storage_gb_s"] == pytest.approx(p["checkpoint_bytes"] / 1024**3 * paused_s, rel=1e-3)
 
 
-async def test_kill_while_paused_and_retention(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_kill_while_paused_and_retention(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, paused_retention_s=1.0) as s, s.client() as c:
         a, b = (await _create(c))["id"], (await _create(c))["id"]
         for sid in (a, b):
@@ -183,10 +183,10 @@ async def test_kill_while_paused_and_retention(tmp_path, store_url) -> None:  # 
         assert b not in s.agent.paused
 
 
-async def test_resume_moves_to_another_node_when_its_own_is_full(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_resume_moves_to_another_node_when_its_own_is_full(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, nodes=2, capacity_vcpu=2, capacity_memory_mb=4096) as s, \
             s.client() as c:
-        (other, other_rt), = s.others
+        (other, _other_rt), = s.others
         sid = (await _create(c, vcpu=2, memory_mb=1024))["id"]
         home = (await c.get(f"/v1/sandboxes/{sid}")).json()["node_id"]
         await _run(c, sid, "mkdir -p d && echo kept > d/x")
@@ -203,11 +203,11 @@ async def test_resume_moves_to_another_node_when_its_own_is_full(tmp_path, store
         assert sid in (other if holder is s.agent else s.agent).live
 
 
-async def test_an_unanswered_pause_or_resume_is_settled_by_the_node_reports(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+async def test_an_unanswered_pause_or_resume_is_settled_by_the_node_reports(tmp_path, monkeypatch) -> None:
     from datetime import timedelta
 
     from pilldrops import errors
-    from pilldrops.server.service import sandboxes as svc
+    from pilldrops.server.service import reconcile as svc
 
     async with stack(tmp_path) as s, s.client() as c:
         sid = (await _create(c))["id"]

@@ -1,6 +1,6 @@
 """Scheduler: scenario tables that read like a spec, plus properties (never over-commits; the answer does
-not depend on the order nodes are given in; the chosen node is optimal; the incremental ``PlacementIndex``
-answers exactly what the pure ``place`` answers on the same state, through reserves, releases and changes)."""
+not depend on the order nodes are given in; the chosen node is optimal); filters are counted and explained,
+a new filter joins by being appended, scorers rank lexicographically."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilldrops.server.scheduler import NodeView, Placement, PlacementIndex, Request, Unschedulable, place
+from pilldrops.server.scheduler import (
+    BEST_FIT,
+    FILTERS,
+    Filter,
+    NodeView,
+    Placement,
+    Request,
+    Unschedulable,
+    place,
+    prefer,
+)
 
 T = frozenset({"tiny"})
 
@@ -104,28 +114,36 @@ def test_chosen_node_is_optimal(nodes: list[NodeView], req: Request) -> None:
      "0/5 nodes fit: 1 draining, 1 insufficient memory, 1 insufficient vcpu, 1 not ready, 1 template missing"),
     ("unknown template", [node("a"), node("b")], Request("big", 1, 512), "0/2 nodes fit: 2 template missing"),
     ("no nodes", [], Request("tiny", 1, 512), "0/0 nodes fit: no nodes registered"),
+    ("first failing filter counts", [node("a", ready=False, draining=True, used_mem=8192)], Request("tiny", 1, 512),
+     "0/1 nodes fit: 1 not ready"),
 ])
-def test_index_explains_like_place(scenario: str, nodes: list[NodeView], req: Request, explain: str) -> None:
-    res = PlacementIndex(nodes).place(req)
-    assert res == place(req, nodes), scenario
-    assert isinstance(res, Unschedulable) and res.explain() == explain
+def test_explains_every_filter(scenario: str, nodes: list[NodeView], req: Request, explain: str) -> None:
+    res = place(req, nodes)
+    assert isinstance(res, Unschedulable) and res.explain() == explain, scenario
 
 
-def test_index_reserve_release_follow_the_fill() -> None:
-    idx = PlacementIndex([node("a"), node("b", used_mem=4096)])
-    req = Request("tiny", 2, 2048)
-    assert idx.place(req) == Placement("b")
-    idx.reserve("b", 2, 2048)
-    idx.reserve("b", 2, 2048)
-    assert idx.place(req) == Placement("a")          # b has no memory left
-    idx.release("b", 2, 2048)
-    assert idx.place(req) == Placement("b")
-    idx.upsert(node("b", used_mem=6144, draining=True))
-    assert idx.place(req) == Placement("a")
-    idx.remove("a")
-    res = idx.place(req)
-    assert isinstance(res, Unschedulable) and res.explain() == "0/1 nodes fit: 1 draining"
-    assert idx.place(Request("tiny", 1, 9000)) == place(Request("tiny", 1, 9000), idx.views())
+def test_rejections_are_counted_on_success_too() -> None:
+    res = place(Request("tiny", 1, 512), [node("a", draining=True), node("b", used_mem=8000), node("c")])
+    assert res == Placement("c") and res.rejected == {"draining": 1, "insufficient memory": 1}
+
+
+def test_a_new_dimension_is_one_filter() -> None:
+    """A filter appended to FILTERS is applied, counted and explained like the built-in ones."""
+    gpu = Filter("no gpu", lambda r, n: not n.id.startswith("cpu"))
+    nodes = [node("cpu-a", used_mem=7000), node("gpu-b")]
+    assert place(Request("tiny", 1, 512), nodes, filters=(*FILTERS, gpu)) == Placement("gpu-b")
+    res = place(Request("tiny", 1, 512), nodes[:1], filters=(*FILTERS, gpu))
+    assert isinstance(res, Unschedulable) and res.explain() == "0/1 nodes fit: 1 no gpu" and not res.never
+
+
+@pytest.mark.parametrize("scenario,nodes,preferred,expect", [
+    ("a preferred node wins over a better fit", [node("a"), node("b", used_mem=6144)], {"a"}, "a"),
+    ("best fit among the preferred", [node("a"), node("b", used_mem=4096), node("c", used_mem=6144)], {"a", "b"}, "b"),
+    ("a preferred node that does not fit is skipped", [node("a", used_mem=8000), node("b")], {"a"}, "b"),
+])
+def test_prefer_scorer_ranks_first(scenario: str, nodes: list[NodeView], preferred: set[str], expect: str) -> None:
+    req = Request("tiny", 1, 512)
+    assert place(req, nodes, [prefer("test", preferred), BEST_FIT]) == Placement(expect), scenario
 
 
 @pytest.mark.parametrize("scenario,nodes,req,expect", [
@@ -139,67 +157,5 @@ def test_index_reserve_release_follow_the_fill() -> None:
 ])
 def test_ties_and_rounding(scenario: str, nodes: list[NodeView], req: Request, expect: str) -> None:
     assert place(req, nodes) == Placement(expect), scenario
-    assert PlacementIndex(nodes).place(req) == Placement(expect), scenario
 
 
-# Heterogeneous shapes, several templates, fractional vCPU so float sums are exercised, and operations between
-# decisions. Ids are drawn from a small pool so updates hit existing nodes.
-TEMPLATES = ["tiny", "py", "node"]
-index_node_st = st.builds(
-    lambda i, cpu, mem, uc, um, ready, dr, ts: NodeView(
-        f"n{i}", cpu, mem, min(uc, cpu), min(um, mem), ready, dr, frozenset(ts)),
-    st.integers(0, 15), st.sampled_from([0.5, 2, 4, 16]), st.sampled_from([512, 4096, 65536]),
-    st.sampled_from([0, 0.1, 0.2, 0.3, 0.5, 1.5, 3.7, 16]), st.integers(0, 65536),
-    st.booleans(), st.booleans(), st.sets(st.sampled_from(TEMPLATES), max_size=3))
-index_req_st = st.builds(Request, st.sampled_from(TEMPLATES), st.sampled_from([0.1, 0.2, 0.5, 1, 2, 4, 8]),
-                         st.sampled_from([0, 128, 256, 512, 2048, 8192, 70000]))
-op_st = st.one_of(
-    st.tuples(st.just("reserve"), st.integers(0, 15), st.sampled_from([0.1, 0.2, 0.5, 1, 2]),
-              st.sampled_from([0, 256, 512, 4096])),
-    st.tuples(st.just("release"), st.integers(0, 15), st.sampled_from([0.1, 0.2, 0.5, 1, 2]),
-              st.sampled_from([0, 256, 512, 4096])),
-    st.tuples(st.just("upsert"), index_node_st),
-    st.tuples(st.just("remove"), st.integers(0, 15)),
-    st.tuples(st.just("place"), index_req_st),
-)
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(index_node_st, max_size=16, unique_by=lambda n: n.id), st.lists(op_st, max_size=30),
-       st.lists(index_req_st, min_size=1, max_size=4))
-def test_index_equals_pure_place(nodes: list[NodeView], ops: list[tuple], reqs: list[Request]) -> None:
-    idx = PlacementIndex(nodes)
-    for op in ops:
-        kind = op[0]
-        if kind in ("reserve", "release", "remove") and f"n{op[1]}" not in {v.id for v in idx.views()}:
-            continue
-        if kind == "reserve":
-            idx.reserve(f"n{op[1]}", op[2], op[3])
-        elif kind == "release":
-            idx.release(f"n{op[1]}", op[2], op[3])
-        elif kind == "upsert":
-            idx.upsert(op[1])
-        elif kind == "remove":
-            idx.remove(f"n{op[1]}")
-        else:
-            assert idx.place(op[1]) == place(op[1], idx.views())
-        for req in reqs:
-            assert idx.place(req) == place(req, idx.views())
-
-
-def test_index_equals_pure_place_when_packing_many_nodes() -> None:
-    """A long deterministic fill with departures on equal-shape nodes, where ties (empty nodes) are many."""
-    rnd = random.Random(7)
-    idx = PlacementIndex(node(f"n{i:03}", 16, 65536) for i in range(60))
-    live: list[tuple[str, float, int]] = []
-    for _ in range(1500):
-        req = Request("tiny", rnd.choice([0.5, 1, 2, 4, 8]), rnd.choice([256, 512, 1024, 2048, 4096, 8192]))
-        res = idx.place(req)
-        assert res == place(req, idx.views())
-        if isinstance(res, Placement):
-            idx.reserve(res.node_id, req.vcpu, req.memory_mb)
-            live.append((res.node_id, req.vcpu, req.memory_mb))
-        if live and rnd.random() < 0.4:
-            idx.release(*live.pop(rnd.randrange(len(live))))
-    for v in idx.views():
-        assert v.used_vcpu <= v.capacity_vcpu + 1e-9 and v.used_memory_mb <= v.capacity_memory_mb

@@ -1,4 +1,4 @@
-"""Host preparation for rootful crun on this machine kind (cgroup v1 hybrid), see isolation.md §3.1, §5.2.
+"""Host preparation for rootful crun on this machine kind (cgroup v1 with a stray hugetlb on the v2 mount).
 
 ``prepare_host()`` is idempotent and needs root:
 - crun refuses hybrid cgroups while ``/sys/fs/cgroup/unified/cgroup.controllers`` is non-empty (a stray

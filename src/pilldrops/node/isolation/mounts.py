@@ -1,4 +1,4 @@
-"""mount(2) / umount2(2) through ctypes (10x faster than the CLI, isolation.md §2.3, §10.1).
+"""mount(2) / umount2(2) through ctypes (about 10x faster than running mount(8) per sandbox).
 
 Per-sandbox overlays and the template builder's chroot mounts go through here. Errors carry errno.
 """

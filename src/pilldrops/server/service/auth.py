@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 from pilldrops import errors
-from pilldrops._internal.clock import Clock
+from pilldrops._internal.clock import Clock, TTLCache
 from pilldrops.schema.api import KeyCreated, KeyInfo
 from pilldrops.server.domain import keys as keyrules
-from pilldrops.server.store.models import ApiKey, Team
-from pilldrops.server.store.sql import Store
+from pilldrops.server.store.interface import ApiKeyRecord as ApiKey
+from pilldrops.server.store.interface import Store
+from pilldrops.server.store.interface import TeamRecord as Team
 
 _TOUCH_EVERY = timedelta(seconds=60)
 KEY_CACHE_S = 3.0
@@ -41,20 +41,18 @@ class AuthService:
         self.initial_credits = initial_credits
         # key lookups, cached briefly (one query less per request); a revocation through this process
         # clears it, one through another control plane takes effect within KEY_CACHE_S
-        self._keys: dict[str, tuple[float, ApiKey]] = {}
+        self._keys: TTLCache[str, ApiKey] = clock.ttl_cache(KEY_CACHE_S)
 
     async def authenticate(self, secret: str | None) -> Principal:
         if not secret:
             raise errors.AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>' (see `pilldrops up` or PILLDROPS_API_KEY)")
         digest = keyrules.hash_key(secret)
-        cached = self._keys.get(digest)
-        if cached is not None and time.monotonic() - cached[0] < KEY_CACHE_S:
-            key = cached[1]
-        else:
+        key = self._keys.get(digest)
+        if key is None:
             key = await self.store.key_by_hash(digest)
             if key is not None:
-                self._keys[digest] = (time.monotonic(), key)
+                self._keys.put(digest, key)
         if key is None or key.revoked_at is not None:
             raise errors.AuthenticationError("invalid or revoked API key")
         now = self.clock.now()

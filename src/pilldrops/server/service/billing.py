@@ -3,17 +3,17 @@
 - Nodes report each sandbox's cumulative running seconds (monotonic) with a sequence number that only
   grows; ``commit`` turns a report into a ledger row exactly once (see ``Store.commit_usage``).
 - Start and end times come from the control plane's clock; an ended sandbox's ``ended_at`` is its start
-  plus the node's final running seconds (never later than when we learnt of it), so billed running
-  seconds equal the sandbox's lifetime.
+  plus the node's final running seconds plus the time it spent paused (never later than when we learnt
+  of it), so billed running seconds equal the sandbox's lifetime outside its pauses.
+- Paused intervals bill storage only, once, when they end (``end_interval``: resume, kill, loss, expiry).
 - Credits: a new team starts with ``initial_credits``; at zero creates are refused (402) and, after
-  ``grace_s``, running sandboxes are stopped with ``end_reason = credits_exhausted``.
+  ``grace_s``, its live sandboxes (paused ones included) are stopped with ``end_reason = credits_exhausted``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -21,13 +21,19 @@ from datetime import datetime, timedelta
 import anyio
 
 from pilldrops import errors
-from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import EndReason, HistoryPage, HistoryRecord, PauseInterval, SandboxState, UsageSummary
+from pilldrops._internal.clock import Clock, TTLCache
+from pilldrops.schema.api import (
+    EndReason,
+    HistoryPage,
+    HistoryRecord,
+    PauseInterval,
+    SandboxState,
+    UsageSummary,
+)
 from pilldrops.schema.node import NodeSandboxStatus
 from pilldrops.server.domain.billing import Rates, running_usage, storage_usage
 from pilldrops.server.domain.states import LIVE
-from pilldrops.server.store.models import Sandbox, SandboxPause, UsageEntry
-from pilldrops.server.store.sql import Store
+from pilldrops.server.store.interface import PauseRecord, SandboxRecord, Store, UsageRecord
 
 log = logging.getLogger("pilldrops.billing")
 CREDITS_CACHE_S = 1.0
@@ -68,11 +74,11 @@ class BillingService:
         self.clock = clock
         self.settings = settings or BillingSettings()
         self._before_commit = _fault_hook()
-        self._balances: dict[str, tuple[float, float]] = {}    # team -> (when read, balance)
+        self._balances: TTLCache[str, float] = clock.ttl_cache(CREDITS_CACHE_S)    # team -> balance
 
     # ---- metering ------------------------------------------------------------------------------------
 
-    def end_time(self, row: Sandbox, st: NodeSandboxStatus) -> datetime:
+    def end_time(self, row: SandboxRecord, st: NodeSandboxStatus) -> datetime:
         """When an ended sandbox ended, on the control plane's clock: start + the node's running seconds."""
         now = self.clock.now()
         if row.started_at is None:
@@ -82,7 +88,7 @@ class BillingService:
             return now
         return min(now, row.started_at + timedelta(seconds=run_s + (row.paused_s or 0.0)))
 
-    async def commit_running(self, reports: list[NodeSandboxStatus], rows: dict[str, Sandbox]) -> None:
+    async def commit_running(self, reports: list[NodeSandboxStatus], rows: dict[str, SandboxRecord]) -> None:
         """Usage of running sandboxes from one heartbeat, in one transaction; a sandbox is billed once
         ``commit_every_s`` of new running time has accrued (its end and pauses are billed at once)."""
         due = [(st.id, st.seq, st.run_s) for st in reports
@@ -94,11 +100,9 @@ class BillingService:
                                            before_commit=self._before_commit)
         self._charged(entries)
 
-    def _charged(self, entries: list[UsageEntry]) -> None:
+    def _charged(self, entries: list[UsageRecord]) -> None:
         for e in entries:
-            seen = self._balances.get(e.team_id)
-            if seen is not None:
-                self._balances[e.team_id] = (seen[0], seen[1] - e.cost_usd)
+            self._balances.adjust(e.team_id, lambda balance, cost=e.cost_usd: balance - cost)
 
     async def commit(self, st: NodeSandboxStatus) -> None:
         if st.run_s is None or st.seq is None:
@@ -108,12 +112,12 @@ class BillingService:
                                               before_commit=self._before_commit)
         self._charged([entry] if entry else [])
 
-    async def close_pause(self, sandbox_id: str, *, from_states: list[str], until: datetime, resumed: bool,
-                          **values: object) -> Sandbox | None:
-        """End the sandbox's current paused interval (if any) at ``until``, billing its storage exactly once,
-        and apply ``values`` in the same transaction (see ``Store.close_pause``)."""
+    async def end_interval(self, sandbox_id: str, *, from_states: list[str], until: datetime, resumed: bool,
+                           **values: object) -> SandboxRecord | None:
+        """Move the sandbox to ``values`` (its new state) and end its billing interval at ``until``: an open
+        paused interval's storage is billed exactly once, in the same transaction (``Store.end_interval``)."""
         self._balances.clear()        # storage charged: read balances afresh
-        return await self.store.close_pause(sandbox_id, from_states=from_states, until=until,
+        return await self.store.end_interval(sandbox_id, from_states=from_states, until=until,
                                             rates=self.settings.rates, charge_credits=self.settings.credits_enabled,
                                             resumed=resumed, **values)
 
@@ -123,11 +127,11 @@ class BillingService:
         if not self.settings.credits_enabled:
             return
         seen = self._balances.get(team_id)
-        if seen is not None and time.monotonic() - seen[0] < CREDITS_CACHE_S and seen[1] > 0:
+        if seen is not None and seen > 0:
             return       # a positive balance read just now, minus what this process charged since
         team = await self.store.get_team(team_id)
         if team is not None:
-            self._balances[team_id] = (time.monotonic(), team.credits_usd)
+            self._balances.put(team_id, team.credits_usd)
         if team is not None and team.credits_usd <= 0:
             raise errors.InsufficientCredits(
                 f"team {team.name!r} has no credits left (balance ${team.credits_usd:.6f}); new sandboxes are "
@@ -156,13 +160,13 @@ class BillingService:
         while True:
             try:
                 await self.enforce_credits(stop)
-            except Exception:  # noqa: BLE001 - a store outage must not kill the loop (nor reap anything)
+            except Exception:  # a store outage must not kill the loop (nor reap anything)
                 log.exception("credit enforcement pass failed")
             await anyio.sleep(self.settings.enforce_every_s)
 
     # ---- views ---------------------------------------------------------------------------------------
 
-    def usage_of(self, row: Sandbox) -> tuple[float, float, float, float]:
+    def usage_of(self, row: SandboxRecord) -> tuple[float, float, float, float]:
         """(vcpu_s, gb_s, storage_gb_s, cost_usd): committed for ended sandboxes, accrued so far for live
         ones (the wall time since start, or what was committed if that is more)."""
         if SandboxState(row.state) in LIVE and row.started_at is not None:
@@ -178,7 +182,7 @@ class BillingService:
             return vcpu_s, gb_s, row.storage_gb_s + storage.storage_gb_s, row.cost_usd + extra
         return row.vcpu_s, row.gb_s, row.storage_gb_s, row.cost_usd
 
-    def record(self, row: Sandbox, pauses: list[SandboxPause] | None = None) -> HistoryRecord:
+    def record(self, row: SandboxRecord, pauses: list[PauseRecord] | None = None) -> HistoryRecord:
         vcpu_s, gb_s, storage_gb_s, cost = self.usage_of(row)
         intervals = [PauseInterval(paused_at=p.paused_at, resumed_at=p.resumed_at, checkpoint_bytes=p.checkpoint_bytes,
                                    storage_gb_s=round(self._pause_storage(row, p), 6)) for p in pauses or []]
@@ -189,7 +193,7 @@ class BillingService:
                              end_reason=EndReason(row.end_reason) if row.end_reason else None,
                              metadata=row.metadata_ or {}, pauses=intervals)
 
-    def _pause_storage(self, row: Sandbox, p: SandboxPause) -> float:
+    def _pause_storage(self, row: SandboxRecord, p: PauseRecord) -> float:
         """A closed interval's billed storage, or what the open one (the current pause) has accrued."""
         if p.resumed_at is None and row.paused_at == p.paused_at:
             return storage_usage(p.checkpoint_bytes, (self.clock.now() - p.paused_at).total_seconds()).storage_gb_s

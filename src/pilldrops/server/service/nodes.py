@@ -7,12 +7,12 @@ from datetime import datetime
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
+from pilldrops._internal.ids import same_secret as same
 from pilldrops.schema.api import NodeInfo, TemplateInfo
 from pilldrops.schema.node import NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
-from pilldrops._internal.ids import same_secret as same
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
-from pilldrops.server.store.sql import Store
+from pilldrops.server.store.interface import Store
 
 HEARTBEAT_INTERVAL_S = 5.0
 log = logging.getLogger("pilldrops.nodes")
@@ -88,7 +88,7 @@ class NodeService:
         now = self.clock.now()
         try:
             nodes = await self.store.list_nodes()
-        except Exception:  # noqa: BLE001 - the store is down: no verdicts now, and the window restarts
+        except Exception:  # the store is down: no verdicts now, and the window restarts
             self._store_ok_since = None
             raise
         if self._store_ok_since is None:
@@ -108,7 +108,7 @@ class NodeService:
         while True:
             try:
                 await self.check_liveness()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("liveness pass failed (store unreachable?)")
             await anyio.sleep(every)
 

@@ -1,26 +1,25 @@
 """Warm pools, fleet-wide: the config (admin-set) and what nodes report about their pools (the capacity the
-pools reserve is counted by ``SandboxService._choose`` from ``specs()``).
+pools reserve is counted by ``service.placement`` from ``specs()``, for creates and resumes alike).
 
 Nodes get the config with every register/heartbeat answer, and at once when it changes (best effort: a
 node that misses the push catches up at its next heartbeat). Each node with the template keeps ``size``
-members of the shape; members count as used capacity (at their target size, ready or not), so cold
-creates never take the room a refill needs.
+members of the shape; members count as used capacity (at their target size, ready or not), so
+neither cold creates nor resumes take the room a refill needs.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import anyio
 
 from pilldrops import errors
-from pilldrops._internal.clock import Clock
+from pilldrops._internal.clock import Clock, TTLCache
 from pilldrops.schema.api import PoolInfo, PoolSetRequest
 from pilldrops.schema.node import NodePoolSpec, NodePoolStatus
 from pilldrops.server.nodes.client import NodeClient
-from pilldrops.server.store.models import Node
-from pilldrops.server.store.sql import Store
+from pilldrops.server.store.interface import NodeRecord as Node
+from pilldrops.server.store.interface import Store
 
 log = logging.getLogger("pilldrops.pools")
 CACHE_S = 2.0
@@ -36,15 +35,16 @@ class PoolService:
         self.store = store
         self.nodes = nodes
         self.clock = clock
-        self._cache: tuple[float, list[NodePoolSpec]] | None = None
+        self._cache: TTLCache[str, list[NodePoolSpec]] = clock.ttl_cache(CACHE_S)
 
     async def specs(self) -> list[NodePoolSpec]:
         """The config, cached for ``CACHE_S`` (it is read on every create and heartbeat)."""
-        if self._cache is None or time.monotonic() - self._cache[0] > CACHE_S:
+        specs = self._cache.get("specs")
+        if specs is None:
             rows = await self.store.list_pools()
-            self._cache = (time.monotonic(), [NodePoolSpec(template=r.template, vcpu=r.vcpu, memory_mb=r.memory_mb,
+            specs = self._cache.put("specs", [NodePoolSpec(template=r.template, vcpu=r.vcpu, memory_mb=r.memory_mb,
                                                            size=r.size) for r in rows])
-        return self._cache[1]
+        return specs
 
     async def set(self, req: PoolSetRequest) -> PoolInfo:
         if req.size == 0:
@@ -58,7 +58,7 @@ class PoolService:
             raise errors.TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "
                                           f"(`pilldrops template build {req.template}`)")
         await self.store.set_pool(req.template, float(req.vcpu), req.memory_mb, req.size, self.clock.now())
-        self._cache = None
+        self._cache.clear()
         specs = await self.specs()
         async with anyio.create_task_group() as tg:            # push now; heartbeats catch up otherwise
             for n in nodes:

@@ -13,7 +13,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,20 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from pilldrops._internal.ids import new_id
 from pilldrops.server.domain.billing import Rates, billable, running_usage, storage_usage
 from pilldrops.server.domain.states import HOLDING, LIVE
+from pilldrops.server.store.interface import Choose, DuplicateIdempotencyKey, NewSandbox
 from pilldrops.server.store.models import (
-    ApiKey, Node, Pool, Sandbox, SandboxLabel, SandboxPause, Team, UsageEntry,
+    ApiKey,
+    Node,
+    Pool,
+    Sandbox,
+    SandboxLabel,
+    SandboxPause,
+    Team,
+    UsageEntry,
 )
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-
-
-class DuplicateIdempotencyKey(Exception):
-    pass
+__all__ = ["DuplicateIdempotencyKey", "Page", "Store", "normalize_url", "sqlite_url"]
 
 
 def sqlite_url(path: Path) -> str:
@@ -72,7 +77,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         at, sid = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
         when = datetime.fromisoformat(at)
-    except Exception as exc:  # noqa: BLE001 - any garbage is a bad cursor
+    except Exception as exc:  # any garbage is a bad cursor
         raise ValueError("invalid cursor") from exc
     if when.tzinfo is None:
         raise ValueError("invalid cursor")
@@ -92,6 +97,17 @@ async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
          .where(Sandbox.state.in_([st.value for st in HOLDING]), Sandbox.node_id.is_not(None))
          .group_by(Sandbox.node_id))
     return {nid: (float(c or 0), int(m or 0)) for nid, c, m in (await s.execute(q)).all()}
+
+
+async def _charge(s: Any, team_id: str, cost: float, at: datetime) -> None:
+    """Take ``cost`` off the team's credits, in SQL (never a read-modify-write of the balance); crossing zero
+    starts the grace clock. The one credit-charging update (running usage and storage both come here)."""
+    if cost <= 0:
+        return
+    await s.execute(update(Team).where(Team.id == team_id).values(credits_usd=Team.credits_usd - cost))
+    await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0,
+                                       Team.credits_exhausted_at.is_(None))
+                    .values(credits_exhausted_at=at))
 
 
 def _shielded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -177,7 +193,7 @@ class Store:
                             .values(credits_exhausted_at=None))
             await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0,
                                                Team.credits_exhausted_at.is_(None))
-                            .values(credits_exhausted_at=now or datetime.now(timezone.utc)))
+                            .values(credits_exhausted_at=now or datetime.now(UTC)))
         return await self.get_team(team_id)
 
     async def exhausted_teams(self, before: datetime) -> list[Team]:
@@ -276,11 +292,14 @@ class Store:
         async with self.session() as s:
             return await _allocations(s)
 
-    async def place_and_insert(self, row: Sandbox, choose: Callable[[list[Node], dict[str, tuple[float, int]]], Node]
-                               ) -> Node:
+    async def place_and_insert(self, new: NewSandbox, choose: Choose) -> tuple[Node, Sandbox]:
         """Choose a node and record the sandbox on it in ONE transaction, with the node rows locked
         (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers): two control planes creating at once
         can never both fill the last slot of a node."""
+        row = Sandbox(id=new.id, team_id=new.team_id, template=new.template, vcpu=new.vcpu,
+                      memory_mb=new.memory_mb, timeout=new.timeout, state=new.state, metadata_=dict(new.metadata),
+                      envs=dict(new.envs), access_token=new.access_token, idempotency_key=new.idempotency_key,
+                      request_hash=new.request_hash, created_at=new.created_at, end_at=new.end_at)
         try:
             async with self.session.begin() as s:
                 await _write_lock(s)
@@ -295,10 +314,9 @@ class Store:
             if row.idempotency_key:
                 raise DuplicateIdempotencyKey(row.idempotency_key) from exc
             raise
-        return node
+        return node, row
 
-    async def place_existing(self, sandbox_id: str, from_state: str,
-                             choose: Callable[[list[Node], dict[str, tuple[float, int]]], Node]) -> Node | None:
+    async def place_existing(self, sandbox_id: str, from_state: str, choose: Choose) -> Node | None:
         """Like ``place_and_insert`` for a sandbox that already exists (a resume): choose a node with the
         node rows locked and move the sandbox's reservation there, while it is still in ``from_state``.
         ``choose`` sees the allocations without this sandbox's own. None when the state changed meanwhile."""
@@ -437,12 +455,8 @@ class Store:
                 sb.billed_seq = seq
                 charges[sb.team_id] = charges.get(sb.team_id, 0.0) + cost
             for team_id, cost in sorted(charges.items()):
-                if charge_credits and cost > 0:      # in SQL: never a read-modify-write of the balance
-                    await s.execute(update(Team).where(Team.id == team_id)
-                                    .values(credits_usd=Team.credits_usd - cost))
-                    await s.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0,
-                                                       Team.credits_exhausted_at.is_(None))
-                                    .values(credits_exhausted_at=now))
+                if charge_credits:
+                    await _charge(s, team_id, cost, now)
             await s.flush()
             if before_commit is not None and entries:
                 before_commit()
@@ -493,11 +507,14 @@ class Store:
                                checkpoint_bytes=checkpoint_bytes))
         return await self.get_sandbox(sandbox_id)
 
-    async def close_pause(self, sandbox_id: str, *, from_states: Iterable[str], until: datetime, rates: Rates,
-                          charge_credits: bool, resumed: bool, **values: Any) -> Sandbox | None:
-        """End the current paused interval at ``until`` and bill its storage, exactly once (the ledger row
-        ``(sandbox, -idx)`` and the cleared ``paused_at`` commit together), applying ``values`` (e.g. the
-        new state) in the same transaction while the row is in ``from_states``. None when it was not."""
+    async def end_interval(self, sandbox_id: str, *, from_states: Iterable[str], until: datetime, rates: Rates,
+                           charge_credits: bool, resumed: bool, **values: Any) -> Sandbox | None:
+        """Apply ``values`` (the new state: resumed, stopped, lost, ended) while the row is in ``from_states``,
+        ending its billing interval at ``until`` in the same transaction: an open paused interval is closed
+        and its storage billed exactly once (the ledger row ``(sandbox, -idx)`` and the cleared
+        ``paused_at`` commit together; ``resumed`` stamps the interval's end as a resume). Running time is
+        billed from the node's reports (``commit_usage``), not here. None when the row was not in
+        ``from_states``."""
         async with self.session.begin() as s:
             await _write_lock(s)
             sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
@@ -522,12 +539,8 @@ class Store:
                 sb.paused_s = (sb.paused_s or 0.0) + secs
                 sb.paused_at = None
                 sb.checkpoint_bytes = None
-                if charge_credits and cost > 0:
-                    await s.execute(update(Team).where(Team.id == sb.team_id)
-                                    .values(credits_usd=Team.credits_usd - cost))
-                    await s.execute(update(Team).where(Team.id == sb.team_id, Team.credits_usd <= 0,
-                                                       Team.credits_exhausted_at.is_(None))
-                                    .values(credits_exhausted_at=until))
+                if charge_credits:
+                    await _charge(s, sb.team_id, cost, until)
             for k, v in values.items():
                 setattr(sb, k, v)
         return await self.get_sandbox(sandbox_id)

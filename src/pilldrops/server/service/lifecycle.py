@@ -1,0 +1,234 @@
+"""A sandbox's life from the API: create (idempotent, placed, admission-controlled), batch create, reads,
+connect, set_timeout and kill.
+
+A placement and its reservation are recorded in one database transaction with the node rows locked
+(``Store.place_and_insert``), so racing creates (even from several control-plane processes) never
+over-commit a node; the node is called only after that transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+
+import anyio
+
+from pilldrops import errors
+from pilldrops._internal.ids import new_id
+from pilldrops.schema.api import (
+    BatchCreateRequest,
+    BatchCreateResponse,
+    BatchItem,
+    CreateSandboxRequest,
+    EndReason,
+    ErrorInfo,
+    SandboxInfo,
+    SandboxList,
+    SandboxState,
+)
+from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
+from pilldrops.server import scheduler
+from pilldrops.server.domain.states import ENDED
+from pilldrops.server.service import placement
+from pilldrops.server.service.context import SandboxContext, legal_from, log
+from pilldrops.server.store.interface import DuplicateIdempotencyKey, NewSandbox, SandboxRecord
+
+S = SandboxState
+ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
+_REPLAY_WAIT_S = 60.0
+
+
+def _error_info(exc: errors.PillDropsError) -> ErrorInfo:
+    return ErrorInfo(code=exc.code, message=exc.message, details=exc.details)
+
+
+class Lifecycle:
+    def __init__(self, ctx: SandboxContext) -> None:
+        self.ctx = ctx
+        self._place_lock = anyio.Lock()
+        self._admission = anyio.Semaphore(ADMISSION)
+
+    # ---- views ---------------------------------------------------------------------------------------
+
+    async def info(self, row: SandboxRecord, *, with_token: bool = False) -> SandboxInfo:
+        node = await self.ctx.node(row.node_id) if with_token and row.node_id else None
+        vcpu_s, gb_s, storage_gb_s, cost = self.ctx.billing.usage_of(row)
+        return SandboxInfo(
+            id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
+            memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
+            created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
+            end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
+            envd_url=node.url if node else None, access_token=row.access_token if with_token else None,
+            vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
+            cost_usd=round(cost, 12), paused_at=row.paused_at, checkpoint_bytes=row.checkpoint_bytes,
+            timeout_left=round(row.timeout_left, 3) if row.timeout_left is not None else None,
+        )
+
+    async def list(self, team_id: str, *, states: list[str], labels: dict[str, str], limit: int,
+                   cursor: str | None) -> SandboxList:
+        try:
+            page = await self.ctx.store.list_sandboxes(team_id, states=states, labels=labels, limit=limit,
+                                                       cursor=cursor)
+        except ValueError as exc:
+            raise errors.InvalidRequest(str(exc)) from exc
+        return SandboxList(items=[await self.info(r) for r in page.items], next_cursor=page.next_cursor)
+
+    async def connect(self, team_id: str, sandbox_id: str) -> SandboxRecord:
+        row = await self.ctx.get_row(team_id, sandbox_id)
+        if row.state != S.running.value:
+            hint = "; resume it first (`pilldrops sandbox resume ID`, sb.resume())" if row.state == "paused" else ""
+            raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running{hint}",
+                                      current=row.state, target=S.running.value)
+        return row
+
+    # ---- create --------------------------------------------------------------------------------------
+
+    async def create(self, team_id: str, req: CreateSandboxRequest,
+                     idempotency_key: str | None = None) -> tuple[SandboxRecord, bool]:
+        """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
+        ctx = self.ctx
+        req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        if idempotency_key:
+            existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+            if existing is not None:
+                return await self._replay(existing, req_hash), False
+        await ctx.billing.check_can_create(team_id)
+        now = ctx.clock.now()
+        new = NewSandbox(
+            id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
+            timeout=req.timeout, state=S.starting.value, metadata=dict(req.metadata), envs=dict(req.envs),
+            access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
+            created_at=now, end_at=now + timedelta(seconds=req.timeout))
+        specs = await ctx.pools.specs() if ctx.pools else []
+        want = scheduler.Request(req.template, req.vcpu, req.memory_mb)
+        async with self._place_lock:       # fewer lock waits in the database; correctness is its job
+            try:
+                node, row = await ctx.store.place_and_insert(new, lambda nodes, allocs: placement.for_create(
+                    want, nodes, allocs, specs, ctx.clock.now()))
+                duplicate = False
+            except DuplicateIdempotencyKey:
+                duplicate = True
+        if duplicate:   # a concurrent request with the same key won the insert: replay it (outside the lock)
+            existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
+            assert existing is not None
+            return await self._replay(existing, req_hash), False
+        spec = ctx.node_spec(row, float(req.timeout))
+        ctx.node_cache.put(node.id, node)
+        try:
+            async with self._admission:    # bursts queue here (in order) instead of piling onto the nodes
+                status = await ctx.nodes.create(node.url, spec)
+        except BaseException as exc:
+            # the key is released so that a retry makes a fresh attempt instead of replaying a failure; if the
+            # node did create it after all, its next heartbeat reports it running and it is stopped there
+            with anyio.CancelScope(shield=True):
+                await ctx.store.update_sandbox(
+                    row.id, from_states=[S.starting.value], state=S.failed.value,
+                    end_reason=EndReason.failed_start.value, ended_at=ctx.clock.now(), idempotency_key=None,
+                    error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
+            raise
+        running = {"state": S.running.value, "started_at": ctx.clock.now(), "end_at": status.end_at or spec.end_at}
+        updated = None      # billing starts now, on the control plane's clock
+        if await ctx.store.set_sandbox(row.id, from_states=[S.starting.value], **running):
+            for k, v in running.items():
+                setattr(row, k, v)
+            updated = row
+        if updated is None:
+            # killed while it was starting: the node did not know it yet, so stop it there now
+            with anyio.CancelScope(shield=True):
+                await ctx.quiet_kill(node, row.id, "(killed while starting) ")
+        return (updated or await ctx.get_row(team_id, row.id)), True
+
+    async def create_batch(self, team_id: str, req: BatchCreateRequest,
+                           idempotency_key: str | None = None) -> BatchCreateResponse:
+        """``count`` creates of one spec, each on its own: a full fleet makes an item wait (up to
+        ``capacity_wait``) rather than fail, other errors fail only that item. Item ``i`` uses the
+        idempotency key ``<key>:<i>``, so a retried batch replays the same sandboxes."""
+        items: list[BatchItem] = [BatchItem(index=i) for i in range(req.count)]
+        await self.ctx.billing.check_can_create(team_id)       # a team without credits: one clear 402
+
+        async def one(i: int) -> None:
+            key = f"{idempotency_key}:{i}" if idempotency_key else None
+            waited, delay = 0.0, 0.05
+            while True:
+                try:
+                    row, _ = await self.create(team_id, req.item_request(i), key)
+                    items[i] = BatchItem(index=i, sandbox=await self.info(row, with_token=True))
+                    return
+                except errors.CapacityUnavailable as exc:
+                    if waited >= req.capacity_wait:
+                        items[i] = BatchItem(index=i, error=_error_info(exc))
+                        return
+                    await anyio.sleep(delay)
+                    waited += delay
+                    delay = min(delay * 2, 2.0)
+                except errors.PillDropsError as exc:
+                    items[i] = BatchItem(index=i, error=_error_info(exc))
+                    return
+                except Exception as exc:  # noqa: BLE001 - one item's failure never takes the others down
+                    log.exception("batch item %d failed", i)
+                    items[i] = BatchItem(index=i, error=ErrorInfo(code="internal", message=repr(exc)))
+                    return
+
+        async with anyio.create_task_group() as tg:
+            for i in range(req.count):
+                tg.start_soon(one, i)
+        created = sum(1 for it in items if it.sandbox is not None)
+        return BatchCreateResponse(items=items, created=created, failed=req.count - created)
+
+    async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord:
+        if row.state == S.failed.value and row.idempotency_key is None:
+            raise errors.ServerError(f"sandbox failed to start: {row.error}")
+        if row.request_hash != req_hash:
+            raise errors.Conflict("Idempotency-Key was already used with a different request body",
+                                  details={"sandbox_id": row.id})
+        with anyio.move_on_after(_REPLAY_WAIT_S):
+            while row.state == S.starting.value:   # the first attempt is still booting it
+                await anyio.sleep(0.05)
+                row = await self.ctx.get_row(row.team_id, row.id)
+        return row
+
+    # ---- changes -------------------------------------------------------------------------------------
+
+    async def set_timeout(self, team_id: str, sandbox_id: str, timeout: int) -> SandboxRecord:
+        ctx = self.ctx
+        row = await ctx.get_row(team_id, sandbox_id)
+        if row.state == S.paused.value:        # paused time does not count: this is the time left after resume
+            updated = await ctx.store.update_sandbox(row.id, from_states=[S.paused.value],
+                                                     timeout_left=float(timeout), timeout=timeout)
+            if updated is not None:
+                return updated
+        row = await self.connect(team_id, sandbox_id)
+        end_at = ctx.clock.now() + timedelta(seconds=timeout)
+        node = await ctx.node_for(row)
+        status = await ctx.nodes.set_deadline(node.url, row.id, NodeDeadline(end_at=end_at, timeout_s=float(timeout)))
+        updated = await ctx.store.update_sandbox(row.id, from_states=[S.running.value],
+                                                 end_at=status.end_at or end_at, timeout=timeout)
+        return updated or await ctx.get_row(team_id, sandbox_id)
+
+    async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> SandboxRecord:
+        ctx = self.ctx
+        row = await ctx.get_row(team_id, sandbox_id)
+        if SandboxState(row.state) in ENDED:
+            return row          # a lost one was billed up to the loss; a returning node's copy is stopped
+        final: NodeSandboxStatus | None = None
+        if row.node_id:
+            node = await ctx.node_for(row)
+            final = await ctx.nodes.kill(node.url, row.id)
+        now = ctx.clock.now()
+        row = await ctx.get_row(team_id, sandbox_id)         # a pause may have completed meanwhile
+        ended_at = now if row.paused_at is not None or final is None else ctx.billing.end_time(row, final)
+        if final is not None and final.end_reason not in (None, EndReason.killed):
+            reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
+        ctx.last_usage.pop(row.id, None)
+        if final is not None:       # billed before it shows as stopped: a stopped sandbox shows its final cost
+            await ctx.billing.commit(final)
+        ended = {"state": S.stopped.value, "end_reason": reason.value, "ended_at": ended_at}
+        updated = None
+        if row.paused_at is None:       # the common case: no paused interval to close (checked in the update)
+            updated = await ctx.store.update_sandbox(row.id, from_states=legal_from(S.stopped), not_paused=True,
+                                                     **ended)
+        if updated is None:             # paused (maybe just now): the interval closes, storage billed with it
+            updated = await ctx.billing.end_interval(row.id, from_states=legal_from(S.stopped), until=now,
+                                                     resumed=False, **ended)
+        return updated or (await ctx.get_row(team_id, sandbox_id) if final else row)
