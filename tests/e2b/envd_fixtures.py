@@ -116,20 +116,26 @@ def _start_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
          "--data-dir", str(data_dir), "--templates", "base", "--node-name", NAME],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=clean_env(config_home, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 900               # the first start builds the Debian template
-    while "is up at" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
+    try:
+        deadline = time.monotonic() + 900               # the first start builds the Debian template
+        while "is up at" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
+        crun_root = data_dir / "node" / "crun"
+        up = UpRef(f"http://127.0.0.1:{port}", key, lambda: leakcheck.snapshot([crun_root], match=MATCH))
+        with httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+            r = c.post("/v1/sandboxes", json={"template": "base"})
+            assert r.status_code == 201, r.text
+            c.delete(f"/v1/sandboxes/{r.json()['id']}").raise_for_status()
+    except BaseException:
+        proc.send_signal(signal.SIGINT)                 # never leave a half-started `up` behind
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-    crun_root = data_dir / "node" / "crun"
-    up = UpRef(f"http://127.0.0.1:{port}", key, lambda: leakcheck.snapshot([crun_root], match=MATCH))
-    with httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
-        r = c.post("/v1/sandboxes", json={"template": "base"})
-        assert r.status_code == 201, r.text
-        sid = r.json()["id"]
-        c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        raise
     try:
         yield up
     finally:
