@@ -66,7 +66,8 @@ class RuntimeCase:
         return path
 
     def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
-        """``memory_bytes``, ``pids``, ``cpu_quota_us``, ``cpu_period_us`` as the sandbox's cgroup has them,
+        """``memory_bytes``, ``pids``, ``cpu_quota_us``, ``cpu_period_us`` as the sandbox's cgroup has them
+        (and ``pids_current``, ``pids_refused``: its processes now, forks it refused at the limit so far),
         or None when the runtime puts its sandboxes in no cgroup of their own."""
         return None
 
@@ -199,13 +200,17 @@ def cgroup_limits(cgroup: str) -> dict[str, int]:
     def num(text: str) -> int:
         return -1 if text.strip() == "max" else int(text.strip())
 
+    def pids(d: Path) -> dict[str, int]:
+        events = dict(line.split() for line in (d / "pids.events").read_text().splitlines() if line.strip())
+        return {"pids": num((d / "pids.max").read_text()), "pids_current": num((d / "pids.current").read_text()),
+                "pids_refused": int(events.get("max", 0))}
+
     if (base / "cgroup.controllers").exists():          # v2: one hierarchy
         quota, period = (base / rel / "cpu.max").read_text().split()
-        return {"memory_bytes": num((base / rel / "memory.max").read_text()),
-                "pids": num((base / rel / "pids.max").read_text()),
+        return {"memory_bytes": num((base / rel / "memory.max").read_text()), **pids(base / rel),
                 "cpu_quota_us": num(quota), "cpu_period_us": int(period)}
     return {"memory_bytes": num((base / "memory" / rel / "memory.limit_in_bytes").read_text()),
-            "pids": num((base / "pids" / rel / "pids.max").read_text()),
+            **pids(base / "pids" / rel),
             "cpu_quota_us": num((base / "cpu" / rel / "cpu.cfs_quota_us").read_text()),
             "cpu_period_us": num((base / "cpu" / rel / "cpu.cfs_period_us").read_text())}
 

@@ -177,10 +177,10 @@ class NodeAgent:
         member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
-            return self._adopt_new(sb, member, claimed=True)
+            return await self._adopt_new(sb, member, claimed=True)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
-        self.journal.write(sb.journal_entry())
         try:
+            self.journal.write(sb.journal_entry())
             async with self._create_slots:
                 handle = await self.runtime.create(rt_spec)
         except BaseException as exc:
@@ -190,13 +190,24 @@ class NodeAgent:
             self.journal.remove(spec.id)
             self.stats.failed += 1
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
-        return self._adopt_new(sb, handle, claimed=False)
+        return await self._adopt_new(sb, handle, claimed=False)
 
-    def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
-        sb.target = self._target(sb.spec, handle)
-        sb.started_at, sb.started_mono = self.now(), time.monotonic()
-        self.sandboxes.move(sb, NodeState.running)
-        self.journal.write(sb.journal_entry())
+    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
+        try:
+            sb.target = self._target(sb.spec, handle)
+            sb.started_at, sb.started_mono = self.now(), time.monotonic()
+            self.sandboxes.move(sb, NodeState.running)
+            self.journal.write(sb.journal_entry())
+        except BaseException:    # what the runtime made goes with its record (never stuck in "creating")
+            if self.sandboxes.is_current(sb, NodeState.running):
+                self.sandboxes.move(sb, NodeState.ending)
+            with anyio.CancelScope(shield=True):
+                await self._destroy_quietly(handle)
+            self.journal.remove(sb.id)
+            if self.sandboxes.is_current(sb, NodeState.creating, NodeState.ending):
+                self.sandboxes.move(sb, NodeState.gone)
+            self.stats.failed += 1
+            raise
         self.stats.created += 1
         self.stats.claimed += claimed
         return sb.status()

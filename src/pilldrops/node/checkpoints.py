@@ -22,6 +22,7 @@ import anyio
 import httpx
 
 from pilldrops import errors
+from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
@@ -89,41 +90,57 @@ class Checkpoints:
             assert sb.target is not None and sb.started_mono is not None
             target = sb.target
             self.sandboxes.move(sb, NodeState.pausing)
-            await target.end_commands()
-            run_s, _ = usage_point(sb.started_mono)
-            left = max(0.0, (sb.end_at - self.now()).total_seconds())   # the same instant as run_s
             path = self.dir / sid
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True)
-            sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
-            self.journal.write(sb.journal_entry())                      # phase "pausing"
             try:
-                size = await self.runtime.checkpoint(target.handle, path)
-            except Exception as exc:  # whatever failed, find out what is left
-                target.pausing = False
-                state = await self._state_quietly(target.handle)
-                if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
-                    sb.image = None
+                size = await self._checkpoint(sb, path)
+            except BaseException:   # whatever failed or cancelled it before the image was taken: it runs on
+                if self.sandboxes.is_current(sb, NodeState.pausing):
+                    target.pausing, sb.image = False, None
                     self.sandboxes.move(sb, NodeState.running)
                     self.journal.write(sb.journal_entry())
                     drop_image(path)
-                    raise errors.ServerError(f"pausing {sid} failed (it keeps running): {exc}") from exc
-                # its processes are gone (the dump happened, then something after it failed): what the image
-                # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
-                log.exception("pausing %s failed after its processes were gone", sid)
-                if not any(path.iterdir()):
-                    self.sandboxes.move(sb, NodeState.gone)
-                    self.journal.remove(sid)
-                    drop_image(path)
-                    self._record_end(sid, EndReason.exited, started_at=sb.started_at, run_s=run_s)
-                    raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
-                size = image_size(path)
+                raise
+            assert sb.image is not None
             sb.image.size = size
             sb.target, sb.started_mono = None, None
             self.sandboxes.move(sb, NodeState.paused)
             self.journal.write(sb.journal_entry())
         log.info("paused sandbox %s (%d bytes)", sid, size)
         return sb.status()
+
+    async def _checkpoint(self, sb: Sandbox, path: Path) -> int:
+        """The pausing part of ``pause``: end commands, write the image; its size."""
+        sid, target = sb.id, sb.target
+        assert target is not None and sb.started_mono is not None
+        await target.end_commands()
+        run_s, _ = usage_point(sb.started_mono)
+        left = max(0.0, (sb.end_at - self.now()).total_seconds())   # the same instant as run_s
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
+        self.journal.write(sb.journal_entry())                      # phase "pausing"
+        try:
+            size = await self.runtime.checkpoint(target.handle, path)
+        except Exception as exc:  # whatever failed, find out what is left
+            target.pausing = False
+            state = await self._state_quietly(target.handle)
+            if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
+                sb.image = None
+                self.sandboxes.move(sb, NodeState.running)
+                self.journal.write(sb.journal_entry())
+                drop_image(path)
+                raise errors.ServerError(f"pausing {sid} failed (it keeps running): {exc}") from exc
+            # its processes are gone (the dump happened, then something after it failed): what the image
+            # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
+            log.exception("pausing %s failed after its processes were gone", sid)
+            if not any(path.iterdir()):
+                self.sandboxes.move(sb, NodeState.gone)
+                self.journal.remove(sid)
+                drop_image(path)
+                self._record_end(sid, EndReason.exited, started_at=sb.started_at, run_s=run_s)
+                raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
+            size = image_size(path)
+        return size
 
     async def _state_quietly(self, handle: Handle) -> str:
         try:
@@ -167,7 +184,6 @@ class Checkpoints:
                     handle = await self.runtime.restore(rt_spec, image.path)
             except RuntimeFailure as exc:
                 raise errors.ServerError(f"resuming {sandbox_id} failed (it stays paused): {exc}") from exc
-            target = self.templates.target(spec, handle)
         except BaseException:
             if fetched:     # a copy: the source node's checkpoint stays the sandbox's, this one goes
                 self.sandboxes.move(sb, NodeState.gone)
@@ -177,6 +193,9 @@ class Checkpoints:
                 self.sandboxes.move(sb, NodeState.paused)
                 self.journal.write(sb.journal_entry())
             raise
+        # the restore consumed the image (crun moves its writable layer into the container), so nothing may
+        # fail from here on: the target comes from what was resolved before (not a template lookup now)
+        target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir)
         sb.spec, sb.target, sb.image = spec, target, None
         sb.started_at = sb.started_at or self.now()
         sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)

@@ -70,6 +70,8 @@ class Entry:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Entry:
+        if not isinstance(record, dict):
+            raise TypeError(f"a journal entry is a JSON object, not {type(record).__name__}")
         version = int(record.get("version", 1))
         if version > FORMAT_VERSION:
             raise NewerFormat(f"journal entry format {version} (this agent reads up to {FORMAT_VERSION})")

@@ -39,7 +39,7 @@ class Recovery:
         self.now = now
 
     async def run(self) -> None:
-        """Adopt what is running and recorded, reap everything else. Idempotent."""
+        """Adopt what is running and recorded, reap everything else (once, at start: into an empty registry)."""
         entries = self.journal.entries()
         known = set(self.journal.skipped)
         this_boot = boot_id()

@@ -95,3 +95,11 @@ def test_the_transition_table_is_the_only_way_between_states() -> None:
     assert TRANSITIONS[NodeState.gone] == frozenset()
     assert all(NodeState.gone in TRANSITIONS[s] or NodeState.ending in TRANSITIONS[s]
                for s in NodeState if s is not NodeState.gone)       # every state can end
+
+
+def test_a_record_that_is_not_an_object_is_dropped_like_a_torn_one(tmp_path: Path) -> None:
+    """As before format versions: a record that is not a JSON object never stops the agent from starting."""
+    journal = Journal(tmp_path / "journal")
+    for name, text in (("sb_list", "[]"), ("sb_null", "null"), ("sb_num", "3")):
+        (tmp_path / "journal" / f"{name}.json").write_text(text)
+    assert journal.entries() == [] and list((tmp_path / "journal").glob("*.json")) == []

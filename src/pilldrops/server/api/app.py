@@ -21,11 +21,14 @@ from pilldrops.schema.api import (
     WhoAmI,
 )
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
+from pilldrops.schema.stats import HistoryStats
+from pilldrops.server import dashboard
 from pilldrops.server.service.auth import AuthService, Principal
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
+from pilldrops.server.service.stats import history_stats
 
 
 @dataclass
@@ -190,6 +193,15 @@ def create_app(services: Services) -> FastAPI:
                                               states=_states(state), template=template, labels=labels,
                                               limit=limit, cursor=cursor)
 
+    @api.get("/history/stats", response_model=HistoryStats)
+    async def stats(request: Request, p: Caller, since: datetime | None = None, until: datetime | None = None,
+                    state: Annotated[list[str] | None, Query()] = None, template: str | None = None,
+                    buckets: Annotated[int, Query(ge=1, le=500)] = 60,
+                    bins: Annotated[int, Query(ge=1, le=200)] = 20) -> HistoryStats:
+        return await history_stats(services.billing, p.team_id, since=_aware(since), until=_aware(until),
+                                   states=_states(state), template=template, labels=_labels(request),
+                                   buckets=buckets, bins=bins)
+
     @api.get("/usage", response_model=UsageSummary)
     async def usage(p: Caller, since: datetime | None = None, until: datetime | None = None) -> UsageSummary:
         return await services.billing.usage(p.team_id, _aware(since), _aware(until))
@@ -263,4 +275,5 @@ def create_app(services: Services) -> FastAPI:
         return {"ok": True}
 
     app.include_router(internal)
+    app.include_router(dashboard.router())      # the web dashboard at / (static; signs in with an API key)
     return app

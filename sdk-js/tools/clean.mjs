@@ -1,0 +1,3 @@
+// Remove build output directories (portable `rm -rf`).
+import { rmSync } from 'node:fs'
+for (const dir of process.argv.slice(2)) rmSync(dir, { recursive: true, force: true })
