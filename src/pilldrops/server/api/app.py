@@ -180,7 +180,7 @@ def create_app(services: Services) -> FastAPI:
     for prefix in ("processes", "fs"):
         for path in (f"/sandboxes/{{sandbox_id}}/{prefix}", f"/sandboxes/{{sandbox_id}}/{prefix}/{{rest:path}}"):
             api.add_api_route(path, proxy_sub, methods=["GET", "POST", "DELETE"], name=f"{prefix}{path.count('{')}",
-                              response_class=StreamingResponse)
+                              response_class=StreamingResponse, include_in_schema=False)   # docs/api.md
 
     # ---- billing --------------------------------------------------------------------------------------
 
