@@ -130,14 +130,20 @@ class Up:
 class Raw:
     """Raw crun containers equivalent to a PillDrops sandbox (same spec builder, layers and init)."""
 
-    def __init__(self, data: Path, template: str, memory_mb: int = 256) -> None:
-        self.crun = require_crun()
+    name = "crun"
+
+    def __init__(self, data: Path, template: str, memory_mb: int = 256, sub: str = "benchraw") -> None:
+        self.crun = self.binary()
         self.tpl = TemplateStore(data).get(template)
         self.init = data / "node" / "bin" / "pd-init"       # built by the node at start
         self.memory_mb = memory_mb
-        self.dir = data / "benchraw"
-        self.root = self.dir / "crun"
+        self.dir = data / sub
+        self.root = self.dir / self.name
         self.root.mkdir(parents=True)
+
+    @staticmethod
+    def binary() -> str:
+        return require_crun()
 
     def cmd(self, *args: str) -> list[str]:
         return [self.crun, "--root", str(self.root), *args]
@@ -177,7 +183,7 @@ class Raw:
     def cleanup_all(self) -> None:
         r = sh(self.cmd("list", "--format", "json"), capture_output=True)
         ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
-        ids |= {p.name for p in self.dir.iterdir() if p.is_dir() and p.name != "crun"}
+        ids |= {p.name for p in self.dir.iterdir() if p.is_dir() and p.name != self.name}
         for cid in ids:
             self.cleanup(cid)
         cgroups.remove_tree(RAW_PARENT)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,20 @@ def postgres() -> Iterator[pg.Postgres]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def microvm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One microVM cache (root disks, initramfs, template snapshots) for the whole session, so the tiny
+    template's guest boots once for the integration and the end-to-end tiers (a `pilldrops up` started by a
+    test inherits ``PILLDROPS_MICROVM_CACHE``). Content-keyed: sharing it between data dirs is safe."""
+    old = os.environ.get("PILLDROPS_MICROVM_CACHE")
+    path = tmp_path_factory.mktemp("pilldrops-mvcache")
+    os.environ["PILLDROPS_MICROVM_CACHE"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("PILLDROPS_MICROVM_CACHE", None)
+        else:
+            os.environ["PILLDROPS_MICROVM_CACHE"] = old

@@ -1,7 +1,9 @@
 """Leak check for anything a runtime leaves on the host: crun containers, mounts, cgroups, processes.
 
 ``before = snapshot(crun_roots=[...])`` ... ``assert_no_leaks(before)`` fails listing every new item:
-- containers in ``crun --root <r> list`` for each given root;
+- containers in ``crun --root <r> list`` for each given root, and in ``runsc --root <r> list`` for each of
+  ``runsc_roots`` (gVisor), with every live process whose command line names such a root (runsc's sandbox
+  and gofer processes), and files left in the root;
 - ``/proc/self/mountinfo`` mount points containing ``match``;
 - cgroup dirs whose name contains ``match`` under ``/sys/fs/cgroup/*`` (depth <= 3);
 - live processes whose ``/proc/<pid>/cgroup`` mentions ``match``. Zombies are ignored: a killed sandbox
@@ -30,6 +32,32 @@ def _containers(roots: list[Path]) -> set[str]:
         p = subprocess.run(["crun", "--root", str(r), "list", "--format", "json"], capture_output=True, check=False)
         if p.returncode == 0 and p.stdout.strip():
             out |= {f"crun:{r}:{c['id']}" for c in json.loads(p.stdout) or []}
+    return out
+
+
+def _runsc(roots: list[Path]) -> set[str]:
+    out: set[str] = set()
+    for r in roots:
+        if not Path(r).exists():
+            continue
+        p = subprocess.run(["runsc", "--root", str(r), "list", "--format", "json"], capture_output=True, check=False)
+        if p.returncode == 0 and p.stdout.strip():
+            out |= {f"runsc:{r}:{c['id']}" for c in json.loads(p.stdout) or []}
+        out |= {f"file:{f}" for f in Path(r).iterdir()}
+    wanted = [str(Path(r)).encode() for r in roots]
+    for name in os.listdir("/proc") if wanted else []:
+        if not name.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{name}/cmdline").read_bytes()
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2:].startswith(b"Z"):
+            continue
+        if any(w in cmd for w in wanted):
+            argv0 = cmd.split(b"\0")[0].decode(errors="replace")
+            out.add(f"proc:{name}:{argv0}")
     return out
 
 
@@ -79,14 +107,52 @@ def _procs(match: str) -> set[str]:
     return out
 
 
-def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops") -> dict[str, object]:
+def _qemu(dirs: list[Path]) -> set[str]:
+    """microVM leftovers under each dir (a microvm runtime's state dir or cache): live processes whose
+    command line mentions the dir (QEMU, virtiofsd, a migration's cat), sockets, sandbox dirs
+    (``pilldrops-vms/<id>``) and temp dirs of an unfinished boot or image build (``*.tmp``)."""
+    out: set[str] = set()
+    if not dirs:
+        return out
+    keys = [str(d).encode() for d in dirs]
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            stat = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        if any(k in cmdline for k in keys) and not stat[stat.rindex(b")") + 2:].startswith(b"Z"):
+            argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
+            out.add(f"proc:{name}:{argv0}")
+    for d in dirs:
+        for root, subdirs, files in os.walk(d):
+            rel = Path(root).relative_to(d)
+            for f in files:
+                p = Path(root) / f
+                if p.is_socket() or f.endswith(".tmp"):
+                    out.add(f"file:{p}")
+            for sd in subdirs:
+                if rel.name == "pilldrops-vms" or sd.endswith(".tmp") or sd.startswith("pilldrops-img-"):
+                    out.add(f"dir:{Path(root) / sd}")
+            if len(rel.parts) >= 3:
+                subdirs[:] = []
+    return out
+
+
+def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops",
+             runsc_roots: list[Path] | None = None, *, qemu_dirs: list[Path] | None = None) -> dict[str, object]:
     roots = [Path(r) for r in (crun_roots or [])]
-    items = _containers(roots) | _mounts(match) | _cgroups(match) | _procs(match)
-    return {"roots": roots, "match": match, "items": items}
+    gv = [Path(r) for r in (runsc_roots or [])]
+    qdirs = [Path(d) for d in (qemu_dirs or [])]
+    items = _containers(roots) | _runsc(gv) | _mounts(match) | _cgroups(match) | _procs(match) | _qemu(qdirs)
+    return {"roots": roots, "match": match, "runsc_roots": gv, "qemu_dirs": qdirs, "items": items}
 
 
 def leaks(before: dict[str, object]) -> set[str]:
-    now = snapshot(before["roots"], before["match"])  # type: ignore[arg-type]
+    now = snapshot(before["roots"], before["match"], before.get("runsc_roots"),  # type: ignore[arg-type]
+                   qemu_dirs=before.get("qemu_dirs"))  # type: ignore[arg-type]
     return now["items"] - before["items"]  # type: ignore[operator]
 
 

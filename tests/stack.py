@@ -33,6 +33,7 @@ class FakeTemplate:
     built_at: float = 0.0
     built: bool = True
     description: str = ""
+    isolation: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", self.env or {"PD_TEMPLATE": self.name})
@@ -77,9 +78,11 @@ class Stack:
 async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
                 templates: tuple[str, ...] = ("tiny",), billing: BillingSettings | None = None,
                 clock: Clock | None = None, db_url: str | None = None, nodes: int = 1,
-                **cp_options: Any) -> AsyncIterator[Stack]:
+                isolation: tuple[str, ...] = (), **cp_options: Any) -> AsyncIterator[Stack]:
     """One control plane and ``nodes`` agents (``node-a`` at http://node, then ``node-b`` at
-    http://node-b, ...), all in-process; every HTTP call is routed by host to the right ASGI app."""
+    http://node-b, ...), all in-process; every HTTP call is routed by host to the right ASGI app.
+    ``isolation``: the first node's runtime is a ``RuntimeRegistry`` of FakeRuntimes for these modes (the
+    others reported unavailable); ``Stack.runtime`` is then its container fake."""
     holder: dict[str, Any] = {}
     transport = httpx.ASGITransport(app=_Lazy(holder))
     cp = await build_control_plane(db_url or sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
@@ -89,10 +92,13 @@ async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb
     for i in range(nodes):
         suffix = "" if i == 0 else f"-{chr(ord('a') + i)}"
         runtime = FakeRuntime(tmp_path / f"fake{suffix}")
+        node_runtime: Any = runtime
+        if isolation and i == 0:
+            node_runtime = fake_registry(tmp_path, isolation, runtime)
         settings = Settings(name=f"node-{chr(ord('a') + i)}", public_url=f"http://node{suffix}",
                             capacity_vcpu=capacity_vcpu, capacity_memory_mb=capacity_memory_mb,
                             control_plane_url="http://cp", node_token=TOKEN)
-        agent = NodeAgent(settings, runtime, FakeTemplates(*templates), tmp_path / f"node{suffix}",
+        agent = NodeAgent(settings, node_runtime, FakeTemplates(*templates), tmp_path / f"node{suffix}",
                           http=httpx.AsyncClient(transport=transport, headers={"Authorization": f"Bearer {TOKEN}"}))
         holder[f"node{suffix}"] = create_node_app(agent, TOKEN)
         agents.append((agent, runtime))
@@ -114,6 +120,20 @@ async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb
         await cp.aclose()
         for _, runtime in agents:
             await runtime.close()
+
+
+def fake_registry(tmp_path: Path, modes: tuple[str, ...], container: FakeRuntime | None = None) -> Any:
+    """A ``RuntimeRegistry`` with one FakeRuntime per mode in ``modes`` (container always); the other modes
+    are reported unavailable ("not installed in this test")."""
+    from pilldrops.node.runtime.registry import Probe, RuntimeRegistry
+    from pilldrops.schema.api import ISOLATION_MODES
+    runtimes: dict[str, Any] = {"container": container or FakeRuntime(tmp_path / "fake")}
+    for m in modes:
+        if m != "container":
+            runtimes[m] = FakeRuntime(tmp_path / f"fake-{m}")
+    probes = {m: Probe(True, detail="fake") if m in runtimes else Probe(False, "not installed in this test")
+              for m in ISOLATION_MODES}
+    return RuntimeRegistry(runtimes, probes)
 
 
 class _Lazy:

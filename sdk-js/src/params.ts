@@ -102,9 +102,16 @@ export interface SpecArgs {
   metadata?: Record<string, string>
   /** Environment variables for every command. */
   envs?: Record<string, string>
-  /** The isolation of the sandbox, where the deployment offers a choice (sent only when given). */
+  /**
+   * `container` (crun, the shared host kernel), `gvisor` (a user-space kernel between the sandbox and the
+   * host) or `microvm` (its own guest kernel under QEMU); default: the template's, else the deployment's
+   * (`container`). Sent only when given.
+   */
   isolation?: string
 }
+
+/** The isolation modes a sandbox can ask for. */
+export const ISOLATION_MODES = ['container', 'gvisor', 'microvm'] as const
 
 /** The wire body of a create, validated locally. */
 export function createBody(spec: SpecArgs): Record<string, unknown> {
@@ -119,7 +126,12 @@ export function createBody(spec: SpecArgs): Record<string, unknown> {
   num(body.vcpu, 'vcpu', 0, 64, false, true)
   num(body.memory_mb, 'memoryMb', 16, 262_144, true)
   num(body.timeout, 'timeout', 1, 86_400, true)
-  if (spec.isolation !== undefined) body.isolation = spec.isolation
+  if (spec.isolation !== undefined) {
+    if (!(ISOLATION_MODES as readonly string[]).includes(spec.isolation)) {
+      throw new InvalidRequest(`unknown isolation mode ${JSON.stringify(spec.isolation)}; valid modes: ${ISOLATION_MODES.join(', ')}`)
+    }
+    body.isolation = spec.isolation
+  }
   return body
 }
 

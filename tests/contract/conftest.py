@@ -44,6 +44,7 @@ class RuntimeCase:
     name: ClassVar[str]
     restores_processes: ClassVar[bool] = True    # checkpoint/restore keeps processes (not only files)
     terminals: ClassVar[bool] = False            # exec(pty=(rows, cols)) runs the command on a real PTY
+    forks_fail_at_the_limit: ClassVar[bool] = True   # past pids_limit a fork fails (else the sandbox ends)
 
     @staticmethod
     def unavailable() -> str | None:
@@ -215,11 +216,109 @@ def cgroup_limits(cgroup: str) -> dict[str, int]:
             "cpu_period_us": num((base / "cpu" / rel / "cpu.cfs_period_us").read_text())}
 
 
+# ---- gVisor (root + runsc) ------------------------------------------------------------------------------
+
+class GvisorCase(CrunCase):
+    """runsc on crun's bundle (``runtime/gvisor.py``). Its pids cgroup allows gVisor's own host tasks, and
+    gVisor cannot fail a fork inside: past the limit the host cgroup ends the whole sandbox."""
+
+    name = "gvisor"
+    forks_fail_at_the_limit = False
+    terminals = False                     # not verified under gVisor yet
+
+    @staticmethod
+    def unavailable() -> str | None:
+        why = CrunCase.unavailable()
+        if why:
+            return why
+        from pilldrops.node.runtime.gvisor import probe
+        p = probe()
+        return None if p.available else p.reason
+
+    async def make(self) -> Runtime:
+        from pilldrops.node.runtime.gvisor import GvisorRuntime
+        rt = GvisorRuntime(self.data / "gvisor", name=f"{SESSION}-gv", init_path=self.init_path)
+        self.instances.append(rt)
+        return rt
+
+    def spec(self, sid: str, **kw: Any) -> SandboxSpec:
+        return super().spec(sid, isolation="gvisor", **kw)
+
+    def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
+        from pilldrops.node.runtime.gvisor import PROCESS_TASKS, RUNTIME_PIDS
+        limits = cgroup_limits(handle.extra["cgroup"])
+        limits["pids"] = (limits["pids"] - RUNTIME_PIDS) // PROCESS_TASKS      # the sandbox's own processes
+        return limits
+
+    def snapshot(self) -> dict[str, object]:
+        return leakcheck.snapshot([], match=MATCH, runsc_roots=[self.data / "gvisor" / "runsc"])
+
+
+# ---- microVM (root + QEMU + the guest kernel; TCG where KVM is not usable) ---------------------------------
+
+class MicrovmCase(CrunCase):
+    """QEMU ``-M microvm`` guests restored from the template's snapshot (``runtime/qemu.py``). The sandbox's
+    cgroup is inside the guest (pids.max, memory.max, its counters: asked of the guest agent); the CPU quota
+    is the host cgroup of its QEMU. Its init is the QEMU process. Sandboxes default to 256 MiB so that every
+    case shares one guest-RAM class, i.e. one template snapshot (shared with the other microVM tiers through
+    the session's ``PILLDROPS_MICROVM_CACHE``)."""
+
+    name = "microvm"
+    terminals = False                     # not verified in the guest yet
+
+    @staticmethod
+    def unavailable() -> str | None:
+        why = CrunCase.unavailable()
+        if why:
+            return why
+        from pilldrops.node.runtime.qemu import probe_host
+        ok, reason, _ = probe_host()
+        return None if ok else f"QEMU cannot run microVMs here: {reason}"
+
+    async def make(self) -> Runtime:
+        from pilldrops.node.runtime.qemu import QemuRuntime
+        rt = QemuRuntime(self.data / "microvm", name=f"{SESSION}-mv", cache_dir=self._cache())
+        self.instances.append(rt)
+        return rt
+
+    def _cache(self) -> Path:
+        return Path(os.environ.get("PILLDROPS_MICROVM_CACHE") or self.data / "microvm-cache")
+
+    def spec(self, sid: str, **kw: Any) -> SandboxSpec:
+        kw.setdefault("memory_mb", 256)
+        return super().spec(sid, isolation="microvm", **kw)
+
+    def cgroup_limits(self, handle: Handle) -> dict[str, int] | None:
+        """The guest cgroup's values asked of the guest agent (a link of its own: the runtime's closes after
+        1 s idle), the CPU quota from the QEMU's host cgroup."""
+        from pilldrops.node.runtime.microvm import vm
+        from pilldrops.node.runtime.microvm.channel import AgentLink
+        link = AgentLink(vm.dir_connector(Path(handle.bundle), "agent.sock"))
+        try:
+            link.wait_synced(15)
+            reply = link.request(b"", 10)
+        finally:
+            link.close()
+        guest = dict(kv.split("=", 1) for kv in reply.split()[1:] if "=" in kv)
+        host = cgroup_limits(handle.extra["cgroup"])
+
+        def num(text: str) -> int:
+            return -1 if text == "max" else int(text)
+        return {"memory_bytes": num(guest["memory.max"]), "pids": num(guest["pids.max"]),
+                "pids_current": num(guest["pids.current"]), "pids_refused": num(guest["pids.refused"]),
+                "cpu_quota_us": host["cpu_quota_us"], "cpu_period_us": host["cpu_period_us"]}
+
+    def snapshot(self) -> dict[str, object]:
+        return leakcheck.snapshot([], match=MATCH, qemu_dirs=[self.data / "microvm", self._cache()])
+
+
 # ---- the registry: one line per runtime ------------------------------------------------------------------
 
 RUNTIMES: dict[str, type[RuntimeCase]] = {
     "fake": FakeCase,
     "crun": CrunCase,
+    "gvisor": GvisorCase,
+    "microvm": MicrovmCase,
 }
 
 

@@ -56,7 +56,7 @@ async def test_signal_reaches_the_command(case: RuntimeCase, runtime: Runtime) -
 
 async def test_pty_size_and_resize(case: RuntimeCase, runtime: Runtime) -> None:
     if not case.terminals:
-        pytest.skip(f"{case.name}: no terminals (the process service answers 501 for a PTY there)")
+        pytest.skip(f"{case.name}: its case does not claim terminals (conftest `terminals`)")
     h = await runtime.create(case.spec("p-pty"))
     send, recv = anyio.create_memory_object_stream[bytes](4)
     proc = await runtime.exec(h, ["/bin/sh"], env={"PS1": "$ "}, cwd=None, stdin=recv, pty=(33, 101))  # type: ignore[call-arg]

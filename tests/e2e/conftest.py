@@ -40,8 +40,14 @@ class Server:
     def crun_root(self) -> Path:
         return self.data_dir / "node" / "crun"
 
+    @property
+    def runsc_root(self) -> Path:
+        return self.data_dir / "node" / "runtimes" / "gvisor" / "runsc"
+
     def snapshot(self) -> dict[str, object]:
-        return leakcheck.snapshot([self.crun_root], match=MATCH)
+        return leakcheck.snapshot([self.crun_root], match=MATCH, runsc_roots=[self.runsc_root],
+                                  qemu_dirs=[self.data_dir / "node" / "runtimes" / "microvm",
+                                             *([Path(c)] if (c := os.environ.get("PILLDROPS_MICROVM_CACHE")) else [])])
 
 
 def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -86,7 +92,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         pytest.skip(why)
     root = tmp_path_factory.mktemp(MATCH, numbered=False)
     data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
+    before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH,
+                                runsc_roots=[data_dir / "node" / "runtimes" / "gvisor" / "runsc"])
     proc, url = start_up(data_dir, config_home, log)
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
     srv = Server(url, key, data_dir, config_home, proc, log)
@@ -95,6 +102,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
         sid = c.post("/v1/sandboxes", json={"template": "tiny"}).raise_for_status().json()["id"]
         c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        (node,) = c.get("/v1/nodes").raise_for_status().json()["items"]
+        if node["isolation"]["gvisor"]["available"]:     # the gVisor runtime's cgroup parent, likewise
+            sid = c.post("/v1/sandboxes", json={"template": "tiny", "isolation": "gvisor"}).raise_for_status().json()["id"]
+            c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
     try:
         yield srv
     finally:

@@ -259,22 +259,37 @@ def test_set_timeout_extends_life(sdk_env: Server) -> None:
         assert sb.run("echo later").stdout == "later\n"
 
 
-def test_sandbox_outlives_sigkilled_agent_and_is_adopted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("isolation", ["container", "gvisor", "microvm"])
+def test_sandbox_outlives_sigkilled_agent_and_is_adopted(tmp_path: Path, isolation: str) -> None:
     """SIGKILL `pilldrops up`: the sandbox keeps running (not a child of the agent); a restarted `up`
-    on the same data dir adopts it, and it accepts run and upload again."""
+    on the same data dir adopts it (through the runtime of its isolation mode), and it accepts run and
+    upload again."""
     from tests.e2e.conftest import MATCH
     import tests.leakcheck as leakcheck
+    from pilldrops.node.runtime.gvisor import probe
 
+    if isolation == "gvisor" and not probe().available:
+        pytest.skip(f"gVisor: {probe().reason}")
+    if isolation == "microvm":
+        from pilldrops.node.runtime.qemu import probe_host
+        ok, reason, _ = probe_host()
+        if not ok:
+            pytest.skip(f"microVM: {reason}")
     root = tmp_path / MATCH
     data, cfg, log = root / "data", root / "cfg", root / "up.log"
     root.mkdir()
-    before = leakcheck.snapshot([data / "node" / "crun"], match=MATCH)
+    before = leakcheck.snapshot([data / "node" / "crun"], match=MATCH,
+                                runsc_roots=[data / "node" / "runtimes" / "gvisor" / "runsc"],
+                                qemu_dirs=[data / "node" / "runtimes" / "microvm"])
     proc, url = start_up(data, cfg, log)
     key = json.loads((cfg / "pilldrops" / "config.json").read_text())["api_key"]
     try:
-        sb = Sandbox.create(template="tiny", api_url=url, api_key=key)
+        sb = Sandbox.create(template="tiny", api_url=url, api_key=key, isolation=isolation,
+                            memory_mb=256)     # the microVM tier's snapshot size (one template boot per session)
         sb.run("echo 41 > /root/state")
-        pid = int(json.loads((data / "node" / "journal" / f"{sb.id}.json").read_text())["handle"]["pid"])
+        handle = json.loads((data / "node" / "journal" / f"{sb.id}.json").read_text())["handle"]
+        assert handle["extra"]["isolation"] == isolation          # re-adoption goes to the right runtime
+        pid = int(handle["pid"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         time.sleep(0.5)

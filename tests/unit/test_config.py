@@ -25,5 +25,5 @@ def test_order_of_key_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.resolve_api_key_source() == ("pd_saved", f"the config file {path}")
     monkeypatch.setenv("PILLDROPS_API_KEY", "pd_env")
     assert config.resolve_api_key_source() == ("pd_env", "$PILLDROPS_API_KEY")
-    assert config.resolve_api_key_source("pd_arg") == ("pd_arg", "the api_key argument")
+    assert config.resolve_api_key_source("pd_arg") == ("pd_arg", "the explicit api_key (--api-key / api_key=)")
     assert config.resolve_api_key() == "pd_env"

@@ -170,3 +170,17 @@ def test_build_steps_get_the_hosts_proxy_and_ca(monkeypatch: pytest.MonkeyPatch,
         assert 'Acquire::https::Proxy "http://proxy.internal:3128";' in conf and T.BUILD_CA in conf
     # nothing of the host's settings stays in the layer
     assert not (root / T.BUILD_CA.lstrip("/")).exists() and not (root / T.BUILD_APT_CONF.lstrip("/")).exists()
+
+
+def test_a_bad_spec_is_skipped_and_reported_never_fatal(tmp_path: Path) -> None:
+    """A typo in one spec (here a broken TOML table) must not take the other templates, or a node, down."""
+    write(tmp_path, "good", 'name = "good"\nfrom = "busybox"\n')
+    write(tmp_path, "bad-toml", 'name = "bad"\nfrom = "busybox"\n[[steps]\nrun = "x"\n')
+    write(tmp_path, "empty-run", 'name = "empty"\nfrom = "busybox"\n[[steps]]\nrun = ""\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[T.SPEC_DIR, tmp_path])
+    specs = store.specs()
+    assert "good" in specs and "tiny" in specs and "bad" not in specs and "empty" not in specs
+    assert set(store.spec_errors) == {str(tmp_path / "bad-toml.toml"), str(tmp_path / "empty-run.toml")}
+    assert {s.name for s in store.list()} >= {"good", "tiny"}
+    with pytest.raises(TemplateNotFound, match="skipped invalid specs: .*bad-toml.toml"):
+        store.spec("bad")

@@ -431,6 +431,11 @@ export interface components {
                 [key: string]: string;
             };
             /**
+             * Isolation
+             * @description container | gvisor | microvm; default: the template's, else the deployment's (container)
+             */
+            isolation?: string | null;
+            /**
              * Item Metadata
              * @description one dict per item (count of them), merged over metadata: each episode findable
              */
@@ -487,6 +492,11 @@ export interface components {
             envs?: {
                 [key: string]: string;
             };
+            /**
+             * Isolation
+             * @description container | gvisor | microvm; default: the template's, else the deployment's (container)
+             */
+            isolation?: string | null;
             /**
              * Memory Mb
              * @description memory limit in MiB, no swap
@@ -587,6 +597,11 @@ export interface components {
             gb_s: number;
             /** Id */
             id: string;
+            /**
+             * Isolation
+             * @default container
+             */
+            isolation: string;
             /** Memory Mb */
             memory_mb: number;
             /** Metadata */
@@ -652,6 +667,24 @@ export interface components {
             /** Until */
             until?: string | null;
         };
+        /**
+         * IsolationSupport
+         * @description Whether a node can run one isolation mode, probed when its agent starts.
+         */
+        IsolationSupport: {
+            /** Available */
+            available: boolean;
+            /**
+             * Detail
+             * @default
+             */
+            detail: string;
+            /**
+             * Reason
+             * @default
+             */
+            reason: string;
+        };
         /** KeyCreateRequest */
         KeyCreateRequest: {
             /**
@@ -715,6 +748,10 @@ export interface components {
             draining: boolean;
             /** Id */
             id: string;
+            /** Isolation */
+            isolation?: {
+                [key: string]: components["schemas"]["IsolationSupport"];
+            };
             /**
              * Last Heartbeat At
              * Format: date-time
@@ -966,6 +1003,11 @@ export interface components {
             gb_s: number;
             /** Id */
             id: string;
+            /**
+             * Isolation
+             * @default container
+             */
+            isolation: string;
             /** Memory Mb */
             memory_mb: number;
             /** Metadata */
@@ -1051,6 +1093,8 @@ export interface components {
              * @default
              */
             description: string;
+            /** Isolation */
+            isolation?: string | null;
             /** Layers */
             layers?: string[];
             /** Name */

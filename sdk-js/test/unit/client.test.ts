@@ -39,6 +39,10 @@ describe('create', () => {
     f.queue('POST', '/v1/sandboxes', () => json(201, wireInfo('sb_2')))
     await Sandbox.create(opts(f))
     assert.notEqual(f.calls[4]!.headers.get('idempotency-key'), [...keys][0])
+    // the isolation mode is sent only when given
+    f.queue('POST', '/v1/sandboxes', () => json(201, wireInfo('sb_3')))
+    await Sandbox.create({ ...opts(f), isolation: 'gvisor' })
+    assert.equal(JSON.parse(f.calls[5]!.body).isolation, 'gvisor')
   })
 
   test('capacityWait bounds the waiting, then the capacity error is thrown', async () => {
@@ -56,7 +60,7 @@ describe('create', () => {
     const f = new FakeFetch().on('POST', '/v1/sandboxes', () =>
       json(401, { error: { code: 'unauthenticated', message: 'bad key' } }, { 'x-request-id': 'req-9' }))
     for (const bad of [{ template: 'Bad!' }, { vcpu: 0 }, { memoryMb: 1.5 }, { timeout: 90000 },
-      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }]) {
+      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }, { isolation: 'vm' }]) {
       await assert.rejects(Sandbox.create(opts(f, bad)), InvalidRequest)
     }
     assert.equal(f.calls.length, 0)

@@ -53,7 +53,7 @@ def resolve_api_url(explicit: str | None = None) -> str:
 def resolve_api_key_source(explicit: str | None = None) -> tuple[str | None, str]:
     """``(key, where it came from)``; the key is ``None`` when none is found anywhere."""
     if explicit:
-        return explicit, "the api_key argument"
+        return explicit, "the explicit api_key (--api-key / api_key=)"
     if os.environ.get("PILLDROPS_API_KEY"):
         return os.environ["PILLDROPS_API_KEY"], "$PILLDROPS_API_KEY"
     saved = load_file().get("api_key")

@@ -3,13 +3,57 @@ servers (control plane + node agent in ``pilldrops up``) stop together and clean
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import os
 import signal
 import socket
+from pathlib import Path
 
 import anyio
 import uvicorn
 from fastapi import FastAPI
+
+
+class PortInUse(RuntimeError):
+    """The port a server was asked to listen on is taken; the message says which and what to do."""
+
+
+def check_port(host: str, port: int, option: str = "--port") -> None:
+    """Fail at once, before minutes of set-up, when ``host:port`` cannot be listened on."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {port} on {host} is already in use (another `pilldrops up`?): stop it or "
+                                f"choose another port with {option} N") from None
+            raise
+
+
+class DataDirInUse(RuntimeError):
+    """Another PillDrops process of the same role holds the data dir."""
+
+
+def lock_data_dir(data_dir: Path, role: str) -> int:
+    """Hold ``<data_dir>/<role>.lock`` for the life of this process (released when it exits, even killed): two
+    control planes, or two node agents, on one data dir would share a database and sandbox state and tear
+    down each other's sandboxes. Returns the lock's fd (keep it open)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / f"{role}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DataDirInUse(f"another PillDrops {role} (pid {holder}) is using the data dir {data_dir}: stop it, "
+                           f"or give this one its own --data-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 class Served:

@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES
+
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 DEFAULT_TEMPLATES = "code-interpreter"
 
@@ -47,6 +49,9 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
         click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
+        click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
+                     show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
+                     help="isolation of sandboxes whose create and template name none"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -55,7 +60,8 @@ def _control_plane_options(f: Any) -> Any:
 
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
-            "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention")}
+            "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
+            "default_isolation": kw.pop("default_isolation")}
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -74,6 +80,22 @@ def _templates_dir_option(f: Any) -> Any:
     return click.option("--templates-dir", "templates_dirs", multiple=True, type=click.Path(path_type=Path),
                         help="extra directory of template specs (*.toml); ~/.config/pilldrops/templates is "
                              "always read")(f)
+
+
+_HELD: list[int] = []     # data-dir lock fds, held until the process exits
+
+
+def _claim(data_dir: Path, roles: tuple[str, ...], ports: list[tuple[str, int, str]]) -> None:
+    """Before any slow set-up: the data dir is ours (one control plane and one node agent per data dir) and
+    the ports are free; either failing is one clear line, not a traceback minutes later."""
+    from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir
+    try:
+        for role in roles:
+            _HELD.append(lock_data_dir(data_dir, role))
+        for host, port, option in ports:
+            check_port(host, port, option)
+    except (DataDirInUse, PortInUse) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _logging(verbose: bool) -> None:
@@ -114,15 +136,22 @@ def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Pat
         except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
             pass
         t0 = time.monotonic()
-        if not console.is_terminal:     # no spinner in a log: say what the next minute is spent on
-            console.print(f"building template {name} (first start only, about a minute) ...")
-        with console.status(f"[bold]building template {name}[/] (first start only)") as status:
+        if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
+            console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
+        with console.status(f"[bold]building template {name}[/] (once)") as status:
             def progress(line: str, _name: str = name) -> None:
                 status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "
                               f"[dim]{line[:90]}[/]")
+                if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
+                    console.print(f"  {line[:160]}")      # each step, so a log shows where a build is
             tpl = store.ensure(name, progress=progress)
         console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
                       f"({tpl.size / 2**20:.0f} MiB)")
+
+
+def _config_path() -> Path:
+    from pilldrops._internal import config
+    return config.config_path()
 
 
 def _print_exports(api_url: str, secret: str | None, saved: Path | None) -> None:
@@ -177,7 +206,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
 
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _claim(data_dir, ("control-plane", "node"),
+           [(host, port, "--port"), (host, node_port or port + 1, "--node-port")])
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
@@ -214,8 +244,13 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
             with anyio.fail_after(30):
                 await node.agent.wait_registered()
             await _bootstrap_key(cp, api_url)
+            _console().print("isolation: " + ", ".join(
+                f"{m} ({s.detail})" if s.available else f"[dim]{m}: no ({s.reason})[/]"
+                for m, s in node.runtime.support().items()))
             _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
                              f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
+            _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
+                             f"{_config_path()})")
             await wait_for_signal()
             await node.aclose()
             node_served.stop()
@@ -259,6 +294,7 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
+    _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
     anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
@@ -320,7 +356,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     from pilldrops.node.agent import Settings, default_capacity
     from pilldrops.node.main import default_node_name
     _logging(verbose)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    _claim(data_dir, ("node",), [(host, port, "--port")])
     build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()], templates_dirs)
     cpu, mem = default_capacity()
     settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",

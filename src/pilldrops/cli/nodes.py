@@ -34,10 +34,11 @@ def list_(state: CliState, as_json: bool) -> None:
         _output.print_json(_output.to_jsonable(items))
         return
     _output.print_table(
-        ["ID", "NAME", "STATE", "SANDBOXES", "VCPU USED/CAP", "MiB USED/CAP", "TEMPLATES", "HEARTBEAT"],
+        ["ID", "NAME", "STATE", "SANDBOXES", "VCPU USED/CAP", "MiB USED/CAP", "TEMPLATES", "ISOLATION", "HEARTBEAT"],
         [[n.id, n.name, n.state + (" (draining)" if n.draining else ""), n.sandboxes,
           f"{n.used_vcpu:g}/{n.capacity_vcpu:g}", f"{n.used_memory_mb}/{n.capacity_memory_mb}",
-          ",".join(n.templates), _output.fmt_time(n.last_heartbeat_at)] for n in items],
+          ",".join(n.templates), ",".join(m for m, s in n.isolation.items() if s.available) or "container",
+          _output.fmt_time(n.last_heartbeat_at)] for n in items],
         empty="no nodes registered")
 
 

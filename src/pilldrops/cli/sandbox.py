@@ -9,7 +9,7 @@ import click
 
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
-from pilldrops.schema.api import DEFAULT_TIMEOUT_S, SandboxInfo, SandboxState
+from pilldrops.schema.api import DEFAULT_TIMEOUT_S, ISOLATION_MODES, SandboxInfo, SandboxState
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
@@ -45,12 +45,15 @@ def sandbox() -> None:
               help="Seconds until the sandbox is killed.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Metadata (repeatable).")
 @click.option("--env", "-e", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable).")
+@click.option("--isolation", type=click.Choice(ISOLATION_MODES), default=None,
+              help="container (crun), gvisor (runsc) or microvm (QEMU) [default: the template's, else the "
+                   "deployment's]")
 @click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
 @pass_state
 def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout: int, metadata: tuple[str, ...],
-           env: tuple[str, ...], as_json: bool) -> None:
+           env: tuple[str, ...], isolation: str | None, as_json: bool) -> None:
     """Create a sandbox (left running) and print its id."""
-    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout,
+    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, isolation=isolation,
                         metadata=_output.parse_pairs(metadata, "--metadata"),
                         envs=_output.parse_pairs(env, "--env"), **state.sdk_options())
     if as_json:

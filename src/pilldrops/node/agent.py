@@ -37,6 +37,7 @@ from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
 from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
+from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
@@ -101,7 +102,7 @@ class NodeAgent:
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
-                     self.instance),
+                     self.instance, support_of(runtime)),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
@@ -174,7 +175,8 @@ class NodeAgent:
                                       current=existing.state.value, target="running")
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
-        member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
+                  if spec.isolation == "container" else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)
@@ -268,9 +270,10 @@ class NodeAgent:
         sb = self.sandboxes.get(sandbox_id)
         if sb is not None and sb.state is NodeState.paused:
             return sb.status()          # a retried pause
-        why = self.runtime.checkpoint_unsupported()
+        mode = sb.spec.isolation if sb is not None else "container"
+        why = checkpoint_unsupported(self.runtime, mode)
         if why:
-            raise errors.NotSupported(f"this node cannot pause sandboxes: {why}")
+            raise errors.NotSupported(f"this node cannot pause {mode} sandboxes: {why}")
         return await self.transfer.pause(self.get(sandbox_id))
 
     async def resume(self, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
@@ -281,9 +284,9 @@ class NodeAgent:
         if sb is not None and sb.state is NodeState.resuming:
             raise errors.InvalidState(f"sandbox {sandbox_id} is already resuming", current="resuming",
                                       target="running")
-        why = self.runtime.checkpoint_unsupported()
+        why = checkpoint_unsupported(self.runtime, body.spec.isolation)
         if why:
-            raise errors.NotSupported(f"this node cannot resume sandboxes: {why}")
+            raise errors.NotSupported(f"this node cannot resume {body.spec.isolation} sandboxes: {why}")
         return await self.transfer.resume(sandbox_id, body)
 
     def runtime_id_of(self, sandbox_id: str) -> str:

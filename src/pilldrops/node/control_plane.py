@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import httpx
 
 from pilldrops._version import __version__
 from pilldrops.node.pools import WarmPools
-from pilldrops.schema.api import SandboxState, TemplateInfo
+from pilldrops.schema.api import IsolationSupport, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeEvent,
     NodeHeartbeat,
@@ -39,6 +39,7 @@ class Identity:
     capacity_vcpu: float
     capacity_memory_mb: int
     instance: str
+    isolation: dict[str, IsolationSupport] = field(default_factory=dict)   # each mode, as probed at start
 
 
 class ControlPlaneClient:
@@ -61,7 +62,8 @@ class ControlPlaneClient:
         i = self.identity
         body = NodeRegister(name=i.name, url=i.public_url, capacity_vcpu=i.capacity_vcpu,
                             capacity_memory_mb=i.capacity_memory_mb, templates=self._templates(),
-                            sandboxes=self._statuses(), version=__version__, instance=i.instance)
+                            sandboxes=self._statuses(), version=__version__, instance=i.instance,
+                            isolation=i.isolation)
         resp = await self.http.post(f"{self.url}/internal/v1/nodes/register", content=body.model_dump_json(),
                                     headers=_JSON)
         resp.raise_for_status()

@@ -1,4 +1,5 @@
-"""Building a node agent on this host: prepared host, crun runtime, template store, agent, app.
+"""Building a node agent on this host: prepared host, runtimes (one per isolation mode the host can run),
+template store, agent, app.
 Used by `pilldrops node` and `pilldrops up`. Needs root."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import FastAPI
 from pilldrops.node.agent import NodeAgent, Settings, instance_id
 from pilldrops.node.api import create_node_app
 from pilldrops.node.isolation.host import prepare_host
-from pilldrops.node.runtime.crun import CrunRuntime
+from pilldrops.node.runtime.registry import RuntimeRegistry
 from pilldrops.node.templates import TemplateStore, default_spec_dirs
 
 
@@ -22,7 +23,7 @@ from pilldrops.node.templates import TemplateStore, default_spec_dirs
 class Node:
     agent: NodeAgent
     app: FastAPI
-    runtime: CrunRuntime
+    runtime: RuntimeRegistry
     templates: TemplateStore
 
     async def aclose(self) -> None:
@@ -42,6 +43,7 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
     templates = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     safe = re.sub(r"[^a-zA-Z0-9_-]", "-", settings.name)[:40]
     # the cgroup parent is this agent's own (name + instance), never shared with another agent on the host
-    runtime = CrunRuntime(data_dir / "node", name=f"{safe}-{instance_id(data_dir / 'node')[:8]}")
+    # the crun runtime keeps <data_dir>/node; gVisor and microVM runtimes get <data_dir>/node/runtimes/<mode>
+    runtime = RuntimeRegistry.build(data_dir / "node", name=f"{safe}-{instance_id(data_dir / 'node')[:8]}")
     agent = NodeAgent(settings, runtime, templates, data_dir / "node")
     return Node(agent, create_node_app(agent, settings.node_token), runtime, templates)

@@ -38,7 +38,8 @@ class TemplateCache:
             cache[st.name] = t
             built = datetime.fromtimestamp(t.built_at, UTC) if t.built_at else None
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
-                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built))
+                                      layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
+                                      isolation=getattr(st, "isolation", None)))
         self._cache = cache
         return infos
 
@@ -67,7 +68,7 @@ class TemplateCache:
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
                            envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
-                           hostname=spec.id.replace("_", "-"))
+                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation)
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self.get(spec.template)

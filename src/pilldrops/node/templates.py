@@ -6,6 +6,8 @@ A spec (``src/pilldrops/templates/<name>.toml``)::
     description = "..."
     from = "base"                  # a parent template, or a builder: "busybox" | "debootstrap"
     workdir = "/home/user"
+    isolation = "gvisor"           # optional: the default isolation of its sandboxes (container | gvisor |
+                                   # microvm; a create's own `isolation` wins; not inherited, not hashed)
     [env]
     LANG = "C.UTF-8"
     [[steps]]
@@ -27,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,7 +45,9 @@ from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
+from pilldrops.schema.api import ISOLATION_MODES
 
+log = logging.getLogger("pilldrops.templates")
 BUILDERS = ("busybox", "debootstrap")
 BUILDER_VERSION = "1"          # bump to force rebuilds when builder code changes its output
 SPEC_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -91,6 +96,7 @@ class TemplateSpec:
     workdir: str | None
     steps: tuple[Step, ...]
     path: Path
+    isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
 
     @property
     def is_builder(self) -> bool:
@@ -120,10 +126,11 @@ class TemplateStatus:
     hash: str
     built: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    isolation: str | None = None
 
 
 # -- spec parsing ---------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps"}
+_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation"}
 
 
 def _str_map(v: Any, where: str) -> dict[str, str]:
@@ -152,6 +159,9 @@ def parse_spec(path: Path) -> TemplateSpec:
     workdir = data.get("workdir")
     if workdir is not None and (not isinstance(workdir, str) or not workdir.startswith("/")):
         raise TemplateSpecError(f"{path}: 'workdir' must be an absolute path")
+    isolation = data.get("isolation")
+    if isolation is not None and isolation not in ISOLATION_MODES:
+        raise TemplateSpecError(f"{path}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}")
     steps = []
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
@@ -182,7 +192,7 @@ def parse_spec(path: Path) -> TemplateSpec:
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve())
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation)
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -429,6 +439,7 @@ class TemplateStore:
         self.data_dir = Path(data_dir).resolve()
         self.root = self.data_dir / "templates"
         self.spec_dirs = [Path(p) for p in (spec_dirs if spec_dirs is not None else default_spec_dirs())]
+        self._logged_errors: dict[str, str] = {}
 
     def signature(self) -> tuple[tuple[str, float], ...]:
         """Cheap fingerprint of the built templates (changes when a template is built or rebuilt)."""
@@ -439,17 +450,35 @@ class TemplateStore:
 
     # specs
     def specs(self) -> dict[str, TemplateSpec]:
+        """Every valid spec by name. A file that does not parse is skipped and kept in :attr:`spec_errors`
+        (logged once): one bad spec in the user's folder never takes the other templates, or a node, down."""
         out: dict[str, TemplateSpec] = {}
+        errors: dict[str, str] = {}
         for d in self.spec_dirs:
             for f in sorted(Path(d).glob("*.toml")):
-                s = parse_spec(f)
+                try:
+                    s = parse_spec(f)
+                except TemplateSpecError as exc:
+                    errors[str(f)] = str(exc)
+                    continue
                 out[s.name] = s
+        for path, err in errors.items():
+            if self._logged_errors.get(path) != err:
+                log.warning("skipping template spec %s: %s", path, err)
+        self._logged_errors = errors
         return out
+
+    @property
+    def spec_errors(self) -> dict[str, str]:
+        """The spec files skipped by the last :meth:`specs` call, with why."""
+        return dict(self._logged_errors)
 
     def spec(self, name: str) -> TemplateSpec:
         specs = self.specs()
         if name not in specs:
-            raise TemplateNotFound(f"no template spec named {name!r}", details={"template": name})
+            bad = "; ".join(self._logged_errors.values())
+            raise TemplateNotFound(f"no template spec named {name!r}" + (f" (skipped invalid specs: {bad})" if bad
+                                                                         else ""), details={"template": name})
         return specs[name]
 
     def hash(self, name: str, _seen: tuple[str, ...] = ()) -> str:
@@ -479,7 +508,8 @@ class TemplateStore:
         for name, s in sorted(self.specs().items()):
             h = self.hash(name)
             out.append(TemplateStatus(name=name, description=s.description, base=s.base, hash=h,
-                                      built=(self._final(name, h) / "manifest.json").exists()))
+                                      built=(self._final(name, h) / "manifest.json").exists(),
+                                      isolation=s.isolation))
         return out
 
     def ensure(self, name: str, progress: Progress | None = None) -> Template:

@@ -16,6 +16,10 @@ MAX_TIMEOUT_S = 86_400
 DEFAULT_TIMEOUT_S = 300
 MAX_BATCH = 1000
 DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
+# Isolation per sandbox (issue 11): crun container (shared host kernel), gVisor (user-space kernel, runsc),
+# QEMU microVM (own guest kernel). The one list of valid names; a request naming another is a 400.
+ISOLATION_MODES: tuple[str, ...] = ("container", "gvisor", "microvm")
+DEFAULT_ISOLATION = "container"
 
 
 class _Request(BaseModel):
@@ -67,6 +71,12 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
+def check_isolation(v: str | None) -> str | None:
+    if v is not None and v not in ISOLATION_MODES:
+        raise ValueError(f"unknown isolation mode {v!r}; valid modes: {', '.join(ISOLATION_MODES)}")
+    return v
+
+
 def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
     if len(v) > max_items:
         raise ValueError(f"at most {max_items} {what} entries")
@@ -86,6 +96,13 @@ class CreateSandboxRequest(_Request):
                          description="seconds until the sandbox is killed (max 86400)")
     metadata: dict[str, str] = Field(default_factory=dict)
     envs: dict[str, str] = Field(default_factory=dict)
+    isolation: str | None = Field(None, description="container | gvisor | microvm; default: the template's, "
+                                                    "else the deployment's (container)")
+
+    @field_validator("isolation")
+    @classmethod
+    def _isolation(cls, v: str | None) -> str | None:
+        return check_isolation(v)
 
     @field_validator("metadata")
     @classmethod
@@ -132,6 +149,7 @@ class ErrorInfo(_Response):
 class SandboxInfo(_Response):
     id: str
     template: str
+    isolation: str = DEFAULT_ISOLATION
     state: SandboxState
     vcpu: float
     memory_mb: int
@@ -261,6 +279,15 @@ class TemplateInfo(_Response):
     size_bytes: int = 0
     built_at: datetime | None = None
     nodes: list[str] = Field(default_factory=list)
+    isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
+
+
+class IsolationSupport(_Response):
+    """Whether a node can run one isolation mode, probed when its agent starts."""
+
+    available: bool
+    reason: str = ""    # why not, e.g. "qemu-system-x86_64 not installed"
+    detail: str = ""    # e.g. "tcg" / "kvm" (microvm), "ptrace" (gvisor)
 
 
 class TemplateList(_Response):
@@ -316,6 +343,7 @@ class HistoryRecord(_Response):
 
     id: str
     template: str
+    isolation: str = DEFAULT_ISOLATION
     vcpu: float
     memory_mb: int
     vcpu_s: float
@@ -368,6 +396,7 @@ class NodeInfo(_Response):
     used_memory_mb: int
     sandboxes: int
     templates: list[str] = Field(default_factory=list)
+    isolation: dict[str, IsolationSupport] = Field(default_factory=dict)
     last_heartbeat_at: datetime
 
 

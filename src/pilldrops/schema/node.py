@@ -11,7 +11,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
+from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason, IsolationSupport, SandboxState, TemplateInfo
 
 
 class _Model(BaseModel):
@@ -27,6 +27,9 @@ class NodeRegister(_Model):
     sandboxes: list["NodeSandboxStatus"] = Field(default_factory=list)
     version: str = ""
     instance: str = Field("", description="the agent's identity, kept in its state dir across restarts")
+    isolation: dict[str, IsolationSupport] = Field(
+        default_factory=dict, description="each isolation mode, probed at agent start; empty (an agent from "
+                                          "before isolation modes): container only")
 
 
 class NodePoolSpec(_Model):
@@ -80,6 +83,7 @@ class NodeSandboxSpec(_Model):
     team_id: str = ""
     timeout_s: float | None = Field(None, description="seconds from now; the node keeps the deadline on its "
                                                       "own clock (end_at is the control plane's view)")
+    isolation: str = DEFAULT_ISOLATION
 
 
 class NodeSandboxStatus(_Model):

@@ -36,7 +36,7 @@ class ClientConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     max_retries: int = DEFAULT_MAX_RETRIES
     transport: Any = None
-    api_key_source: str = "the api_key argument"   # named in auth errors ("key from $E2B_API_KEY")
+    api_key_source: str = "the explicit api_key (--api-key / api_key=)"   # named in auth errors ("key from $E2B_API_KEY")
 
     @property
     def pool_key(self) -> tuple[str, str, int]:

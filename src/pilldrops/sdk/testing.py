@@ -132,7 +132,7 @@ class FakeSandbox:
     links: dict[str, str] = field(default_factory=dict)
     seq: int = 0
     pauses: list[PauseInterval] = field(default_factory=list)   # closed paused intervals, then the open one
-    paused_s: float = 0.0                                       # closed paused intervals, in seconds
+    paused_s: float = 0.0                                       # resumed paused intervals, in seconds
 
     # -------------------------------------------------------------------------------- filesystem
     def exists(self, path: str) -> bool:
@@ -385,6 +385,8 @@ class FakeControlPlane:
         end = info.ended_at or self._now
         if info.paused_at is not None:
             end = min(end, info.paused_at)
+        elif sb.pauses and sb.pauses[-1].resumed_at is None:    # ended while paused: it ran until that pause
+            end = min(end, sb.pauses[-1].paused_at)
         elif info.end_at is not None:
             end = min(end, info.end_at)
         running_s = max(0.0, (end - info.started_at).total_seconds() - sb.paused_s)
@@ -408,7 +410,8 @@ class FakeControlPlane:
         sb.pauses[-1] = sb.pauses[-1].model_copy(update={
             "resumed_at": self._now if resumed else None,
             "storage_gb_s": _storage(info.checkpoint_bytes or 0, secs)})
-        sb.paused_s += secs
+        if resumed:         # an end while paused keeps it out: its running time stops at that pause
+            sb.paused_s += secs
         sb.info = info.model_copy(update={"paused_at": None, "checkpoint_bytes": None})
 
     def _check_move(self, sb: FakeSandbox, src: SandboxState, target: SandboxState) -> None:

@@ -36,6 +36,8 @@ class NodeView:
     ready: bool = True
     draining: bool = False
     templates: frozenset[str] = frozenset()
+    isolation: frozenset[str] = frozenset({"container"})    # the isolation modes it runs (issue 11)
+    isolation_missing: tuple[tuple[str, str], ...] = ()     # (mode, why not) for the others
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Request:
     template: str
     vcpu: float
     memory_mb: int
+    isolation: str = "container"
 
 
 @dataclass(frozen=True)
@@ -76,17 +79,21 @@ class Filter:
     reason: str
     passes: Callable[[Request, NodeView], bool]
     never: Callable[[Request, NodeView], bool] | None = None
+    explain: Callable[[Request, NodeView], str] | None = None     # a per-node reason instead of ``reason``
 
 
 READY = Filter("not ready", lambda r, n: n.ready)
 NOT_DRAINING = Filter("draining", lambda r, n: not n.draining)
+RUNS_ISOLATION = Filter("isolation mode missing", lambda r, n: r.isolation in n.isolation,
+                        explain=lambda r, n: f"no {r.isolation}" + (
+                            f" ({why})" if (why := dict(n.isolation_missing).get(r.isolation)) else ""))
 HAS_TEMPLATE = Filter("template missing", lambda r, n: r.template in n.templates)
 FITS_VCPU = Filter("insufficient vcpu", lambda r, n: n.used_vcpu + r.vcpu <= n.capacity_vcpu + VCPU_SLACK,
                    never=lambda r, n: r.vcpu > n.capacity_vcpu)
 FITS_MEMORY = Filter("insufficient memory", lambda r, n: n.used_memory_mb + r.memory_mb <= n.capacity_memory_mb,
                      never=lambda r, n: r.memory_mb > n.capacity_memory_mb)
 
-FILTERS: tuple[Filter, ...] = (READY, NOT_DRAINING, HAS_TEMPLATE, FITS_VCPU, FITS_MEMORY)
+FILTERS: tuple[Filter, ...] = (READY, NOT_DRAINING, RUNS_ISOLATION, HAS_TEMPLATE, FITS_VCPU, FITS_MEMORY)
 
 
 # ---- scorers --------------------------------------------------------------------------------------------
@@ -122,8 +129,13 @@ def place(req: Request, nodes: list[NodeView], scorers: Sequence[Scorer] = (BEST
     for f in filters:                   # one pass per filter over the nodes still in the running
         passes = f.passes
         kept = [n for n in feasible if passes(req, n)]
-        if len(kept) != len(feasible):
+        if len(kept) != len(feasible) and f.explain is None:
             reasons[f.reason] = len(feasible) - len(kept)
+        elif len(kept) != len(feasible):        # each rejected node says why (e.g. the node's probe result)
+            for n in feasible:
+                if not passes(req, n):
+                    why = f.explain(req, n)
+                    reasons[why] = reasons.get(why, 0) + 1
         feasible = kept
     if feasible:
         if len(scorers) == 1:

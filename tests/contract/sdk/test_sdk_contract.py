@@ -210,6 +210,21 @@ async def test_kill_a_paused_sandbox_and_resume_by_id(backend: Backend) -> None:
         await back.kill()
 
 
+async def test_killed_while_paused_past_its_deadline_keeps_its_running_time(backend: Backend) -> None:
+    """Paused time does not count against the timeout: a sandbox killed while paused, after its pre-pause
+    deadline has passed, is billed the running time it had before the pause (plus storage), not less."""
+    async with backend.open() as t:
+        sb = await AsyncSandbox.create(timeout=1, **t.opts)
+        await t.wait(0.5)
+        paused = await sb.pause()
+        assert paused.vcpu_s > 0.3
+        await t.wait(1.5)                      # past the end_at it had when it was paused
+        final = await sb.kill()
+        assert final.state == SandboxState.stopped and final.paused_at is None
+        assert final.vcpu_s == pytest.approx(paused.vcpu_s, abs=0.2)
+        assert final.gb_s == pytest.approx(paused.gb_s, abs=0.1)
+
+
 # ---- batch -------------------------------------------------------------------------------------------------
 
 async def test_create_many(backend: Backend) -> None:

@@ -262,3 +262,13 @@ async def test_openapi_is_served(tmp_path, store_url) -> None:  # noqa: ANN001
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         spec = (await c.get("/openapi.json")).json()
         assert "/v1/sandboxes" in spec["paths"] and "/v1/sandboxes/{sandbox_id}/run" in spec["paths"]
+
+
+async def test_connecting_to_an_ended_sandbox_says_why_and_when(tmp_path, store_url) -> None:  # noqa: ANN001
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
+        sid = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()["id"]
+        await c.delete(f"/v1/sandboxes/{sid}")
+        r = await c.post(f"/v1/sandboxes/{sid}/connect")
+        msg = error_of(r)["message"]
+        assert r.status_code == 409 and error_of(r)["code"] == "invalid_state"
+        assert f"sandbox {sid} is stopped, not running (killed at 20" in msg and "cannot come back" in msg

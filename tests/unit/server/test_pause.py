@@ -239,3 +239,21 @@ async def test_an_unanswered_pause_or_resume_is_settled_by_the_node_reports(tmp_
         back = (await c.get(f"/v1/sandboxes/{sid}")).json()
         assert back["state"] == "running" and back["paused_at"] is None
         assert len((await c.get("/v1/history")).json()["items"][0]["pauses"]) == 1
+
+
+async def test_a_resume_does_not_take_the_room_a_warm_pool_keeps(tmp_path) -> None:
+    """The pool's members count as used at their target size for a resume as for a create (the one
+    deliberate change of the control-plane split): a resume that only fits in that room is a 503."""
+    async with stack(tmp_path, capacity_vcpu=4, capacity_memory_mb=8192) as s, s.client() as c:
+        a = (await _create(c, vcpu=2, memory_mb=512))["id"]
+        assert (await c.post(f"/v1/sandboxes/{a}/pause")).status_code == 200
+        pool = {"template": "tiny", "vcpu": 1, "memory_mb": 256}
+        assert (await c.put("/v1/pools", json={**pool, "size": 2})).status_code == 200     # keeps 2 vCPU
+        b = (await _create(c, vcpu=2, memory_mb=512))["id"]                                 # the other 2
+        r = await c.post(f"/v1/sandboxes/{a}/resume")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "capacity_unavailable", r.text
+        assert (await c.get(f"/v1/sandboxes/{a}")).json()["state"] == "paused"
+        await c.delete(f"/v1/sandboxes/{b}")
+        assert (await c.post(f"/v1/sandboxes/{a}/resume")).status_code == 200
+        await c.delete(f"/v1/sandboxes/{a}")
+        await c.put("/v1/pools", json={**pool, "size": 0})

@@ -11,6 +11,7 @@ import pytest
 
 from pilldrops import errors
 from pilldrops.schema.node import NodePoolSpec
+from pilldrops.server import scheduler
 from pilldrops.server.scheduler import Request
 from pilldrops.server.service import placement
 
@@ -30,8 +31,12 @@ POOL = [NodePoolSpec(template="tiny", vcpu=1, memory_mb=512, size=2)]
 
 def test_create_prefers_a_node_with_a_ready_member_over_a_better_fit() -> None:
     nodes = [row("a", ready=1), row("b")]
-    allocs = {"b": (2.0, 2048)}                       # b is the fuller node: best fit alone would pick it
-    assert placement.for_create(Request("tiny", 1, 512), nodes, allocs, POOL, NOW).id == "a"
+    # b is the fuller node (1 vCPU held + 2 reserved for the pool) yet still fits: best fit alone picks it
+    allocs = {"b": (1.0, 1024)}
+    req = Request("tiny", 1, 512)
+    node_views, warm = placement.views(req, nodes, allocs, POOL, NOW, claims=True)
+    assert warm == {"a"} and scheduler.place(req, node_views) == scheduler.Placement("b")
+    assert placement.for_create(req, nodes, allocs, POOL, NOW).id == "a"
     assert placement.for_create(Request("tiny", 1, 512), nodes, allocs, [], NOW).id == "b"
 
 

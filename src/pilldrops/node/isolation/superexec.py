@@ -142,10 +142,12 @@ class SupervisorExec(OutputRelay):
     def __init__(self, sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
                  timeout: float | None = None, output_cap: int | None = None,
-                 path_fd: int | None = None, pty: tuple[int, int] | None = None) -> None:
+                 path_fd: int | None = None, sock: socket.socket | None = None,
+                 pty: tuple[int, int] | None = None) -> None:
         """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
-        once connected. ``pty``: (rows, cols) of a terminal for the command (its output all comes as
-        ``stdout``; ``stdin`` is the terminal's input)."""
+        once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
+        here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
+        for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input)."""
         super().__init__(output_cap)
         self.pty = pty is not None
         self.protocol_error: str | None = None
@@ -160,18 +162,22 @@ class SupervisorExec(OutputRelay):
         self._sock_path = str(sock_path)
         self._connected = False
         self._started = threading.Event()      # the request is sent: stdin frames may follow
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.setblocking(False)
-        try:          # fails fast when nobody listens (stale socket file: the caller falls back)
-            self._sock.connect(self._sock_path)
+        if sock is not None:
+            self._sock = sock
             self._connected = True
-        except BlockingIOError:
-            pass      # backlog full (all 64 slots busy): the reader thread connects blocking
-        except OSError:
-            self._sock.close()
-            if path_fd is not None:
-                os.close(path_fd)
-            raise
+        else:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.setblocking(False)
+            try:          # fails fast when nobody listens (stale socket file: the caller falls back)
+                self._sock.connect(self._sock_path)
+                self._connected = True
+            except BlockingIOError:
+                pass      # backlog full (all 64 slots busy): the reader thread connects blocking
+            except OSError:
+                self._sock.close()
+                if path_fd is not None:
+                    os.close(path_fd)
+                raise
         self._path_fd = path_fd
         if self._connected:
             self._close_path_fd()

@@ -40,6 +40,7 @@ class SandboxSpec:
     envs: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     hostname: str = "sandbox"
+    isolation: str = "container"       # which runtime of the node's registry runs it (registry.py)
 
 
 @dataclass

@@ -44,12 +44,13 @@ import anyio
 
 from pilldrops.node.isolation import cgroups, criu, procs
 from pilldrops.node.isolation.execproc import PipeExec
-from pilldrops.node.isolation.host import require_crun
+from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init, source_hash
 from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
+from pilldrops.node.runtime.registry import Probe
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -80,6 +81,15 @@ def _started_init(pid_file: Path, sandbox_id: str, what: str, err_file: Path | N
         detail = err_file.read_text(errors="replace") if err_file is not None and err_file.exists() else ""
         raise RuntimeFailure(f"sandbox {sandbox_id} init is not running after {what}", detail=f"pid={pid} {detail}")
     return pid, start
+
+
+def probe() -> Probe:
+    """The ``container`` mode (registry.py): crun installed (the host itself is prepared by the agent)."""
+    try:
+        require_crun()
+    except HostNotReady as e:
+        return Probe(False, str(e))
+    return Probe(True, detail="crun")
 
 
 def exec_mode() -> str:
@@ -138,17 +148,25 @@ def _userland_versions() -> str:
 
 
 class CrunRuntime:
-    """``Runtime`` backed by crun. Needs root and a prepared host (``isolation.host.prepare_host``)."""
+    """``Runtime`` backed by crun. Needs root and a prepared host (``isolation.host.prepare_host``).
+
+    The OCI-bundle parts (sandbox dir, overlay root, config.json, pd-init and its fast exec path, teardown,
+    the checkpoint image's writable layer) are shared with ``gvisor.GvisorRuntime``, which overrides the
+    hooks marked "hook" below (binary, command line, exec, signalling pd-init, dump and restore)."""
 
     name = "crun"
+    ROOT_SUBDIR = "crun"            # hook: the OCI runtime's --root under the state dir
+    IMAGE_SUBDIR = "criu"           # hook: where the process image goes inside a checkpoint image
+    HOST_PIDS = True                # the sandbox's processes are host processes (their pids mean something)
+    CTL_WAIT = 0.5                  # seconds create waits for pd-init's control socket
 
     def __init__(self, state_dir: Path, *, name: str = "default", init_path: Path | None = None) -> None:
         if not _NAME_RE.match(name):
             raise ValueError(f"invalid runtime instance name {name!r}")
         self.instance_name = name
         self.state_dir = Path(state_dir).resolve()
-        self.crun = require_crun()
-        self.crun_root = self.state_dir / "crun"
+        self.crun = self._binary()
+        self.crun_root = self.state_dir / self.ROOT_SUBDIR
         self.sandboxes_dir = self.state_dir / "pilldrops-sandboxes"
         self.cgroup_parent = f"pilldrops-{name}"
         self.crun_root.mkdir(parents=True, exist_ok=True)
@@ -166,6 +184,18 @@ class CrunRuntime:
             self._init_current = False
 
     # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _binary() -> str:
+        """hook: the OCI runtime's path (raises ``HostNotReady`` when it is not installed)."""
+        return require_crun()
+
+    def _cid(self, sandbox_id: str) -> str:
+        """hook: the OCI runtime's container id of a sandbox (``_sid`` is the inverse; None: not ours)."""
+        return sandbox_id
+
+    def _sid(self, cid: str) -> str | None:
+        return cid
+
     def _dir(self, sandbox_id: str) -> Path:
         if not _ID_RE.match(sandbox_id):
             raise RuntimeFailure(f"invalid sandbox id {sandbox_id!r}")
@@ -175,13 +205,14 @@ class CrunRuntime:
         return f"{self.cgroup_parent}/{sandbox_id}"
 
     def _cmd(self, *args: str) -> list[str]:
+        """hook: the OCI runtime's command line for ``args``."""
         return [self.crun, "--root", str(self.crun_root), *args]
 
     async def _crun(self, *args: str) -> subprocess.CompletedProcess[bytes]:
         return await anyio.run_process(self._cmd(*args), stdin=subprocess.DEVNULL, check=False)
 
     async def _crun_state(self, sandbox_id: str) -> dict | None:
-        r = await self._crun("state", sandbox_id)
+        r = await self._crun("state", self._cid(sandbox_id))
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").lower()
             if any(m in err for m in _GONE_MARKERS):
@@ -208,17 +239,17 @@ class CrunRuntime:
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
                 r = await anyio.run_process(
-                    self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), spec.id),
+                    self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
             if r.returncode != 0:
-                raise RuntimeFailure(f"crun run {spec.id} failed (exit {r.returncode})",
+                raise RuntimeFailure(f"{self.name} run {spec.id} failed (exit {r.returncode})",
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
             # The pid file crun writes saves a `crun state` round trip (~6 ms) on the create path;
             # the start time read from /proc proves the init is alive and guards against pid reuse.
             pid, start = _started_init(pid_file, spec.id, "start", err_file=d / "crun.err")
             # pd-init binds its control socket right after it starts; give it that moment so that the
             # first command already takes the fast path (if it never shows up, exec uses crun exec)
-            deadline = time.monotonic() + 0.5
+            deadline = time.monotonic() + self.CTL_WAIT
             while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
                 await anyio.sleep(0.001)
             self._defaults[spec.id] = self._defaults_from(config)
@@ -238,10 +269,14 @@ class CrunRuntime:
             mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], d / "upper", d / "work")
         except (MountError, ValueError) as e:
             raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
-        config = build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
-                            nofile=_nofile_limit(), run_dir=d / "pd")
+        config = self._config(spec, d)
         (d / "config.json").write_text(json.dumps(config))
         return config
+
+    def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
+        """hook: the sandbox's OCI config."""
+        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
+                          nofile=_nofile_limit(), run_dir=d / "pd")
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
@@ -268,15 +303,23 @@ class CrunRuntime:
             raise RuntimeFailure(f"a PTY needs pd-init's control socket, which sandbox {handle.id} lacks "
                                  "(or PILLDROPS_EXEC=crun is set)")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
-        args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
-        args += [f"--env={k}={v}" for k, v in {**base_env, **env}.items()]
-        args.append(f"--cwd={cwd or base_cwd}")
-        args += [f"--pid-file={pid_file}", handle.id, *argv]
         try:
-            return PipeExec(self._cmd(*args), stdin=stdin, pid_file=pid_file, timeout=timeout,
-                            output_cap=output_cap)
+            return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
+                                                              pid_file),
+                                       pid_file, stdin=stdin, timeout=timeout, output_cap=output_cap)
         except OSError as e:
-            raise RuntimeFailure(f"cannot start crun exec in {handle.id}", detail=str(e)) from e
+            raise RuntimeFailure(f"cannot start {self.name} exec in {handle.id}", detail=str(e)) from e
+
+    def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path) -> list[str]:
+        """hook: the command line of one ``exec`` without the fast path."""
+        args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
+        args += [f"--env={k}={v}" for k, v in env.items()]
+        args.append(f"--cwd={cwd}")
+        return self._cmd(*args, f"--pid-file={pid_file}", sandbox_id, *argv)
+
+    def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
+        """hook: the ``ExecProcess`` of an exec without the fast path (``cmd`` from ``_exec_cmd``)."""
+        return PipeExec(cmd, pid_file=pid_file, **kw)  # type: ignore[arg-type]
 
     async def _init_proto(self, d: Path, handle: Handle) -> int:
         """The control-protocol version of the sandbox's init (0: no usable socket; asked once per init).
@@ -332,8 +375,8 @@ class CrunRuntime:
             return None
         try:      # SupervisorExec owns fd from here on
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
-                                  init_pid=handle.pid, timeout=timeout, output_cap=output_cap, path_fd=fd,
-                                  pty=pty)
+                                  init_pid=handle.pid if self.HOST_PIDS else None, timeout=timeout,
+                                  output_cap=output_cap, path_fd=fd, pty=pty)
         except OSError:
             return None
 
@@ -386,7 +429,7 @@ class CrunRuntime:
         """Remove every process, cgroup, mount and file of the sandbox. With ``save_upper``, its writable
         layer is first moved there (rename; a copy across file systems) once nothing uses it."""
         d = self._dir(sandbox_id)
-        r = await self._crun("delete", "--force", sandbox_id)
+        r = await self._crun("delete", "--force", self._cid(sandbox_id))
         err = r.stderr.decode(errors="replace").strip()
         problems = []
         if r.returncode != 0 and not any(m in err.lower() for m in _GONE_MARKERS):
@@ -425,7 +468,7 @@ class CrunRuntime:
         r = await self._crun("list", "--format", "json")
         if r.returncode != 0:
             raise RuntimeFailure("crun list failed", detail=r.stderr.decode(errors="replace").strip())
-        ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
+        ids = {sid for c in json.loads(r.stdout or b"[]") or [] if (sid := self._sid(c["id"]))}
         ids |= {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         return sorted(ids)
 
@@ -442,14 +485,19 @@ class CrunRuntime:
                                         stderr=err, check=False)
         return r.returncode
 
-    @staticmethod
-    async def _ctl_signal(d: Path, pid: int, sig: int, *, want: bool, wait: float) -> bool:
-        """Ask pd-init to close (SIGUSR1) or reopen (SIGUSR2) its control socket; wait until ``pd/ctl``
-        is gone / there. False if that did not happen in time (an old pd-init ignores both signals)."""
-        ctl = d / "pd" / "ctl"
+    async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:
+        """hook: send ``sig`` to the sandbox's pd-init (host pid ``pid``)."""
         try:
             os.kill(pid, sig)
         except OSError:
+            return False
+        return True
+
+    async def _ctl_signal(self, d: Path, pid: int, sig: int, *, want: bool, wait: float) -> bool:
+        """Ask pd-init to close (SIGUSR1) or reopen (SIGUSR2) its control socket; wait until ``pd/ctl``
+        is gone / there. False if that did not happen in time (an old pd-init ignores both signals)."""
+        ctl = d / "pd" / "ctl"
+        if not await self._signal_init(d.name, pid, sig):
             return False
         deadline = time.monotonic() + wait
         while os.path.lexists(ctl) != want:
@@ -468,16 +516,14 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
         if not image_dir.is_dir() or any(image_dir.iterdir()):
             raise RuntimeFailure(f"checkpoint image dir {image_dir} must exist and be empty")
-        images = image_dir / "criu"
+        images = image_dir / self.IMAGE_SUBDIR
         with anyio.CancelScope(shield=True):      # half a dump is worse than a late one
             images.mkdir()
             had_ctl = os.path.lexists(d / "pd" / "ctl")
             if had_ctl:
                 await self._ctl_signal(d, handle.pid, signal.SIGUSR1, want=False, wait=1.0)
-            code = await self._userland_crun("checkpoint", *_CRIU_OPTS, f"--image-path={images}", handle.id,
-                                             binds=[self.state_dir, image_dir], err_path=d / "criu.err")
+            code, detail = await self._dump(handle, d, image_dir, images)
             if code != 0:
-                detail = _failure_detail(d / "criu.err", images / "dump.log")
                 alive = procs.alive(handle.pid, handle.pid_start_time)
                 if alive and had_ctl:
                     await self._ctl_signal(d, handle.pid, signal.SIGUSR2, want=True, wait=1.0)
@@ -487,17 +533,43 @@ class CrunRuntime:
                     await self._teardown(handle.id)
                 raise RuntimeFailure(f"checkpoint of {handle.id} failed (exit {code})"
                                      + ("" if alive else "; the sandbox is gone"), detail=detail)
-            # crun checkpoint killed the process tree and deleted the container (cgroup included); what
-            # is left is the overlay and the sandbox dir: the writable layer moves into the image
+            # the dump killed the process tree (crun also deleted the container, cgroup included); what is
+            # left is the overlay and the sandbox dir: the writable layer moves into the image
             self._defaults.pop(handle.id, None)
             await self._teardown(handle.id, save_upper=image_dir / "upper")
             criu_bytes, upper_bytes = _tree_bytes(images), _tree_bytes(image_dir / "upper")
             meta = {"format": CHECKPOINT_FORMAT, "id": handle.id, "created": time.time(),
-                    "runtime": "crun", "userland": _userland_versions(), "init": self.init_path.name,
+                    "runtime": self.name, "userland": self._versions(), "init": self.init_path.name,
                     "criu_bytes": criu_bytes, "upper_bytes": upper_bytes}
             (image_dir / (CHECKPOINT_META + ".tmp")).write_text(json.dumps(meta))
             os.replace(image_dir / (CHECKPOINT_META + ".tmp"), image_dir / CHECKPOINT_META)
             return criu_bytes + upper_bytes
+
+    async def _dump(self, handle: Handle, d: Path, image_dir: Path, images: Path) -> tuple[int, str]:
+        """hook: write the process image of the sandbox into ``images``, ending its processes; returns the
+        exit code and, on failure, what went wrong."""
+        code = await self._userland_crun("checkpoint", *_CRIU_OPTS, f"--image-path={images}", handle.id,
+                                         binds=[self.state_dir, image_dir], err_path=d / "criu.err")
+        return code, (_failure_detail(d / "criu.err", images / "dump.log") if code else "")
+
+    @staticmethod
+    def _versions() -> str:
+        """hook: the versions a checkpoint image records."""
+        return _userland_versions()
+
+    async def _restore_init(self, spec: SandboxSpec, d: Path, image_dir: Path) -> tuple[int, int]:
+        """hook: start the sandbox's processes from ``image_dir`` (its bundle is ready in ``d``); returns the
+        init's pid and start time."""
+        (d / "criu-work").mkdir()
+        pid_file = d / "init.pid"
+        code = await self._userland_crun(
+            "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
+            f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
+            binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
+        if code != 0:
+            raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
+                                 detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
+        return _started_init(pid_file, spec.id, "restore")
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
         why = self.checkpoint_unsupported()
@@ -514,12 +586,14 @@ class CrunRuntime:
         if meta.get("format") != CHECKPOINT_FORMAT or meta.get("id") != spec.id:
             raise RuntimeFailure(f"checkpoint image {image_dir} does not fit sandbox {spec.id}",
                                  detail=f"format={meta.get('format')} id={meta.get('id')}")
-        if not (image_dir / "upper").is_dir() or not (image_dir / "criu").is_dir():
-            raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no upper/ or criu/)")
+        if meta.get("runtime", "crun") != self.name:
+            raise RuntimeFailure(f"checkpoint image {image_dir} was written by {meta.get('runtime')}, not {self.name}")
+        if not (image_dir / "upper").is_dir() or not (image_dir / self.IMAGE_SUBDIR).is_dir():
+            raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no upper/ or {self.IMAGE_SUBDIR}/)")
         rootfs, upper, work = d / "rootfs", d / "upper", d / "work"
         moved = ok = False
         try:
-            for p in (rootfs, work, d / "exec", d / "criu-work"):
+            for p in (rootfs, work, d / "exec"):
                 p.mkdir(parents=True)
             (d / "pd").mkdir(mode=0o700)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
@@ -532,15 +606,7 @@ class CrunRuntime:
                 except (OSError, subprocess.CalledProcessError) as e:
                     raise RuntimeFailure(f"cannot copy the writable layer of {spec.id}", detail=str(e)) from e
             config = self._mount_and_configure(spec, d)
-            pid_file = d / "init.pid"
-            code = await self._userland_crun(
-                "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / 'criu'}",
-                f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
-                binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
-            if code != 0:
-                raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
-                                     detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
-            pid, start = _started_init(pid_file, spec.id, "restore")
+            pid, start = await self._restore_init(spec, d, image_dir)
             await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
             self._defaults[spec.id] = self._defaults_from(config)
             ok = True

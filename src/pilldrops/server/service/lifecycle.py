@@ -30,9 +30,11 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
-from pilldrops.server.service import placement
+from pilldrops.server.service import isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
-from pilldrops.server.store.interface import DuplicateIdempotencyKey, NewSandbox, SandboxRecord
+from pilldrops.server.store.interface import (
+    Allocations, DuplicateIdempotencyKey, NewSandbox, NodeRecord, SandboxRecord,
+)
 
 S = SandboxState
 ADMISSION = 32          # node creates in flight per control-plane process; the rest queue here
@@ -46,6 +48,7 @@ def _error_info(exc: errors.PillDropsError) -> ErrorInfo:
 class Lifecycle:
     def __init__(self, ctx: SandboxContext) -> None:
         self.ctx = ctx
+        self.default_isolation = isolation.DEFAULT_ISOLATION   # `up/serve --default-isolation`
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
 
@@ -55,7 +58,7 @@ class Lifecycle:
         node = await self.ctx.node(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.ctx.billing.usage_of(row)
         return SandboxInfo(
-            id=row.id, template=row.template, state=SandboxState(row.state), vcpu=row.vcpu,
+            id=row.id, template=row.template, isolation=row.isolation, state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
@@ -78,6 +81,9 @@ class Lifecycle:
         row = await self.ctx.get_row(team_id, sandbox_id)
         if row.state != S.running.value:
             hint = "; resume it first (`pilldrops sandbox resume ID`, sb.resume())" if row.state == "paused" else ""
+            if row.ended_at is not None:     # say why and when it ended: an ended sandbox never comes back
+                reason = row.end_reason or row.state
+                hint = f" ({reason} at {row.ended_at:%Y-%m-%d %H:%M:%S} UTC); an ended sandbox cannot come back"
             raise errors.InvalidState(f"sandbox {sandbox_id} is {row.state}, not running{hint}",
                                       current=row.state, target=S.running.value)
         return row
@@ -101,11 +107,16 @@ class Lifecycle:
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
             created_at=now, end_at=now + timedelta(seconds=req.timeout))
         specs = await ctx.pools.specs() if ctx.pools else []
-        want = scheduler.Request(req.template, req.vcpu, req.memory_mb)
+
+        def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
+            # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
+            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
+            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now())
+
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
-                node, row = await ctx.store.place_and_insert(new, lambda nodes, allocs: placement.for_create(
-                    want, nodes, allocs, specs, ctx.clock.now()))
+                node, row = await ctx.store.place_and_insert(new, choose)
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True

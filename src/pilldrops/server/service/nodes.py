@@ -10,6 +10,7 @@ from pilldrops._internal.clock import Clock
 from pilldrops._internal.ids import same_secret as same
 from pilldrops.schema.api import NodeInfo, TemplateInfo
 from pilldrops.schema.node import NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
+from pilldrops.server.service.isolation import node_support
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.store.interface import Store
@@ -46,7 +47,8 @@ class NodeService:
         node = await self.store.upsert_node(instance=req.instance or None, 
             name=req.name, url=req.url.rstrip("/"), capacity_vcpu=req.capacity_vcpu,
             capacity_memory_mb=req.capacity_memory_mb,
-            templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now())
+            templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now(),
+            isolation={m: v.model_dump(mode="json") for m, v in req.isolation.items()} or None)
         self.sandboxes.forget_node(node.id)          # its URL may have changed
         await self._absorb(node.id, req.sandboxes)
         return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval,
@@ -128,4 +130,4 @@ class NodeService:
                          capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
                          used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],
                          sandboxes=counts.get(n.id, 0), templates=sorted(t.get("name") for t in n.templates),
-                         last_heartbeat_at=n.last_heartbeat_at) for n in await self.store.list_nodes()]
+                         isolation=node_support(n.isolation), last_heartbeat_at=n.last_heartbeat_at) for n in await self.store.list_nodes()]

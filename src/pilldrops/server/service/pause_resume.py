@@ -115,7 +115,7 @@ class PauseResume:
             if old is None:
                 raise errors.NodeUnavailable(f"the node holding {row.id}'s checkpoint is gone")
             specs = await ctx.pools.specs() if ctx.pools else []
-            want = scheduler.Request(row.template, row.vcpu, row.memory_mb)
+            want = scheduler.Request(row.template, row.vcpu, row.memory_mb, row.isolation)
             node = await ctx.store.place_existing(row.id, S.resuming.value, lambda nodes, allocs: placement.for_resume(
                 want, row.node_id, nodes, allocs, specs, ctx.clock.now()))
             if node is None:

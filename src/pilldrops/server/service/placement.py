@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from pilldrops import errors
 from pilldrops.schema.node import NodePoolSpec
 from pilldrops.server import scheduler
+from pilldrops.server.service import isolation
 from pilldrops.server.service.pools import PoolService, shape
 from pilldrops.server.store.interface import Allocations, NodeRecord
 
@@ -36,7 +37,8 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
     """The scheduler's view of each node, and the ids of nodes with a ready pool member to claim (only
     when ``claims``: a create, whose request is of a pooled shape)."""
     want = shape(req.template, req.vcpu, req.memory_mb)
-    pooled = claims and any(shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
+    pooled = claims and req.isolation == "container" and any(     # warm pools hold containers
+        shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
     out, warm = [], set()
     for n in nodes:
         names = _templates(n)
@@ -50,7 +52,7 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
             id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
             used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
             ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-            templates=names))
+            templates=names, **isolation.view_fields(getattr(n, "isolation", None))))
     return out, warm
 
 
@@ -62,10 +64,11 @@ def _check_template(template: str, nodes: Sequence[NodeRecord]) -> None:
     if not any(template in _templates(n) for n in nodes):
         known = sorted({t.get("name") for n in nodes for t in n.templates})
         close = difflib.get_close_matches(template, known, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        # a typo of a built template: name that one, never "build" the typo
+        fix = (f"did you mean {close[0]!r}? available: {', '.join(known)}" if close else
+               f"available: {', '.join(known) or 'none'} (build it with `pilldrops template build {template}`)")
         raise errors.TemplateNotFound(
-            f"template {template!r} is not built on any node; {hint}available: {', '.join(known) or 'none'} "
-            f"(build it with `pilldrops template build {template}`)",
+            f"template {template!r} is not built on any node; {fix}",
             details={"template": template, "available": known, "did_you_mean": close[0] if close else None})
 
 

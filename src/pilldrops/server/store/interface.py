@@ -50,6 +50,7 @@ class NodeRecord(Protocol):
     templates: list[Any]
     last_heartbeat_at: datetime
     pool_status: list[Any] | None
+    isolation: dict[str, Any] | None        # mode -> {available, reason, detail}; None: containers only
 
 
 class PoolRecord(Protocol):
@@ -63,6 +64,7 @@ class SandboxRecord(Protocol):
     id: str
     team_id: str
     template: str
+    isolation: str
     vcpu: float
     memory_mb: int
     timeout: int
@@ -128,6 +130,7 @@ class NewSandbox:
     envs: dict[str, str] = field(default_factory=dict)
     idempotency_key: str | None = None
     request_hash: str | None = None
+    isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
@@ -154,8 +157,8 @@ class Store(Protocol):
 
     # nodes
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
-                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None
-                          ) -> NodeRecord: ...
+                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
+                          isolation: dict[str, Any] | None = None) -> NodeRecord: ...
     async def heartbeat(self, node_id: str, templates: list[dict[str, Any]], now: datetime,
                         pool_status: list[dict[str, Any]] | None = None) -> NodeRecord | None: ...
     async def get_node(self, node_id: str) -> NodeRecord | None: ...

@@ -64,6 +64,8 @@ class Node(Base):
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
     pool_status: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)   # the node's last report
+    # mode -> {"available", "reason", "detail"} as probed at its agent's start; None: container only
+    isolation: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class Pool(Base):
@@ -82,6 +84,7 @@ class Sandbox(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
     template: Mapped[str] = mapped_column(String(128))
+    isolation: Mapped[str] = mapped_column(String(16), default="container", server_default="container")
     vcpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)
     timeout: Mapped[int] = mapped_column(Integer)

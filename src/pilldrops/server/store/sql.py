@@ -236,7 +236,8 @@ class Store:
     # ---- nodes ---------------------------------------------------------------------------------------
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
-                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None) -> Node:
+                          templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
+                          isolation: dict[str, Any] | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
@@ -247,6 +248,7 @@ class Store:
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
             node.templates = templates
+            node.isolation = isolation
             node.state = "ready"
             node.last_heartbeat_at = now
             return node
@@ -305,7 +307,7 @@ class Store:
                 await _write_lock(s)
                 nodes = list((await s.scalars(select(Node).order_by(Node.id).with_for_update())).all())
                 node = choose(nodes, await _allocations(s))
-                row.node_id = node.id
+                row.node_id, row.isolation = node.id, new.isolation
                 s.add(row)
                 await s.flush()
                 for k, v in (row.metadata_ or {}).items():

@@ -487,5 +487,5 @@ async def test_auth_errors_name_where_the_key_came_from(fake: FakeControlPlane, 
     monkeypatch.setenv("PILLDROPS_API_KEY", "pd_wrong")
     with pytest.raises(AuthenticationError, match=r"from \$PILLDROPS_API_KEY"):
         await AsyncSandbox.create(**opts)
-    with pytest.raises(AuthenticationError, match=r"from the api_key argument"):
+    with pytest.raises(AuthenticationError, match=r"from the explicit api_key \(--api-key"):
         await AsyncSandbox.create(api_key="pd_explicit_wrong", **opts)

@@ -453,5 +453,5 @@ def test_auth_errors_name_where_the_key_came_from(fake: FakeControlPlane, opts: 
     monkeypatch.setenv("PILLDROPS_API_KEY", "pd_wrong")
     with pytest.raises(AuthenticationError, match=r"from \$PILLDROPS_API_KEY"):
         Sandbox.create(**opts)
-    with pytest.raises(AuthenticationError, match=r"from the api_key argument"):
+    with pytest.raises(AuthenticationError, match=r"from the explicit api_key \(--api-key"):
         Sandbox.create(api_key="pd_explicit_wrong", **opts)

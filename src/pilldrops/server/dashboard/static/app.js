@@ -179,7 +179,7 @@ function renderLive(list) {
   show("live-more", list.next_cursor ? `Showing the newest ${rows.length} live sandboxes; there are more `
     + "(`pilldrops sandbox list` lists them all)." : "");
   show("live-empty", rows.length ? "" : "No sandboxes are running. Start some with `scripts/demo`, "
-    + "`pilldrops sandbox create --template tiny`, or Sandbox.create(...) in Python; they show up here within seconds.");
+    + "`pilldrops sandbox create --template base`, or Sandbox.create(...) in Python; they show up here within seconds.");
 }
 
 function renderHistory(page, filtered) {

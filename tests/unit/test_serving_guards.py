@@ -1,0 +1,53 @@
+"""`up`/`serve`/`node` refuse a busy port and a data dir another process of the same role holds, in one
+line and before any slow set-up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir
+
+
+def test_a_busy_port_is_one_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUse, match=rf"port {port} on 127.0.0.1 is already in use .*--port N"):
+            check_port("127.0.0.1", port)
+    check_port("127.0.0.1", port)            # free again
+
+
+def test_one_process_per_role_and_data_dir(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from pilldrops._internal.serving import lock_data_dir; "
+        f"lock_data_dir(Path({str(tmp_path)!r}), 'node'); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(DataDirInUse, match=rf"another PillDrops node \(pid {holder.pid}\) is using the data dir"):
+            lock_data_dir(tmp_path, "node")
+        os.close(lock_data_dir(tmp_path, "control-plane"))     # another role on the same dir is fine
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(lock_data_dir(tmp_path, "node"))                   # a killed holder releases it
+
+
+def test_up_refuses_a_busy_port_before_building_anything(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--data-dir",
+                              str(tmp_path / "d"), "--templates", "tiny"], capture_output=True, text=True,
+                             timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in res.stderr
+    assert not (tmp_path / "d" / "templates").exists()
