@@ -43,6 +43,8 @@ class RuntimeCase:
 
     name: ClassVar[str]
     restores_processes: ClassVar[bool] = True    # checkpoint/restore keeps processes (not only files)
+    terminals: ClassVar[bool] = False            # exec(pty=(rows, cols)) runs the command on a real PTY
+    signals: ClassVar[str | None] = None         # why ExecProcess.signal does not reach the command, if not
     forks_fail_at_the_limit: ClassVar[bool] = True   # past pids_limit a fork fails (else the sandbox ends)
 
     @staticmethod
@@ -148,6 +150,7 @@ class FakeCase(RuntimeCase):
 
 class CrunCase(RuntimeCase):
     name = "crun"
+    terminals = True
 
     @staticmethod
     def unavailable() -> str | None:
@@ -222,6 +225,8 @@ class GvisorCase(CrunCase):
 
     name = "gvisor"
     forks_fail_at_the_limit = False
+    terminals = False                     # not verified under gVisor yet
+    signals = "a signal reaches the `runsc exec` process, not the command in the sandbox (exit 143)"
 
     @staticmethod
     def unavailable() -> str | None:
@@ -261,6 +266,7 @@ class MicrovmCase(CrunCase):
     the session's ``PILLDROPS_MICROVM_CACHE``)."""
 
     name = "microvm"
+    terminals = False                     # not verified in the guest yet
 
     @staticmethod
     def unavailable() -> str | None:

@@ -115,17 +115,28 @@ def get(state: CliState, sandbox_id: str, as_json: bool) -> None:
 @click.option("--cwd", default=None, help="Working directory inside the sandbox.")
 @click.option("--env", "-e", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable).")
 @click.option("--no-stdin", is_flag=True, help="Do not pass this command's stdin through (when not a TTY).")
+@click.option("--interactive", "-i", is_flag=True, help="With -t: keep stdin attached (as docker exec -it).")
+@click.option("--tty", "-t", is_flag=True, help="Run it on a terminal in the sandbox, attached to this one.")
+@click.option("--background", "-d", is_flag=True, help="Start it, print its pid and return (see `logs`).")
 @pass_state
 @click.pass_context
 def exec_(ctx: click.Context, state: CliState, sandbox_id: str, cmd: tuple[str, ...], timeout: float | None,
-          cwd: str | None, env: tuple[str, ...], no_stdin: bool) -> None:
+          cwd: str | None, env: tuple[str, ...], no_stdin: bool, interactive: bool, tty: bool,
+          background: bool) -> None:
     """Run a command and stream its output; exit with its exit code.
 
     One argument is a shell command line (`-- 'ls | wc -l'`); several are an argv run without a shell
     (`-- python -c 'print(1)'`). When stdin is not a terminal it is read to the end and fed to the command
     (`echo hi | pilldrops sandbox exec ID -- cat`); --no-stdin turns that off. A command that hits
-    --timeout is killed and exits with 124.
+    --timeout is killed and exits with 124. `-it` runs it on a real terminal (like `sandbox shell`);
+    `-d` leaves it running in the background (`sandbox logs ID` shows what it wrote).
     """
+    if tty or interactive or background:
+        from pilldrops.cli import shell
+        envs = _output.parse_pairs(env, "--env")
+        if background:
+            ctx.exit(shell.exec_background(state, sandbox_id, cmd, envs=envs, cwd=cwd, timeout=timeout))
+        ctx.exit(shell.exec_interactive(state, sandbox_id, cmd, envs=envs, cwd=cwd))
     stdin = None if no_stdin else _piped_stdin()
     sb = Sandbox.connect(sandbox_id, **state.sdk_options())
 
@@ -253,3 +264,6 @@ def resume(state: CliState, sandbox_id: str, as_json: bool) -> None:
         _output.print_json(_output.to_jsonable(sb.info))
     else:
         click.echo(f"resumed {sb.id} on node {sb.info.node_id}")
+
+
+from pilldrops.cli import shell as _shell  # noqa: E402,F401  (registers `shell` and `logs`)

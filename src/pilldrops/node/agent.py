@@ -33,6 +33,7 @@ from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
 from pilldrops.node.journal import Journal
 from pilldrops.node.pools import WarmPools
+from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
 from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
@@ -93,6 +94,7 @@ class NodeAgent:
         self._tg: anyio.abc.TaskGroup | None = None
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._wake_heartbeat = anyio.Event()
+        self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
@@ -141,6 +143,7 @@ class NodeAgent:
             tg.start_soon(self._monitor_loop)
             tg.start_soon(self._template_watch)
             tg.start_soon(self.pools.run)
+            tg.start_soon(self.processes.run)
             if self.settings.control_plane_url:
                 tg.start_soon(self._control_plane_loop)
             task_status.started()

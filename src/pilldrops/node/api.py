@@ -14,6 +14,8 @@ from pilldrops._version import __version__
 from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
 from pilldrops.node.dataplane import DataPlane, Target
+from pilldrops.node.fsops import FileOps, fs_routes
+from pilldrops.node.process_api import process_routes
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
     NodeDeadline, NodePoolSpec, NodePoolStatus, NodeResume, NodeSandboxSpec, NodeSandboxStatus,
@@ -151,4 +153,6 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
             t.active.discard(tunnel)    # type: ignore[arg-type]
 
     app.include_router(data)
+    app.include_router(process_routes(agent.processes, target))
+    app.include_router(fs_routes(FileOps(plane), target))
     return app

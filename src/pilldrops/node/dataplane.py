@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 import anyio
 
@@ -41,6 +41,7 @@ class Target:
     workdir: str = "/"
     active: set[ExecProcess] = field(default_factory=set)   # commands in flight (ended by a pause)
     pausing: bool = False
+    processes: Any = None        # processes.Table, made on first use (the process service)
 
     async def end_commands(self, grace_s: float = 5.0) -> None:
         """A pause is coming: kill every command in flight and wait (bounded) until their streams closed."""

@@ -231,6 +231,21 @@ class PipeExec(OutputRelay):
         with contextlib.suppress(OSError):
             os.killpg(self._popen.pid, signal.SIGKILL)
 
+    async def signal(self, signo: int) -> bool:
+        """Send ``signo`` to the command (its process group when it leads one, as a fake-runtime command
+        does); False once it has exited."""
+        if self._popen.poll() is not None:
+            return False
+        pid = self._command_pid(timeout=2.0)
+        try:
+            if pid == self._popen.pid:
+                os.killpg(pid, signo)
+            elif pid is not None:
+                os.kill(pid, signo)
+        except OSError:
+            return False
+        return pid is not None
+
     async def kill(self) -> None:
         """Kill the command's tree and stop reading its output (idempotent)."""
         if not self._killed:

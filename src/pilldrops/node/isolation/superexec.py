@@ -16,15 +16,25 @@ even while a stdin frame is stuck; it also sends a ``K`` frame when the socket i
 
 ``pid`` is the command's host pid, found among the init's children by their NSpid (``/proc/<pid>/status``);
 ``None`` if the command already exited.
+
+Protocol version 2 (``PROTO``): every connection starts with ``H`` (our version), pd-init answers ``V`` (its
+version) before ``P``; v2 adds PTYs (``pty=(rows, cols)``), ``signal`` and ``resize``. A v1 init closes the
+connection on ``H``, before it runs anything: ``probe_version`` asks once per sandbox init (the runtime
+caches the answer) so an old init is driven through ``crun exec`` instead of failing. A v1 agent talking to a
+v2 init sends no ``H`` and gets v1 behaviour. Everything read from the socket is attacker input (the sandbox
+can replace the socket): a frame longer than ``MAX_FRAME`` or of the wrong shape ends the command as a
+protocol violation before anything is buffered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 from typing import Self
@@ -37,17 +47,65 @@ from pilldrops.node.isolation.execproc import OutputRelay, _next_chunk
 from pilldrops.node.runtime.base import StreamName
 
 HDR = struct.Struct("<BI")
+PROTO = 2
 STDIN_CHUNK = 16 * 1024          # pd-init's per-frame input limit
+MAX_FRAME = 64 * 1024            # pd-init never sends more than its 32 KiB out buffer in one frame
+PROTOCOL_EXIT = 126              # exit code reported when the socket broke the protocol
+HELLO = HDR.pack(ord("H"), 4) + struct.pack("<I", PROTO)
 _STREAMS: dict[int, StreamName] = {ord("O"): "stdout", ord("e"): "stderr"}
 
 
-def encode_request(argv: list[str], env: dict[str, str], cwd: str, *, stdin: bool) -> bytes:
+def encode_request(argv: list[str], env: dict[str, str], cwd: str, *, stdin: bool,
+                   pty: tuple[int, int] | None = None, hello: bool = True) -> bytes:
+    """``H`` + ``R`` frames; ``pty`` is (rows, cols) of a new terminal for the command."""
     strs = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
     if any("\0" in s for s in strs):
         raise ValueError("argv, env and cwd must not contain NUL bytes")
-    body = struct.pack("<BII", 1 if stdin else 0, len(argv), len(env)) + b"".join(
-        s.encode("utf-8", "surrogateescape") + b"\0" for s in strs)
-    return HDR.pack(ord("R"), len(body)) + body
+    flags = (1 if stdin or pty else 0) | (2 if pty else 0)
+    head = struct.pack("<BII", flags, len(argv), len(env))
+    if pty:
+        head += struct.pack("<HH", *_size(*pty))
+    body = head + b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strs)
+    return (HELLO if hello else b"") + HDR.pack(ord("R"), len(body)) + body
+
+
+def _size(rows: int, cols: int) -> tuple[int, int]:
+    return max(0, min(int(rows), 0xFFFF)), max(0, min(int(cols), 0xFFFF))
+
+
+class ProtocolError(Exception):
+    """The socket broke the framing (too long, wrong shape, wrong version)."""
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    typ, n = HDR.unpack(_recv_exact(sock, HDR.size))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes from the sandbox's init (at most {MAX_FRAME})")
+    return typ, _recv_exact(sock, n) if n else b""
+
+
+def _i32(data: bytes) -> int:
+    if len(data) != 4:
+        raise ProtocolError(f"a 4-byte frame had {len(data)} bytes")
+    return struct.unpack("<i", data)[0]
+
+
+def probe_version(sock_path: str, timeout: float = 2.0) -> int:
+    """The protocol version the init behind ``sock_path`` speaks: 1 when it closes on ``H``. Blocking (run
+    it in a worker thread). Raises OSError when nothing sane answers in time."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(sock_path)
+        s.sendall(HELLO)
+        try:
+            typ, data = _read_frame(s)
+        except EOFError:
+            return 1
+        except (ProtocolError, struct.error) as e:
+            raise OSError(str(e)) from e
+        if typ != ord("V"):
+            raise OSError(f"unexpected first frame {typ!r} from the sandbox's init")
+        return _i32(data)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -84,11 +142,15 @@ class SupervisorExec(OutputRelay):
     def __init__(self, sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
                  timeout: float | None = None, output_cap: int | None = None,
-                 path_fd: int | None = None, sock: socket.socket | None = None) -> None:
+                 path_fd: int | None = None, sock: socket.socket | None = None,
+                 pty: tuple[int, int] | None = None) -> None:
         """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
         once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
-        here on; a microVM's agent channel, runtime/microvm/channel.py)."""
+        here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
+        for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input)."""
         super().__init__(output_cap)
+        self.pty = pty is not None
+        self.protocol_error: str | None = None
         self._init_pid = init_pid
         self._ns_pid: int | None = None
         self._pid: int | None = None
@@ -96,7 +158,7 @@ class SupervisorExec(OutputRelay):
         self._finished = False
         self._killed = False
         self._lock = threading.Lock()          # one writer at a time on the socket (stdin vs kill)
-        self._request = encode_request(argv, env, cwd, stdin=stdin is not None)
+        self._request = encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty)
         self._sock_path = str(sock_path)
         self._connected = False
         self._started = threading.Event()      # the request is sent: stdin frames may follow
@@ -152,14 +214,19 @@ class SupervisorExec(OutputRelay):
             self._started.set()
             if self._killed:
                 self._kill_sync()
+            # (EOF here is a lost connection, as anywhere: the runtime asked the init's version before)
+            typ, data = _read_frame(self._sock)
+            if typ != ord("V") or _i32(data) < PROTO:
+                raise ProtocolError(f"the sandbox's init answered {chr(typ)!r} "
+                                    f"{_i32(data) if typ == ord('V') else ''} to the version hello "
+                                    f"(this agent speaks {PROTO})")
             while True:
-                typ, n = HDR.unpack(_recv_exact(self._sock, HDR.size))
-                data = _recv_exact(self._sock, n) if n else b""
+                typ, data = _read_frame(self._sock)
                 if typ == ord("P"):
-                    self._ns_pid = struct.unpack("<i", data)[0]
+                    self._ns_pid = _i32(data)
                     continue
                 if typ == ord("X"):
-                    code = struct.unpack("<i", data)[0]
+                    code = _i32(data)
                     break
                 name = _STREAMS.get(typ)
                 if name is None or not deliver:
@@ -173,6 +240,13 @@ class SupervisorExec(OutputRelay):
                     deliver = False
         except (OSError, EOFError, struct.error):
             pass                  # connection lost without an exit frame: report the kill
+        except ProtocolError as e:
+            self.protocol_error = str(e)
+            code = PROTOCOL_EXIT
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)     # pd-init kills the command on the hang-up
+            with contextlib.suppress(Exception):
+                self._deliver("stderr", f"pilldrops: protocol violation: {e}\n".encode())
         finally:
             self._code = code
             self._finished = True
@@ -199,8 +273,47 @@ class SupervisorExec(OutputRelay):
                         put(chunk)
             with self._lock:
                 self._sock.sendall(HDR.pack(ord("E"), 0))
-        except Exception:  # noqa: BLE001, S110 - connection closed (command done or killed) or loop gone
-            pass
+        except BaseException:  # noqa: BLE001, S110 - connection closed (command done or killed), loop gone or
+            pass                   # shutting down (a CancelledError from a stdin source nobody closed)
+
+    def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
+        """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
+        frame that could only be sent in part ends the command (the framing would be broken). The
+        socket's own blocking mode is left alone: the reader thread is blocked in it."""
+        deadline = time.monotonic() + timeout
+        if not self._started.wait(timeout) or self._finished:
+            return False
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            view = memoryview(frame)
+            while view:
+                try:
+                    view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        if len(view) < len(frame):
+                            self._kill_sync()
+                        return False
+                    select.select([], [self._sock], [], 0.05)
+                except OSError:
+                    return False
+            return True
+        finally:
+            self._lock.release()
+
+    async def signal(self, signo: int) -> bool:
+        """Send ``signo`` to the command's process group (False if it could not be delivered)."""
+        if self._finished:
+            return False
+        return await anyio.to_thread.run_sync(self._send_ctl, HDR.pack(ord("S"), 4) + struct.pack("<i", signo))
+
+    async def resize(self, rows: int, cols: int) -> bool:
+        """New window size of the command's PTY (SIGWINCH to its foreground group)."""
+        if not self.pty or self._finished:
+            return False
+        frame = HDR.pack(ord("W"), 4) + struct.pack("<HH", *_size(rows, cols))
+        return await anyio.to_thread.run_sync(self._send_ctl, frame)
 
     def _on_timeout(self) -> None:
         if not self._finished:

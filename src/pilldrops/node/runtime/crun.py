@@ -46,9 +46,9 @@ from pilldrops.node.isolation import cgroups, criu, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
-from pilldrops.node.isolation.superexec import SupervisorExec
+from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
-from pilldrops.node.runtime.init import build_init
+from pilldrops.node.runtime.init import build_init, source_hash
 from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
 from pilldrops.node.runtime.registry import Probe
 
@@ -174,6 +174,14 @@ class CrunRuntime:
         self.init_path = Path(init_path) if init_path else build_init(self.state_dir)
         # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
         self._defaults: dict[str, tuple[dict[str, str], str]] = {}
+        # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
+        # instance started runs our init; an adopted or restored one may run an older build (asked once)
+        self._proto: dict[str, tuple[int, int | None, int]] = {}
+        stamp = self.init_path.with_name(self.init_path.name + ".hash")
+        try:
+            self._init_current = stamp.read_text().strip() == source_hash()
+        except OSError:
+            self._init_current = False
 
     # -- helpers ---------------------------------------------------------------------------------
     @staticmethod
@@ -245,6 +253,8 @@ class CrunRuntime:
             while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
                 await anyio.sleep(0.001)
             self._defaults[spec.id] = self._defaults_from(config)
+            if self._init_current:
+                self._proto[spec.id] = (pid, start, PROTO)
             ok = True
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                           extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})
@@ -270,7 +280,9 @@ class CrunRuntime:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None) -> PipeExec | SupervisorExec:
+                   output_cap: int | None = None,
+                   pty: tuple[int, int] | None = None) -> PipeExec | SupervisorExec:
+        """``pty``: (rows, cols) of a terminal for the command (needs the supervisor path, protocol 2)."""
         if not argv:
             raise RuntimeFailure("exec needs a non-empty argv")
         d = self._dir(handle.id)
@@ -278,10 +290,18 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
         base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
         if exec_mode() == "supervisor":
-            proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env}, cwd=cwd or base_cwd,
-                                         stdin=stdin, timeout=timeout, output_cap=output_cap)
-            if proc is not None:
-                return proc
+            proto = await self._init_proto(d, handle)
+            if pty is not None and proto == 1:
+                raise RuntimeFailure(f"sandbox {handle.id} runs an older init (control protocol 1) "
+                                     "without terminals: start a new sandbox for a PTY")
+            if proto >= 2:
+                proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env}, cwd=cwd or base_cwd,
+                                             stdin=stdin, timeout=timeout, output_cap=output_cap, pty=pty)
+                if proc is not None:
+                    return proc
+        if pty is not None:
+            raise RuntimeFailure(f"a PTY needs pd-init's control socket, which sandbox {handle.id} lacks "
+                                 "(or PILLDROPS_EXEC=crun is set)")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
         try:
             return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
@@ -301,16 +321,32 @@ class CrunRuntime:
         """hook: the ``ExecProcess`` of an exec without the fast path (``cmd`` from ``_exec_cmd``)."""
         return PipeExec(cmd, pid_file=pid_file, **kw)  # type: ignore[arg-type]
 
-    def _supervisor_exec(self, d: Path, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str,
-                         stdin: AsyncIterable[bytes] | bytes | None, timeout: float | None,
-                         output_cap: int | None) -> SupervisorExec | None:
-        """The command through pd-init's socket, or None when there is none (sandbox made before the
-        fast path, or its init does not listen): the caller falls back to ``crun exec``.
+    async def _init_proto(self, d: Path, handle: Handle) -> int:
+        """The control-protocol version of the sandbox's init (0: no usable socket; asked once per init).
 
-        The socket sits in a directory the sandbox can write to, so it is opened with O_NOFOLLOW and
-        connected through /proc/self/fd: a symlink planted there never makes the agent connect to a
-        host socket.
-        """
+        A v1 init (an older build: an adopted sandbox, or one restored from an older node's checkpoint)
+        is driven through ``crun exec``, which runs every plain command; only PTYs need v2."""
+        known = self._proto.get(handle.id)
+        if known is not None and known[:2] == (handle.pid, handle.pid_start_time):
+            return known[2]
+        fd = self._open_ctl(d)
+        if fd is None:
+            return 0
+        try:
+            proto = await anyio.to_thread.run_sync(probe_version, f"/proc/self/fd/{fd}")
+        except OSError:
+            return 0                    # nothing sane listens: crun exec this time, ask again next time
+        finally:
+            os.close(fd)
+        assert handle.pid is not None
+        self._proto[handle.id] = (handle.pid, handle.pid_start_time, proto)
+        return proto
+
+    @staticmethod
+    def _open_ctl(d: Path) -> int | None:
+        """An O_PATH fd of the control socket. It sits in a directory the sandbox can write to, so it is
+        opened with O_NOFOLLOW and connected through /proc/self/fd: a symlink planted there never makes the
+        agent connect to a host socket."""
         try:
             fd = os.open(d / "pd" / "ctl", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -322,10 +358,25 @@ class CrunRuntime:
         if not is_sock:
             os.close(fd)
             return None
+        return fd
+
+    def _supervisor_exec(self, d: Path, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str,
+                         stdin: AsyncIterable[bytes] | bytes | None, timeout: float | None,
+                         output_cap: int | None, pty: tuple[int, int] | None) -> SupervisorExec | None:
+        """The command through pd-init's socket, or None when there is none (sandbox made before the
+        fast path, or its init does not listen): the caller falls back to ``crun exec``.
+
+        The socket sits in a directory the sandbox can write to, so it is opened with O_NOFOLLOW and
+        connected through /proc/self/fd: a symlink planted there never makes the agent connect to a
+        host socket.
+        """
+        fd = self._open_ctl(d)
+        if fd is None:
+            return None
         try:      # SupervisorExec owns fd from here on
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
                                   init_pid=handle.pid if self.HOST_PIDS else None, timeout=timeout,
-                                  output_cap=output_cap, path_fd=fd)
+                                  output_cap=output_cap, path_fd=fd, pty=pty)
         except OSError:
             return None
 
@@ -370,6 +421,7 @@ class CrunRuntime:
 
     async def destroy(self, handle: Handle) -> None:
         self._defaults.pop(handle.id, None)
+        self._proto.pop(handle.id, None)
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 

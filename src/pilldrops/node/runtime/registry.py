@@ -156,9 +156,10 @@ class RuntimeRegistry:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None) -> ExecProcess:
+                   output_cap: int | None = None, **extra: Any) -> ExecProcess:
+        """``extra``: optional driver keywords, e.g. ``pty=(rows, cols)`` (crun), forwarded as given."""
         return await self._for(handle).exec(handle, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                                            output_cap=output_cap)
+                                            output_cap=output_cap, **extra)
 
     async def state(self, handle: Handle) -> RuntimeState:
         return await self._for(handle).state(handle)

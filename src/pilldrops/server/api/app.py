@@ -175,6 +175,15 @@ def create_app(services: Services) -> FastAPI:
                                ("GET", "files", "read_file"), ("GET", "files/list", "list_files")]:
         proxied(method, tail, name)
 
+    # the process service and filesystem routes (node/process_api.py, node/fsops.py); not the PTY WebSocket
+    async def proxy_sub(sandbox_id: str, request: Request, p: Caller, rest: str = "") -> StreamingResponse:
+        return await proxy(request, p, sandbox_id, request.url.path.split(f"/{sandbox_id}/", 1)[1])
+
+    for prefix in ("processes", "fs"):
+        for path in (f"/sandboxes/{{sandbox_id}}/{prefix}", f"/sandboxes/{{sandbox_id}}/{prefix}/{{rest:path}}"):
+            api.add_api_route(path, proxy_sub, methods=["GET", "POST", "DELETE"], name=f"{prefix}{path.count('{')}",
+                              response_class=StreamingResponse, include_in_schema=False)   # docs/api.md
+
     # ---- billing --------------------------------------------------------------------------------------
 
     @api.get("/history", response_model=HistoryPage)

@@ -13,13 +13,23 @@
  * <sandbox dir>/pd): listens on the unix stream socket /.pd/run/ctl (mode 0600). One command per
  * connection. Every frame, both ways, is  u8 type | u32 length (little endian) | payload.
  *
- *   agent -> pd-init   'R' request: u8 flags (1 = stdin frames follow) | u32 argc | u32 envc |
- *                          cwd\0 argv[0]\0 ... env[0]\0 ...        (first frame, exactly once)
+ *   agent -> pd-init   'H' u32 the agent's protocol version (optional, before 'R'; a v1 agent sends none)
+ *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY) | u32 argc | u32 envc |
+ *                          [u16 rows | u16 cols, with flag 2] | cwd\0 argv[0]\0 ... env[0]\0 ...
+ *                          (exactly once)
  *                      'I' stdin bytes        'E' stdin EOF        'K' kill the command's process group
+ *                      'S' i32 signal for the command's process group (v2)
+ *                      'W' u16 rows | u16 cols: window size of the PTY (v2)
  *                      (EOF or hang-up of the connection before the exit frame also kills)
- *   pd-init -> agent   'P' i32 pid (in the sandbox's pid namespace), right after the fork
- *                      'O' stdout bytes       'e' stderr bytes
+ *   pd-init -> agent   'V' u32 PROTO, the answer to 'H' (a v1 init closes the connection on 'H' instead:
+ *                          the agent sees EOF before any frame and knows the init is too old)
+ *                      'P' i32 pid (in the sandbox's pid namespace), right after the fork
+ *                      'O' stdout bytes (with a PTY: everything the terminal wrote)       'e' stderr bytes
  *                      'X' i32 exit code (128+N when killed by signal N), last frame
+ *
+ * With a PTY the command gets a new pseudo-terminal (opened from the sandbox's own devpts: TIOCGPTPEER, so
+ * no path is looked up) as its controlling terminal and stdin/stdout/stderr; Ctrl-C (0x03 in 'I') reaches
+ * its foreground process group through the terminal's line discipline, and 'W' raises SIGWINCH there.
  *
  * The child does setsid() (so -pid names its process group), chdir(cwd) (failure: message on stderr,
  * exit 126), dup2s the pipes and execvp()s argv with environ = env, so PATH comes from env (failure:
@@ -40,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -57,13 +68,14 @@
 #define INBUF_ROW (20 * 1024)                /* whole pages, so a released row is given back */
 #define MAX_REQ (4 * 1024 * 1024)
 #define GRACE_MS 100
+#define PROTO 2                              /* control protocol version, answered to 'H' */
 
 enum { FREE, REQ, RUN };
 
 struct slot {
     int state, conn, in_w, out_r, err_r;   /* -1 when closed */
     pid_t pid, pgid;                       /* pid is 0 once reaped; pgid stays for late kills */
-    int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked;
+    int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked, pty;
     long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
     char *req;                             /* request payload (malloc'ed once per request) */
     uint32_t req_len, req_got;
@@ -146,11 +158,15 @@ static void flush(struct slot *s) {
     }
 }
 
-static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env) {
+static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_UNBLOCK, &all, NULL);
     setsid();
+    if (tty >= 0) {                            /* the PTY's slave side becomes the controlling terminal */
+        ioctl(tty, TIOCSCTTY, 0);
+        in_r = out_w = err_w = tty;
+    }
     if (in_r < 0) in_r = open("/dev/null", O_RDONLY | O_CLOEXEC);
     dup2(in_r, 0); dup2(out_w, 1); dup2(err_w, 2);
     if (chdir(cwd) != 0) {
@@ -167,9 +183,16 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
 static int start(struct slot *s) {
     char *p = s->req, *end = s->req + s->req_len;
     if (s->req_len < 9) return -1;
-    int has_stdin = p[0] & 1;
+    int has_stdin = p[0] & 1, pty = p[0] & 2;
     uint32_t argc = get_u32((unsigned char *)p + 1), envc = get_u32((unsigned char *)p + 5);
-    if (argc == 0 || argc > s->req_len || envc > s->req_len) return -1;
+    if (argc == 0 || argc > s->req_len || envc > s->req_len || (pty && s->req_len < 13)) return -1;
+    struct winsize ws = {0};
+    if (pty) {
+        unsigned char *q = (unsigned char *)p + 9;
+        ws.ws_row = q[0] | q[1] << 8;
+        ws.ws_col = q[2] | q[3] << 8;
+        p += 4;
+    }
     p += 9;
     char **vec = calloc(argc + envc + 2, sizeof(char *));
     if (!vec) return -1;
@@ -182,21 +205,31 @@ static int start(struct slot *s) {
         else vec[i] = p;                       /* vec[argc] stays NULL; env is vec + argc + 1 */
         p = z + 1;
     }
-    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1;
     pid_t pid = -1;
-    if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
+    if (pty) {           /* master: out[0] (read) and in[1] (a dup, write); slave: tty, for the child only */
+        int unlock = 0;
+        out[0] = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
+            (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
+            (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
+            pid = fork();
+            if (pid == 0) child(-1, -1, -1, cwd, vec, vec + argc + 1, tty);
+        }
+    } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
         pid = fork();
-        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1);
+        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1);
     }
     free(vec);
     free(s->req);
     s->req = NULL;
-    cl(&in[0]); cl(&out[1]); cl(&err[1]);
+    cl(&in[0]); cl(&out[1]); cl(&err[1]); cl(&tty);
     if (pid < 0) { cl(&in[1]); cl(&out[0]); cl(&err[0]); return -1; }
+    s->pty = pty != 0;
     s->in_w = in[1]; s->out_r = out[0]; s->err_r = err[0];
     if (s->in_w >= 0) fcntl(s->in_w, F_SETFL, O_NONBLOCK);
     fcntl(s->out_r, F_SETFL, O_NONBLOCK);
-    fcntl(s->err_r, F_SETFL, O_NONBLOCK);
+    if (s->err_r >= 0) fcntl(s->err_r, F_SETFL, O_NONBLOCK);
     s->pid = s->pgid = pid;
     s->state = RUN;
     frame(s, 'P', pid);
@@ -208,6 +241,14 @@ static int frames(struct slot *s) {
     while (s->in_len >= 5) {
         uint32_t len = get_u32(s->in + 1);
         int type = s->in[0];
+        if (s->state == REQ && type == 'H') {            /* version hello: answer ours */
+            if (len != 4) { release(s); return -1; }
+            if (s->in_len < 9) return 0;
+            frame(s, 'V', PROTO);
+            memmove(s->in, s->in + 9, s->in_len - 9);
+            s->in_len -= 9;
+            continue;
+        }
         if (s->state == REQ) {
             if (type != 'R' || len > MAX_REQ || !(s->req = malloc(len ? len : 1))) { release(s); return -1; }
             s->req_len = len;
@@ -234,6 +275,13 @@ static int frames(struct slot *s) {
             cl(&s->in_w);
         } else if (type == 'K') {
             do_kill(s);
+        } else if (type == 'S' && len == 4) {
+            int sig = (int)get_u32(s->in + 5);
+            if (sig > 0 && sig < 65 && !s->killed && s->pgid > 0) kill(-s->pgid, sig);
+        } else if (type == 'W' && len == 4 && s->pty) {
+            struct winsize ws = {.ws_row = s->in[5] | s->in[6] << 8, .ws_col = s->in[7] | s->in[8] << 8};
+            int fd = s->in_w >= 0 ? s->in_w : s->out_r;
+            if (fd >= 0) ioctl(fd, TIOCSWINSZ, &ws);
         }
         s->in_off = 0;
         memmove(s->in, s->in + 5 + len, s->in_len - 5 - len);
