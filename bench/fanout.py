@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import PID, Phase, Up, check_leaks, machine, pct, profiled, run_phase
 import httpx
+from _harness import PID, Phase, Up, check_leaks, machine, pct, profiled, run_phase
 from rich import box
 from rich.console import Console
 from rich.table import Table

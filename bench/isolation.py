@@ -114,7 +114,7 @@ def cgroup_memory(pids: list[int]) -> int:
 class RawCrun(Raw):
     """Raw ``crun`` of the product's OCI bundle (bench/_harness.Raw)."""
 
-    label = {"create": "crun run --detach", "exec": "crun exec <id> true", "kill": "crun delete --force"}
+    label = {"create": "crun run --detach", "exec": "crun exec <id> true", "kill": "crun delete --force"}  # noqa: RUF012 - read-only table
 
     @staticmethod
     def available() -> str | None:
@@ -138,7 +138,7 @@ class RawRunsc(RawCrun):
     """Raw ``runsc`` of the same bundle, with the product's runsc flags."""
 
     name = "runsc"
-    label = {"create": "runsc run --detach", "exec": "runsc exec <id> true", "kill": "runsc delete --force"}
+    label = {"create": "runsc run --detach", "exec": "runsc exec <id> true", "kill": "runsc delete --force"}  # noqa: RUF012 - read-only table
 
     @staticmethod
     def binary() -> str:

@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import PID, Raw, Up, leftovers, machine, ok, pct, timed
 import httpx
+from _harness import PID, Raw, Up, leftovers, machine, ok, pct, timed
 from rich import box
 from rich.console import Console
 from rich.table import Table

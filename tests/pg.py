@@ -54,5 +54,5 @@ class Postgres:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
 
     def stop(self) -> None:
-        subprocess.run([*self._pg_ctl, "-m", "immediate", "stop"], capture_output=True)
+        subprocess.run([*self._pg_ctl, "-m", "immediate", "stop"], capture_output=True, check=False)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -23,7 +23,7 @@ def main() -> None:
     out = {"passed": 0, "total": len(spec["tests"]), "error": None}
     try:
         ns = {}
-        exec(compile(open("/eval/solution.py").read(), "solution.py", "exec"), ns)
+        exec(compile(open("/eval/solution.py").read(), "solution.py", "exec"), ns)  # noqa: S102 - runs the episode's own code, in its sandbox
         fn = ns[spec["entry"]]
     except BaseException as e:                        # noqa: BLE001 - a broken solution scores 0
         out["error"] = f"load: {type(e).__name__}: {e}"

@@ -28,9 +28,9 @@ from pilldrops import NotSupported, Sandbox
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from policy import solve  # noqa: E402
-from scoring import mean_ci, mean_pass_at_k  # noqa: E402
-from tasks import Task, all_tasks  # noqa: E402
+from policy import solve
+from scoring import mean_ci, mean_pass_at_k
+from tasks import Task, all_tasks
 
 GRADER = (HERE / "grade.py").read_text()
 RUN_TIMEOUT_S = 20            # the whole grading command; a hung solution is killed and scores 0
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     def tags(kind: str) -> Any:          # per-sandbox metadata: the run, and which episode it is
         return lambda ep: {"eval": run_id, "kind": kind, "task": ep.task.id, "sample": str(ep.sample)}
 
-    opts = dict(template=args.template, vcpu=1, memory_mb=256, timeout=300, concurrency=args.concurrency,
-                metadata=tags("sample"))
+    opts = {"template": args.template, "vcpu": 1, "memory_mb": 256, "timeout": 300, "concurrency": args.concurrency,
+                "metadata": tags("sample")}
     t0 = time.monotonic()
     results, retried = run_with_retries(episode, items, retries=args.retries, **opts)
     agents: list[Any] = []

@@ -9,8 +9,9 @@ intervals and small enough to run anywhere. Pure standard library.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)

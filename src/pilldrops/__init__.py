@@ -40,14 +40,12 @@ from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxSt
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._base import RunResult
 from pilldrops.sdk._sync.sandbox import Sandbox
-from pilldrops.sdk.fanout import MapItem, MapResult, amap, map  # noqa: A004 - pilldrops.map, like the builtin
+from pilldrops.sdk.fanout import MapItem, MapResult, amap, map
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",
-    "amap",
-    "map",
     "AuthenticationError",
     "CapacityUnavailable",
     "CommandFailed",
@@ -78,4 +76,6 @@ __all__ = [
     "TransportError",
     "UsageSummary",
     "__version__",
+    "amap",
+    "map",
 ]

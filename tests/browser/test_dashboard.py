@@ -33,7 +33,7 @@ def test_a_wrong_key_shows_an_error_that_says_what_to_do(page: Any, dash_server:
     sign_in(page, "pd_not-a-real-key")
     err = page.locator("#signin-error")
     err.wait_for(state="visible")
-    assert re.search(r"not accepted.*pilldrops keys create", err.inner_text(), re.S)
+    assert re.search(r"not accepted.*pilldrops keys create", err.inner_text(), re.DOTALL)
     assert page.locator("#app").is_hidden()
     assert page.evaluate("sessionStorage.length") == 0
     page.fill("#api-key", "")

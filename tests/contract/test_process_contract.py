@@ -46,8 +46,8 @@ async def test_signal_reaches_the_command(case: RuntimeCase, runtime: Runtime) -
     if case.signals:
         pytest.skip(f"{case.name}: {case.signals}")
     h = await runtime.create(case.spec("p-signal"))
-    proc = await runtime.exec(h, ["/bin/sh", "-c", 'trap "echo term; exit 7" TERM; echo ready; '
-                                                   "while :; do sleep 0.05; done"], env={}, cwd=None)
+    proc = await runtime.exec(h, ["/bin/sh", "-c", ('trap "echo term; exit 7" TERM; echo ready; '
+                                                   "while :; do sleep 0.05; done")], env={}, cwd=None)
     await read_until(proc, b"ready")
     assert await proc.signal(signal.SIGTERM)  # type: ignore[attr-defined]
     code, out, _ = await collect(proc)

@@ -37,10 +37,10 @@ def _import_stock_clients() -> None:
 
 _import_stock_clients()
 
-from tests import leakcheck  # noqa: E402
-from tests.e2e.conftest import Server, stop_up  # noqa: E402
-from tests.e2e.fleet import clean_env, free_port  # noqa: E402
-from tests.e2e.test_pause_e2e import seed_templates  # noqa: E402
+from tests import leakcheck
+from tests.e2e.conftest import Server, stop_up
+from tests.e2e.fleet import clean_env, free_port
+from tests.e2e.test_pause_e2e import seed_templates
 
 NAME = f"e2b{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
@@ -94,7 +94,7 @@ def _seed_templates(request: pytest.FixtureRequest, data_dir: Path) -> None:
         if paused:
             try:
                 import pytest_timeout
-                settings = pytest_timeout._get_item_settings(item)  # noqa: SLF001 - no public getter
+                settings = pytest_timeout._get_item_settings(item)
                 if settings.timeout:
                     hook.pytest_timeout_set_timer(item=item, settings=settings)
             except (ImportError, AttributeError):

@@ -45,8 +45,8 @@ def _import_stock_client() -> None:
 
 _import_stock_client()
 
-from tests import leakcheck  # noqa: E402
-from tests.e2e.fleet import clean_env, free_port  # noqa: E402
+from tests import leakcheck
+from tests.e2e.fleet import clean_env, free_port
 
 NAME = f"envd{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
@@ -253,7 +253,7 @@ def envd(envd_up: UpRef, envd_no_leaks: None) -> Iterator[Envd]:
             try:
                 from pilldrops.e2b.context import NodeLink, SandboxRef
             except ImportError:
-                NodeLink, SandboxRef = _Link, _Ref  # noqa: N806
+                NodeLink, SandboxRef = _Link, _Ref
             link = NodeLink(info["envd_url"], info["id"], info["access_token"],
                             httpx.AsyncClient(timeout=httpx.Timeout(60, connect=5)))
             made.append(SandboxRef(id=info["id"], e2b_id=info["id"].replace("_", ""), team_id="", template="base",

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2b.envd_fixtures import *  # noqa: F403
+from tests.e2b.envd_fixtures import *
 
 pytestmark = pytest.mark.integration
 

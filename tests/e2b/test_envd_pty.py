@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.e2b.envd_fixtures import *  # noqa: F403
+from tests.e2b.envd_fixtures import *
 
 pytestmark = pytest.mark.integration
 

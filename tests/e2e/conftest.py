@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import leakcheck  # noqa: E402
-from tests.e2e.fleet import clean_env, free_port  # noqa: E402,F401  (free_port: used by other tests)
+import leakcheck
+
+from tests.e2e.fleet import clean_env, free_port
 
 NAME = f"e2e{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
-from tests.e2e.fleet import clean_env, spawn, wait_for
+from tests import leakcheck
 from tests.e2e.conftest import MATCH, NAME, Server, _why_not_runnable, free_port
+from tests.e2e.fleet import clean_env, spawn, wait_for
 
 pytestmark = pytest.mark.integration
 VCPU_RATE, GB_RATE = 0.0000140, 0.0000045
@@ -29,7 +29,7 @@ VCPU_RATE, GB_RATE = 0.0000140, 0.0000045
 def cli(server: Server, *args: str) -> str:
     env = {**os.environ, "PILLDROPS_API_URL": server.api_url, "PILLDROPS_API_KEY": server.api_key}
     out = subprocess.run([sys.executable, "-m", "pilldrops", *args], capture_output=True, text=True, env=env,
-                         timeout=120)
+                         timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -39,7 +39,7 @@ def test_evals_example_small_n(ci_server: Server, tmp_path: Path) -> None:
     env = clean_env(ci_server.config_home, PILLDROPS_API_URL=ci_server.api_url, PILLDROPS_API_KEY=ci_server.api_key)
     p = subprocess.run([sys.executable, str(EXAMPLE), "--tasks", "8", "--samples", "2", "--agent-episodes", "1",
                         "--concurrency", "8", "--run-id", f"t-{time.time_ns()}", "--json", str(out)],
-                       capture_output=True, text=True, env=env, timeout=240)
+                       capture_output=True, text=True, env=env, timeout=240, check=False)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     print(p.stdout)
     res = json.loads(out.read_text())

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import tests.leakcheck as leakcheck
 from pilldrops import Sandbox
-from tests.e2e.fleet import clean_env, spawn, wait_for
+from tests import leakcheck
 from tests.e2e.conftest import MATCH, NAME, _why_not_runnable, free_port
+from tests.e2e.fleet import clean_env, spawn, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,6 @@ import pytest
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, SandboxSpec
 from pilldrops.node.runtime.gvisor import PROCESS_TASKS, RUNTIME_PIDS, GvisorRuntime, RunscExec
-
 from tests.integration.conftest import SESSION
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

@@ -58,8 +58,8 @@ def test_a_failed_step_is_one_line_with_its_log(tmp_path: Path) -> None:
     assert res.exit_code == 1
     err = [line for line in res.output.splitlines() if line.startswith("Error:")]
     log = data / "templates" / "broken" / "build.log"
-    assert err == [f"Error: template broken: step 2/2 `echo lots; echo of; echo output; echo boom: no such "
-                   f"package >&2; exit 3` failed (exit 3): boom: no such package (full log: {log})"]
+    assert err == [(f"Error: template broken: step 2/2 `echo lots; echo of; echo output; echo boom: no such "
+                   f"package >&2; exit 3` failed (exit 3): boom: no such package (full log: {log})")]
     assert "Traceback" not in res.output and "boom: no such package" in log.read_text()
     assert not any(p.name.startswith(".tmp-") for p in (data / "templates" / "broken").iterdir())
     assert os.path.isdir(data / "templates" / "tiny")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "evals"))
-from scoring import mean_ci, mean_pass_at_k, pass_at_k  # noqa: E402
-from tasks import all_tasks  # noqa: E402
+from scoring import mean_ci, mean_pass_at_k, pass_at_k
+from tasks import all_tasks
 
 
 def test_pass_at_k_is_the_chance_that_a_k_subset_holds_a_correct_sample() -> None:
@@ -39,6 +39,6 @@ def test_fifty_tasks_whose_references_pass_their_hidden_tests() -> None:
     assert len(tasks) == 50 and len({t.id for t in tasks}) == 50
     for t in tasks:
         ns: dict = {}  # type: ignore[type-arg]
-        exec(t.reference, ns)
+        exec(t.reference, ns)  # noqa: S102 - runs the episode's own code, in its sandbox
         assert all(ns[t.entry](*args) == want for args, want in t.tests), t.id
         assert t.entry in t.prompt and repr(t.tests[1][0]) not in t.prompt      # names the function, hides tests

@@ -4,7 +4,7 @@ deployment), validation, and the whole path through the in-process stack (FakeRu
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pydantic
@@ -96,7 +96,7 @@ async def test_dispatch_by_spec_then_by_stamped_handle(tmp_path: Path) -> None:
 
 def _nspec(sid: str, mode: str = "container") -> NodeSandboxSpec:
     return NodeSandboxSpec(id=sid, template="tiny", vcpu=1, memory_mb=128, access_token="t", isolation=mode,
-                           end_at=datetime.now(timezone.utc) + timedelta(hours=1))
+                           end_at=datetime.now(UTC) + timedelta(hours=1))
 
 
 def _agent(tmp_path: Path, runtime: object) -> NodeAgent:
@@ -156,7 +156,7 @@ def test_placement_filters_on_the_mode_and_explains_why() -> None:
 
 def test_mode_resolution_request_then_template_then_deployment() -> None:
     class N:
-        templates = [{"name": "tiny", "isolation": "gvisor"}, {"name": "base"}]
+        templates = [{"name": "tiny", "isolation": "gvisor"}, {"name": "base"}]  # noqa: RUF012 - read-only table
     nodes = [N()]
     assert isolation.resolve("microvm", nodes, "tiny", "container") == "microvm"
     assert isolation.resolve(None, nodes, "tiny", "container") == "gvisor"

@@ -84,7 +84,7 @@ class Served:
         self.port = self.sock.getsockname()[1]
 
     async def serve(self) -> None:
-        await self.server._serve(sockets=[self.sock])  # noqa: SLF001 - serve() would steal SIGINT
+        await self.server._serve(sockets=[self.sock])
 
     def stop(self) -> None:
         self.server.should_exit = True

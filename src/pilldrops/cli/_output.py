@@ -18,6 +18,7 @@ from rich.table import Table
 
 from pilldrops.errors import PillDropsError
 
+
 def _width() -> int | None:
     """Tables piped to a file or another program keep their rows whole (rich would assume 80 columns)."""
     if sys.stdout.isatty() or os.environ.get("COLUMNS"):

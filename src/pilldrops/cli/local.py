@@ -140,7 +140,7 @@ def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Pat
             console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
         with console.status(f"[bold]building template {name}[/] (once)") as status:
             def progress(line: str, _name: str = name) -> None:
-                status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "
+                status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "  # noqa: B023 - called at once, in the loop
                               f"[dim]{line[:90]}[/]")
                 if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
                     console.print(f"  {line[:160]}")      # each step, so a log shows where a build is

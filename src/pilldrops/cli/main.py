@@ -66,9 +66,9 @@ def cli(ctx: click.Context, api_url: str | None, api_key: str | None, debug: boo
 
 def _register() -> None:
     from pilldrops.cli.billing import history, usage
+    from pilldrops.cli.keys import keys
     from pilldrops.cli.nodes import nodes
     from pilldrops.cli.pools import pools
-    from pilldrops.cli.keys import keys
     from pilldrops.cli.sandbox import sandbox
     from pilldrops.cli.templates import template
 

@@ -266,4 +266,4 @@ def resume(state: CliState, sandbox_id: str, as_json: bool) -> None:
         click.echo(f"resumed {sb.id} on node {sb.info.node_id}")
 
 
-from pilldrops.cli import shell as _shell  # noqa: E402,F401  (registers `shell` and `logs`)
+from pilldrops.cli import shell as _shell  # noqa: F401  (registers `shell` and `logs`)

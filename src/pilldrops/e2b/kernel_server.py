@@ -83,8 +83,8 @@ class Context:
     def execute(self, code: str, env_vars: dict | None, emit, client_gone=lambda: False) -> None:
         with self.lock:
             if env_vars:
-                self._silent("import os as __pd_os\n__pd_saved = {k: __pd_os.environ.get(k) for k in %r}\n"
-                             "__pd_os.environ.update(%r)" % (list(env_vars), env_vars))
+                self._silent(f"import os as __pd_os\n__pd_saved = {{k: __pd_os.environ.get(k) for k in {list(env_vars)!r}}}\n"
+                             f"__pd_os.environ.update({env_vars!r})")
             try:
                 self._run(code, emit, client_gone)
             finally:
@@ -171,7 +171,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "pilldrops-code-interpreter"
 
     def log_message(self, fmt: str, *args: object) -> None:
-        sys.stderr.write("%s %s\n" % (self.command, self.path))
+        sys.stderr.write(f"{self.command} {self.path}\n")
 
     def _json(self, status: int, body: object) -> None:
         data = json.dumps(body).encode()
@@ -196,7 +196,7 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n) if n else b""
         data = json.loads(raw) if raw.strip() else {}
         if not isinstance(data, dict):
-            raise ValueError("the body must be a JSON object")
+            raise ValueError("the body must be a JSON object")  # noqa: TRY004 - a protocol error, not a caller's type error
         return data
 
     def do_GET(self) -> None:

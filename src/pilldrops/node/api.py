@@ -10,6 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pilldrops import errors
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
+from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
 from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
@@ -18,9 +19,13 @@ from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
-    NodeDeadline, NodePoolSpec, NodePoolStatus, NodeResume, NodeSandboxSpec, NodeSandboxStatus,
+    NodeDeadline,
+    NodePoolSpec,
+    NodePoolStatus,
+    NodeResume,
+    NodeSandboxSpec,
+    NodeSandboxStatus,
 )
-from pilldrops._internal.ids import same_secret as same
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:

@@ -142,7 +142,7 @@ async def terminal(ws: WebSocket, procs: Processes, t: Target) -> None:
             try:
                 await ws.send_text(json.dumps({"type": "error", **body}))
                 await ws.close(code=1011)
-            except Exception:  # noqa: BLE001, S110 - the client is gone already
+            except Exception:  # noqa: BLE001 - the client is gone already
                 pass
         return
     assert reader is not None

@@ -24,7 +24,7 @@ class NodeRegister(_Model):
     capacity_vcpu: float
     capacity_memory_mb: int
     templates: list[TemplateInfo] = Field(default_factory=list)
-    sandboxes: list["NodeSandboxStatus"] = Field(default_factory=list)
+    sandboxes: list[NodeSandboxStatus] = Field(default_factory=list)
     version: str = ""
     instance: str = Field("", description="the agent's identity, kept in its state dir across restarts")
     isolation: dict[str, IsolationSupport] = Field(
@@ -64,10 +64,10 @@ class NodeHeartbeatReply(_Model):
 
 class NodeHeartbeat(_Model):
     templates: list[TemplateInfo] = Field(default_factory=list)
-    sandboxes: list["NodeSandboxStatus"] = Field(default_factory=list)
+    sandboxes: list[NodeSandboxStatus] = Field(default_factory=list)
     used_vcpu: float = 0
     used_memory_mb: int = 0
-    pools: list["NodePoolStatus"] = Field(default_factory=list)
+    pools: list[NodePoolStatus] = Field(default_factory=list)
 
 
 class NodeSandboxSpec(_Model):

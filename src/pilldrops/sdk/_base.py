@@ -52,7 +52,7 @@ try:  # pragma: no cover - trivial
     from importlib.metadata import version as _dist_version
 
     SDK_VERSION = _dist_version("pilldrops")
-except Exception:  # pragma: no cover
+except Exception:  # pragma: no cover  # noqa: BLE001 - any failure here is reported, never raised
     SDK_VERSION = "0.0.0"
 
 USER_AGENT = f"pilldrops-python/{SDK_VERSION}"
@@ -420,7 +420,7 @@ def batch_timeout(config: Any, count: int, capacity_wait: float) -> httpx.Timeou
 # ---------------------------------------------------------------------------------------------- run
 
 
-class hybridmethod:  # noqa: N801 - reads like classmethod
+class hybridmethod:
     """A method with one name on the class and on its instances (``Sandbox.resume(id)`` and
     ``sb.resume()``): the first function is bound to the class, the second to the instance."""
 
@@ -644,7 +644,7 @@ def iter_file(path: str, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
 
 async def aiter_file(path: str, chunk_size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
     """Async twin of :func:`iter_file`; disk reads run in a worker thread."""
-    with open(path, "rb") as f:
+    with open(path, "rb") as f:  # noqa: ASYNC230 - a local temp file, read in chunks
         while chunk := await anyio.to_thread.run_sync(f.read, chunk_size):
             yield chunk
 

@@ -23,15 +23,19 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Self, TypeVar
 
 import anyio
 
 from pilldrops.errors import (
-    AuthenticationError, InsufficientCredits, InvalidRequest, PermissionDenied, TemplateNotFound,
+    AuthenticationError,
+    InsufficientCredits,
+    InvalidRequest,
+    PermissionDenied,
+    TemplateNotFound,
 )
 from pilldrops.schema.api import DEFAULT_TIMEOUT_S
 from pilldrops.sdk._async.sandbox import AsyncSandbox
@@ -133,7 +137,12 @@ class _Progress:
         if self.enabled:
             from rich.console import Console
             from rich.progress import (
-                BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
             )
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[failed]} failed"), TextColumn("{task.fields[rate]}/s"),
@@ -141,7 +150,7 @@ class _Progress:
             self._task = self._bar.add_task(label, total=total, failed=0, rate="-")
             self._t0 = time.monotonic()
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Self:
         if self._bar is not None:
             self._bar.start()
         return self
@@ -171,7 +180,7 @@ class _Progress:
                 self._bar.update(self._task, advance=1, failed=self.failed, rate=f"{rate:.1f}")
 
 
-def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "base",  # noqa: A001
+def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "base",
         vcpu: float = 1, memory_mb: int = 512, timeout: int = DEFAULT_TIMEOUT_S, concurrency: int = 64,
         envs: dict[str, str] | None = None, metadata: Metadata[T] = None,
         capacity_wait: float = 600.0, progress: bool | None = None, api_key: str | None = None,
@@ -188,8 +197,8 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
     errors: dict[int, BaseException] = {}
     meta = [item_metadata(metadata, x) for x in work]
     done: list[MapItem[R]] = [MapItem(i, metadata=meta[i]) for i in range(len(work))]
-    opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
-                capacity_wait=capacity_wait, api_key=api_key, api_url=api_url, transport=transport)
+    opts = {"template": template, "vcpu": vcpu, "memory_mb": memory_mb, "timeout": timeout, "envs": envs,
+                "capacity_wait": capacity_wait, "api_key": api_key, "api_url": api_url, "transport": transport}
     t0 = time.monotonic()
     fatal: list[BaseException] = []
 
@@ -239,8 +248,8 @@ async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T]
     errors: dict[int, BaseException] = {}
     meta = [item_metadata(metadata, x) for x in work]
     done: list[MapItem[R]] = [MapItem(i, metadata=meta[i]) for i in range(len(work))]
-    opts = dict(template=template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, envs=envs,
-                capacity_wait=capacity_wait, api_key=api_key, api_url=api_url, transport=transport)
+    opts = {"template": template, "vcpu": vcpu, "memory_mb": memory_mb, "timeout": timeout, "envs": envs,
+                "capacity_wait": capacity_wait, "api_key": api_key, "api_url": api_url, "transport": transport}
     limit = anyio.Semaphore(max(1, concurrency))
     t0 = time.monotonic()
 

@@ -714,7 +714,7 @@ class FakeControlPlane:
 
     def _untar(self, sb: FakeSandbox, dest: str, data: bytes) -> int:
         try:
-            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115 - closed by the with below
+            tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
         except tarfile.TarError as exc:
             raise InvalidRequest(f"not a tar stream: {exc}") from None
         with tar:

@@ -47,7 +47,7 @@ class ControlPlane:
         while True:
             try:
                 await self.services.sandboxes.expire_paused(self.paused_retention_s)
-            except Exception:  # noqa: BLE001 - a store outage must not kill the loop
+            except Exception:
                 log.exception("paused-sandbox expiry pass failed")
             await anyio.sleep(min(60.0, max(0.5, self.paused_retention_s / 10)))
 

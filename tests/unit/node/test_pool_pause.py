@@ -16,7 +16,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_claimed_sandbox_pauses_resumes_and_moves(tmp_path) -> None:  # noqa: ANN001
+async def test_claimed_sandbox_pauses_resumes_and_moves(tmp_path) -> None:
     async with stack(tmp_path, nodes=2, capacity_vcpu=3, capacity_memory_mb=8192) as s, s.client() as c:
         shape = {"template": "tiny", "vcpu": 1, "memory_mb": 256}
         assert (await c.put("/v1/pools", json={**shape, "size": 1})).status_code == 200

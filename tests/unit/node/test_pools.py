@@ -36,7 +36,7 @@ async def _set(c: httpx.AsyncClient, size: int, **kw: Any) -> dict[str, Any]:
     return r.json()
 
 
-async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:  # noqa: ANN001
+async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         await _set(c, 3)
         await _until(lambda: len(_pool(s).ready) == 3)
@@ -61,7 +61,7 @@ async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:  # noq
         assert listed[0]["template"] == "tiny" and listed[0]["size"] == 3
 
 
-async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> None:  # noqa: ANN001
+async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         s.runtime.create_delay = 0.3
         await _set(c, 1)
@@ -85,7 +85,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         assert info["hits"] == 1 and info["misses"] == 2 and info["hit_rate"] == pytest.approx(1 / 3, abs=1e-3)
 
 
-async def test_refill_concurrency_is_bounded(tmp_path) -> None:  # noqa: ANN001
+async def test_refill_concurrency_is_bounded(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         s.runtime.create_delay = 0.05
         await _set(c, 12)
@@ -98,7 +98,7 @@ async def test_refill_concurrency_is_bounded(tmp_path) -> None:  # noqa: ANN001
         await _until(lambda: not s.agent.pools.pools and not s.runtime._boxes)
 
 
-async def test_circuit_breaker_stops_refills_after_repeated_failures(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+async def test_circuit_breaker_stops_refills_after_repeated_failures(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(pools_mod, "BACKOFF_MIN_S", 0.5)
     async with stack(tmp_path) as s, s.client() as c:
         s.runtime.fail_create = True
@@ -116,7 +116,7 @@ async def test_circuit_breaker_stops_refills_after_repeated_failures(tmp_path, m
         assert not _pool(s).breaker_open and _pool(s).failures == 0
 
 
-async def test_pool_members_are_reserved_capacity(tmp_path) -> None:  # noqa: ANN001
+async def test_pool_members_are_reserved_capacity(tmp_path) -> None:
     async with stack(tmp_path, capacity_vcpu=4, capacity_memory_mb=4096) as s, s.client() as c:
         await _set(c, 2)                                          # 2 x 1 vCPU reserved of 4
         r = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 3, "memory_mb": 256})
@@ -124,7 +124,7 @@ async def test_pool_members_are_reserved_capacity(tmp_path) -> None:  # noqa: AN
         assert (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})).status_code == 201
 
 
-async def test_pools_need_admin_and_a_known_template(tmp_path) -> None:  # noqa: ANN001
+async def test_pools_need_admin_and_a_known_template(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         r = await c.put("/v1/pools", json={"template": "nope", "size": 1})
         assert r.status_code == 404 and r.json()["error"]["code"] == "template_not_found"
@@ -136,7 +136,7 @@ async def test_pools_need_admin_and_a_known_template(tmp_path) -> None:  # noqa:
             assert (await c2.get("/v1/pools")).status_code == 200
 
 
-async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:  # noqa: ANN001
+async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         await _set(c, 2)
         await _until(lambda: len(_pool(s).ready) == 2)
@@ -152,7 +152,7 @@ async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:  # noq
         assert not unclaimed & set(await s.runtime.list_ids())
 
 
-async def test_a_rebuilt_template_retires_older_members(tmp_path) -> None:  # noqa: ANN001
+async def test_a_rebuilt_template_retires_older_members(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         await _set(c, 2)
         await _until(lambda: len(_pool(s).ready) == 2)
@@ -164,7 +164,7 @@ async def test_a_rebuilt_template_retires_older_members(tmp_path) -> None:  # no
         assert not old & set(await s.runtime.list_ids())
 
 
-async def test_removing_a_pool_that_does_not_exist_is_404(tmp_path) -> None:  # noqa: ANN001
+async def test_removing_a_pool_that_does_not_exist_is_404(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client() as c:
         await _set(c, 1)
         r = await c.put("/v1/pools", json={"template": "tiny", "vcpu": 1, "memory_mb": 999, "size": 0})

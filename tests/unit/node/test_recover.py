@@ -3,7 +3,7 @@ half made or is unknown, report what is gone, and do it idempotently."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -27,7 +27,7 @@ def anyio_backend() -> str:
 
 def spec(sid: str) -> NodeSandboxSpec:
     return NodeSandboxSpec(id=sid, template="tiny", vcpu=1, memory_mb=128, access_token="t",
-                           end_at=datetime.now(timezone.utc) + timedelta(hours=1))
+                           end_at=datetime.now(UTC) + timedelta(hours=1))
 
 
 def agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:

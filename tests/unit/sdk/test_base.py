@@ -69,23 +69,21 @@ def test_parse_retry_after() -> None:
 
 
 def test_map_transport_errors() -> None:
-    with pytest.raises(RequestTimeout):
-        with _base.map_transport_errors():
-            raise httpx.PoolTimeout("pool")
-    with pytest.raises(TransportError) as info:
-        with _base.map_transport_errors():
-            raise httpx.RemoteProtocolError("eof")
+    with pytest.raises(RequestTimeout), _base.map_transport_errors():
+        raise httpx.PoolTimeout("pool")
+    with pytest.raises(TransportError) as info, _base.map_transport_errors():
+        raise httpx.RemoteProtocolError("eof")
     assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
-    with pytest.raises(ValueError):  # non-httpx errors pass untouched
+    with pytest.raises(ValueError):  # non-httpx errors pass untouched  # noqa: SIM117 - the order of the two contexts is what is tested
         with _base.map_transport_errors():
             raise ValueError("mine")
-    with pytest.raises(TransportError) as refused:
+    with pytest.raises(TransportError) as refused:  # noqa: SIM117 - the order of the two contexts is what is tested
         with _base.map_transport_errors("http://h:1/v1/x?path=/secret"):
             raise httpx.ConnectError("refused")
     # nothing listening: the message names the URL (never its query) and what usually fixes it
     assert str(refused.value) == ("cannot reach PillDrops at http://h:1/v1/x — is `pilldrops up` running? "
                                   "(or set PILLDROPS_API_URL) [ConnectError: refused]")
-    with pytest.raises(RequestTimeout, match="request to http://h:1/v1/x timed out"):
+    with pytest.raises(RequestTimeout, match="request to http://h:1/v1/x timed out"):  # noqa: SIM117 - the order of the two contexts is what is tested
         with _base.map_transport_errors("http://h:1/v1/x"):
             raise httpx.ReadTimeout("slow")
 

@@ -17,7 +17,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def error_of(resp) -> dict:  # noqa: ANN001
+def error_of(resp) -> dict:
     body = resp.json()
     assert set(body) == {"error"}, body
     assert set(body["error"]) == {"code", "message", "details", "request_id"}, body
@@ -25,7 +25,7 @@ def error_of(resp) -> dict:  # noqa: ANN001
     return body["error"]
 
 
-async def test_create_get_list_kill(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_create_get_list_kill(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json={"template": "tiny", "metadata": {"run": "a"}})
         assert r.status_code == 201, r.text
@@ -44,7 +44,7 @@ async def test_create_get_list_kill(tmp_path, store_url) -> None:  # noqa: ANN00
         assert await st.runtime.list_ids() == []
 
 
-async def test_auth_required_and_typed(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_auth_required_and_typed(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st:
         async with st.client(key="") as anon:
             r = await anon.get("/v1/sandboxes")
@@ -57,7 +57,7 @@ async def test_auth_required_and_typed(tmp_path, store_url) -> None:  # noqa: AN
             assert r.status_code == 200   # the E2B header works too
 
 
-async def test_other_team_sees_404_exactly_like_unknown(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_other_team_sees_404_exactly_like_unknown(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as a:
         sb = (await a.post("/v1/sandboxes", json={"template": "tiny"})).json()
         other = await st.new_team_key("team-b")
@@ -72,7 +72,7 @@ async def test_other_team_sees_404_exactly_like_unknown(tmp_path, store_url) -> 
         assert (await a.get(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "running"
 
 
-async def test_idempotent_create(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_idempotent_create(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         body = {"template": "tiny", "timeout": 60}
         h = {"Idempotency-Key": "episode-17"}
@@ -85,7 +85,7 @@ async def test_idempotent_create(tmp_path, store_url) -> None:  # noqa: ANN001
         assert r3.status_code == 409 and error_of(r3)["code"] == "conflict"
 
 
-async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         ids: list[str] = []
 
@@ -109,7 +109,7 @@ async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path, store_ur
     ({"template": "Bad Name!"}, "template"),
     ({"template": "tiny", "metadata": {"k": 5}}, "metadata"),
 ])
-async def test_bad_create_input_is_400_with_details(tmp_path, store_url, body, where) -> None:  # noqa: ANN001
+async def test_bad_create_input_is_400_with_details(tmp_path, store_url, body, where) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json=body)
         err = error_of(r)
@@ -118,7 +118,7 @@ async def test_bad_create_input_is_400_with_details(tmp_path, store_url, body, w
         assert await st.runtime.list_ids() == []
 
 
-async def test_malformed_json_and_unknown_route(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_malformed_json_and_unknown_route(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", content=b"{nope", headers={"content-type": "application/json"})
         assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
@@ -130,7 +130,7 @@ async def test_malformed_json_and_unknown_route(tmp_path, store_url) -> None:  #
         assert r.status_code == 400
 
 
-async def test_unknown_template_and_capacity(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_unknown_template_and_capacity(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, capacity_vcpu=8, capacity_memory_mb=1024) as st, st.client() as c:
         r = await c.post("/v1/sandboxes", json={"template": "nosuch"})
         assert r.status_code == 404 and error_of(r)["code"] == "template_not_found"
@@ -156,7 +156,7 @@ async def test_unknown_template_and_capacity(tmp_path, store_url) -> None:  # no
         assert (await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 512})).status_code == 201
 
 
-async def test_vcpu_capacity_errors_name_the_cap_the_use_and_the_flag(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_vcpu_capacity_errors_name_the_cap_the_use_and_the_flag(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, capacity_vcpu=2, capacity_memory_mb=65536) as st, st.client() as c:
         ok = [await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1}) for _ in range(2)]
         assert all(x.status_code == 201 for x in ok)
@@ -168,7 +168,7 @@ async def test_vcpu_capacity_errors_name_the_cap_the_use_and_the_flag(tmp_path, 
         assert r.status_code == 400 and "vcpu=4 is more than any node offers" in error_of(r)["message"]
 
 
-async def test_failed_start_is_recorded(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_failed_start_is_recorded(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         st.runtime.fail_create = True
         r = await c.post("/v1/sandboxes", json={"template": "tiny"})
@@ -177,7 +177,7 @@ async def test_failed_start_is_recorded(tmp_path, store_url) -> None:  # noqa: A
         assert len(failed) == 1 and failed[0]["end_reason"] == "failed_start"
 
 
-async def test_list_filters_and_cursor(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_list_filters_and_cursor(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         made = []
         for i in range(5):
@@ -199,7 +199,7 @@ async def test_list_filters_and_cursor(tmp_path, store_url) -> None:  # noqa: AN
         assert sorted(s["id"] for s in live_evens["items"]) == sorted([made[2], made[4]])
 
 
-async def test_set_timeout_and_node_enforced_deadline(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_set_timeout_and_node_enforced_deadline(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "timeout": 1})).json()
         longer = (await c.post("/v1/sandboxes", json={"template": "tiny", "timeout": 1})).json()
@@ -217,7 +217,7 @@ async def test_set_timeout_and_node_enforced_deadline(tmp_path, store_url) -> No
         assert error_of(r)["details"] == {"from": "stopped", "to": "running"}
 
 
-async def test_oom_of_init_is_reported(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_oom_of_init_is_reported(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         await st.runtime.simulate_oom(st.agent.live[sb["id"]].target.handle)
@@ -227,12 +227,12 @@ async def test_oom_of_init_is_reported(tmp_path, store_url) -> None:  # noqa: AN
         assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["end_reason"] == "oom"
 
 
-async def test_run_through_control_plane_proxy(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_run_through_control_plane_proxy(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "envs": {"A": "1"}})).json()
         r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo out-$A-$PD_TEMPLATE; echo err >&2; exit 3"})
         events = [json.loads(line) for line in r.text.splitlines()]
-        assert [e["type"] for e in events][0] == "start" and events[-1]["type"] == "exit"
+        assert next(e["type"] for e in events) == "start" and events[-1]["type"] == "exit"
         assert events[-1]["exit_code"] == 3
         import base64
         out = b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout")
@@ -241,7 +241,7 @@ async def test_run_through_control_plane_proxy(tmp_path, store_url) -> None:  # 
         assert r.status_code == 400 and error_of(r)["code"] == "invalid_request"
 
 
-async def test_keys_create_list_revoke(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_keys_create_list_revoke(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         r = await c.post("/v1/keys", json={"name": "ci"})
         assert r.status_code == 201
@@ -258,13 +258,13 @@ async def test_keys_create_list_revoke(tmp_path, store_url) -> None:  # noqa: AN
             assert (await b.delete(f"/v1/keys/{new['id']}")).status_code == 404
 
 
-async def test_openapi_is_served(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_openapi_is_served(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         spec = (await c.get("/openapi.json")).json()
         assert "/v1/sandboxes" in spec["paths"] and "/v1/sandboxes/{sandbox_id}/run" in spec["paths"]
 
 
-async def test_connecting_to_an_ended_sandbox_says_why_and_when(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_connecting_to_an_ended_sandbox_says_why_and_when(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sid = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()["id"]
         await c.delete(f"/v1/sandboxes/{sid}")

@@ -16,7 +16,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_batch_creates_each_item(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_batch_creates_each_item(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         r = await c.post("/v1/sandboxes/batch", json={"template": "tiny", "count": 5, "metadata": {"run": "b1"}},
                          headers={"Idempotency-Key": "batch-1"})
@@ -33,7 +33,7 @@ async def test_batch_creates_each_item(tmp_path, store_url) -> None:  # noqa: AN
         assert len(s.agent.live) == 5
 
 
-async def test_items_fail_on_their_own_and_wait_for_capacity(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_items_fail_on_their_own_and_wait_for_capacity(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, capacity_vcpu=2, capacity_memory_mb=4096) as s, s.client() as c:
         r = (await c.post("/v1/sandboxes/batch",
                           json={"template": "tiny", "count": 4, "capacity_wait": 0})).json()
@@ -60,7 +60,7 @@ async def test_items_fail_on_their_own_and_wait_for_capacity(tmp_path, store_url
         assert unknown["failed"] == 2 and unknown["items"][0]["error"]["code"] == "template_not_found"
 
 
-async def test_item_metadata_makes_each_episode_findable(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_item_metadata_makes_each_episode_findable(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         r = await c.post("/v1/sandboxes/batch", json={
             "template": "tiny", "count": 3, "metadata": {"run": "b2"},

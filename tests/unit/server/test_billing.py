@@ -42,7 +42,7 @@ def test_billable_never_negative_never_beyond_wall_and_idempotent(reports: list,
         billed = total
 
 
-async def test_commit_is_exactly_once_per_seq(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_commit_is_exactly_once_per_seq(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 1024})).json()
         store, now = s.cp.store, Clock().now()
@@ -64,7 +64,7 @@ async def test_commit_is_exactly_once_per_seq(tmp_path, store_url) -> None:  # n
         await c.delete(f"/v1/sandboxes/{sb['id']}")
 
 
-async def test_final_cost_is_in_the_kill_answer_and_equals_lifetime(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_final_cost_is_in_the_kill_answer_and_equals_lifetime(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 2048})).json()
         await anyio.sleep(1.2)
@@ -80,7 +80,7 @@ async def test_final_cost_is_in_the_kill_answer_and_equals_lifetime(tmp_path, st
         assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["cost_usd"] == killed["cost_usd"]
 
 
-async def test_running_sandbox_shows_cost_so_far(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_running_sandbox_shows_cost_so_far(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         await anyio.sleep(0.5)
@@ -92,7 +92,7 @@ async def test_running_sandbox_shows_cost_so_far(tmp_path, store_url) -> None:  
         assert rec["id"] == sb["id"] and rec["state"] == "running" and rec["cost_usd"] > 0
 
 
-async def test_credits_run_out(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_credits_run_out(tmp_path, store_url) -> None:
     billing = BillingSettings(grace_s=0.5, enforce_every_s=0.1)
     async with stack(tmp_path, db_url=store_url, billing=billing) as s:
         team = await s.cp.services.auth.create_team("poor", credits_usd=0.00004)
@@ -123,7 +123,7 @@ async def test_credits_run_out(tmp_path, store_url) -> None:  # noqa: ANN001
             assert (await c.post("/v1/sandboxes", json={"template": "tiny"})).status_code == 201
 
 
-async def test_unlimited_credits(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_unlimited_credits(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, billing=BillingSettings(credits_enabled=False)) as s:
         team = await s.cp.services.auth.create_team("free", credits_usd=0)
         key = (await s.cp.services.auth.create_key(team.id, "k")).secret
@@ -135,7 +135,7 @@ async def test_unlimited_credits(tmp_path, store_url) -> None:  # noqa: ANN001
             assert usage["credits_usd"] is None and usage["credits_unlimited"] and usage["cost_usd"] > 0
 
 
-async def test_history_filters_usage_and_team_isolation(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_history_filters_usage_and_team_isolation(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         ids = []
         for i, (tpl, vcpu) in enumerate([("tiny", 1), ("tiny", 2), ("tiny", 0.5)]):

@@ -4,7 +4,7 @@ in-process stack, both stores)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given
@@ -15,7 +15,7 @@ from pilldrops.server.domain.stats import Episode, compute, histogram, quantile
 from tests.stack import stack
 
 RATES = Rates()
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def at(s: float) -> datetime:
@@ -85,7 +85,7 @@ def test_spend_adds_up_to_the_cost_and_peaks_bound_averages(raw: list, buckets: 
 # ---- HTTP ----------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_page_and_assets_carry_a_strict_csp_and_nothing_else_is_served(tmp_path) -> None:  # noqa: ANN001
+async def test_page_and_assets_carry_a_strict_csp_and_nothing_else_is_served(tmp_path) -> None:
     async with stack(tmp_path) as s, s.client(key="") as c:
         page = await c.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -107,7 +107,7 @@ async def test_page_and_assets_carry_a_strict_csp_and_nothing_else_is_served(tmp
 
 
 @pytest.mark.anyio
-async def test_stats_endpoint_aggregates_the_filtered_history(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_stats_endpoint_aggregates_the_filtered_history(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
         ids = []
         for i in range(3):

@@ -37,7 +37,7 @@ def silence(agent: Any) -> Any:
     return lambda: setattr(agent, "_heartbeat", real)
 
 
-async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         undo = silence(st.agent)
@@ -65,7 +65,7 @@ async def test_silent_node_becomes_unreachable_then_its_sandboxes_lost(tmp_path,
         assert (await c.post("/v1/sandboxes", json={"template": "tiny"})).status_code == 201
 
 
-async def test_store_outage_never_reaps(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_store_outage_never_reaps(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         store = st.cp.store
@@ -83,7 +83,7 @@ async def test_store_outage_never_reaps(tmp_path, store_url) -> None:  # noqa: A
         assert (await c.get("/v1/nodes")).json()["items"][0]["state"] == "ready"
 
 
-async def test_drain_and_admin_only(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_drain_and_admin_only(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         nodes = (await c.get("/v1/nodes")).json()["items"]
         assert [(n["name"], n["state"], n["draining"], n["templates"]) for n in nodes] == \
@@ -117,7 +117,7 @@ async def _state(c: Any, sid: str) -> str:
     return (await c.get(f"/v1/sandboxes/{sid}")).json()["state"]
 
 
-async def test_two_control_planes_racing_never_overcommit(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_two_control_planes_racing_never_overcommit(tmp_path, store_url) -> None:
     """Two control-plane processes (stateless, one database) race 24 creates for 8 slots of one node:
     exactly 8 win, the rest get 503, and the node's allocation never passes its capacity."""
     import httpx
@@ -152,7 +152,7 @@ async def test_two_control_planes_racing_never_overcommit(tmp_path, store_url) -
             await cp2.aclose()
 
 
-async def test_node_names_belong_to_one_agent(tmp_path, store_url) -> None:  # noqa: ANN001
+async def test_node_names_belong_to_one_agent(tmp_path, store_url) -> None:
     """A second agent (another instance id) using a live node's name is refused; the same agent
     restarting on another port is the same node."""
     import httpx

@@ -139,7 +139,7 @@ class PipeExec(OutputRelay):
                     if key.fd == self._wake_r:
                         sel.unregister(self._wake_r)     # exit noticed; from now on selects time out
                         continue
-                    name, pipe = pipes[key.fd]
+                    name, _pipe = pipes[key.fd]
                     data = os.read(key.fd, CHUNK)
                     if not data:
                         sel.unregister(key.fd)
@@ -148,7 +148,7 @@ class PipeExec(OutputRelay):
                     data = self._capped(name, data)
                     if data:                  # past the cap: keep draining the pipe, drop the bytes
                         self._deliver(name, data)
-        except Exception:  # noqa: BLE001, S110 - loop gone or receiver closed: stop reading
+        except Exception:  # noqa: BLE001 - loop gone or receiver closed: stop reading
             pass
         finally:
             sel.close()
@@ -167,7 +167,7 @@ class PipeExec(OutputRelay):
                 while (chunk := anyio.from_thread.run(_next_chunk, src, token=self._token)) is not None:
                     pipe.write(chunk)
                     pipe.flush()
-        except Exception:  # noqa: BLE001, S110 - broken pipe (command exited) or loop gone
+        except Exception:  # noqa: BLE001 - broken pipe (command exited) or loop gone
             pass
         finally:
             with contextlib.suppress(OSError):

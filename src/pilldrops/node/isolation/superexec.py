@@ -273,7 +273,7 @@ class SupervisorExec(OutputRelay):
                         put(chunk)
             with self._lock:
                 self._sock.sendall(HDR.pack(ord("E"), 0))
-        except BaseException:  # noqa: BLE001, S110 - connection closed (command done or killed), loop gone or
+        except BaseException:  # noqa: BLE001 - connection closed (command done or killed), loop gone or
             pass                   # shutting down (a CancelledError from a stdin source nobody closed)
 
     def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:

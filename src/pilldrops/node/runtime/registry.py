@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime, RuntimeFailure, RuntimeState, SandboxSpec
+from pilldrops.node.runtime.base import (
+    ExecProcess,
+    Handle,
+    Runtime,
+    RuntimeFailure,
+    RuntimeState,
+    SandboxSpec,
+)
 from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES, IsolationSupport
 
 log = logging.getLogger(__name__)
@@ -115,7 +122,7 @@ class RuntimeRegistry:
                         sub = state_dir / "runtimes" / mode
                         sub.mkdir(parents=True, exist_ok=True)
                         rt = getattr(mod, clsname)(sub, name=f"{name}-{mode}")
-                except Exception as e:  # noqa: BLE001 - a mode that cannot start is reported, not fatal
+                except Exception as e:
                     if mode == DEFAULT_ISOLATION:
                         raise
                     log.warning("isolation %s unavailable: %s", mode, e)

@@ -18,7 +18,12 @@ from typing import Any, Self
 import httpx
 
 from pilldrops.errors import (
-    InvalidState, NodeUnavailable, PillDropsError, SandboxNotFound, TransportError, from_wire,
+    InvalidState,
+    NodeUnavailable,
+    PillDropsError,
+    SandboxNotFound,
+    TransportError,
+    from_wire,
 )
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
@@ -52,10 +57,10 @@ from pilldrops.sdk._base import (
     check_remote_path,
     data_target,
     download_tempfile,
-    hybridmethod,
-    item_metadata,
     extract_download,
     history_params,
+    hybridmethod,
+    item_metadata,
     list_params,
     new_idempotency_key,
     pack_upload,

@@ -4,21 +4,37 @@ here; every decision is in ``server.service``."""
 
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import anyio
-
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from pilldrops import errors
-from pilldrops._version import __version__ as VERSION
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
+from pilldrops._version import __version__ as VERSION
 from pilldrops.e2b.routing import E2BRouting
 from pilldrops.schema.api import (
-    BatchCreateRequest, BatchCreateResponse, CreateSandboxRequest, HistoryPage, KeyCreated, KeyCreateRequest, KeyInfo, NodeInfo, NodeList, PoolInfo, PoolList,
-    PoolSetRequest, Rates, SandboxInfo, SandboxList, SandboxState, SetTimeoutRequest, TemplateList, UsageSummary,
+    BatchCreateRequest,
+    BatchCreateResponse,
+    CreateSandboxRequest,
+    HistoryPage,
+    KeyCreated,
+    KeyCreateRequest,
+    KeyInfo,
+    NodeInfo,
+    NodeList,
+    PoolInfo,
+    PoolList,
+    PoolSetRequest,
+    Rates,
+    SandboxInfo,
+    SandboxList,
+    SandboxState,
+    SetTimeoutRequest,
+    TemplateList,
+    UsageSummary,
     WhoAmI,
 )
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
@@ -59,7 +75,7 @@ class _Relay(StreamingResponse):
 
 def _aware(t: datetime | None) -> datetime | None:
     """Query times without a zone are UTC."""
-    return t.replace(tzinfo=timezone.utc) if t is not None and t.tzinfo is None else t
+    return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t
 
 
 def _labels(request: Request) -> dict[str, str]:

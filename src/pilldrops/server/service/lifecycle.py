@@ -33,7 +33,11 @@ from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
 from pilldrops.server.store.interface import (
-    Allocations, DuplicateIdempotencyKey, NewSandbox, NodeRecord, SandboxRecord,
+    Allocations,
+    DuplicateIdempotencyKey,
+    NewSandbox,
+    NodeRecord,
+    SandboxRecord,
 )
 
 S = SandboxState
