@@ -295,8 +295,16 @@ class CrunRuntime:
                 raise RuntimeFailure(f"sandbox {handle.id} runs an older init (control protocol 1) "
                                      "without terminals: start a new sandbox for a PTY")
             if proto >= 2:
-                proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env}, cwd=cwd or base_cwd,
-                                             stdin=stdin, timeout=timeout, output_cap=output_cap, pty=pty)
+                proc = None
+                for attempt in range(8):
+                    try:
+                        proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env},
+                                                     cwd=cwd or base_cwd, stdin=stdin, timeout=timeout,
+                                                     output_cap=output_cap, pty=pty)
+                        break
+                    except ConnectionRefusedError:
+                        # the init is between two connections (gVisor's host sockets queue none): again
+                        await anyio.sleep(0.02 * (attempt + 1))
                 if proc is not None:
                     return proc
         if pty is not None:
@@ -329,15 +337,22 @@ class CrunRuntime:
         known = self._proto.get(handle.id)
         if known is not None and known[:2] == (handle.pid, handle.pid_start_time):
             return known[2]
-        fd = self._open_ctl(d)
-        if fd is None:
+        for attempt in range(6):
+            fd = self._open_ctl(d)
+            if fd is None:
+                return 0
+            try:
+                proto = await anyio.to_thread.run_sync(probe_version, f"/proc/self/fd/{fd}")
+                break
+            except ConnectionRefusedError:
+                # bound but not listening yet: the init is still starting (slow under gVisor's ptrace)
+                await anyio.sleep(0.05 * (attempt + 1))
+            except OSError:
+                return 0                # nothing sane listens: crun exec this time, ask again next time
+            finally:
+                os.close(fd)
+        else:
             return 0
-        try:
-            proto = await anyio.to_thread.run_sync(probe_version, f"/proc/self/fd/{fd}")
-        except OSError:
-            return 0                    # nothing sane listens: crun exec this time, ask again next time
-        finally:
-            os.close(fd)
         assert handle.pid is not None
         self._proto[handle.id] = (handle.pid, handle.pid_start_time, proto)
         return proto
@@ -377,6 +392,8 @@ class CrunRuntime:
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
                                   init_pid=handle.pid if self.HOST_PIDS else None, timeout=timeout,
                                   output_cap=output_cap, path_fd=fd, pty=pty)
+        except ConnectionRefusedError:
+            raise                       # listening, but not accepting right now: the caller retries
         except OSError:
             return None
 
