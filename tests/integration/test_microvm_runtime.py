@@ -125,9 +125,11 @@ async def test_credits_and_memory_limit(mvrt, tiny) -> None:  # type: ignore[no-
     # past memory_mb only the offender dies (the guest memory cgroup's OOM kill), the sandbox lives on; 16 MiB
     # is in the same guest-RAM class (256 MiB) as the other sandboxes: the same snapshot
     small = await mvrt.create(_spec(tiny, "oom", memory_mb=16))
-    hog = "head -c 24m /dev/zero | tail >/dev/null"       # busybox tail keeps the whole "line" in memory
-    code, _, _, _ = await _run(mvrt, small, ["sh", "-c", hog], timeout=60)
-    assert code == 137
+    # one 24 MiB buffer filled by one read: charged at once, so the cgroup kills it at once (a buffer grown
+    # by realloc, as `tail` does, copies its way there for minutes under TCG and hit the command's timeout)
+    hog = "dd if=/dev/zero of=/dev/null bs=24M count=1"
+    code, _, _, p = await _run(mvrt, small, ["sh", "-c", hog], timeout=120)
+    assert code == 137 and not p.timed_out
     code, out, _, _ = await _run(mvrt, small, ["sh", "-c", "echo still-here; cat /sys/fs/cgroup/pd/memory.events"])
     assert code == 0 and out.startswith(b"still-here\n") and b"oom_kill 1" in out, out
 

@@ -168,3 +168,35 @@ async def test_node_names_belong_to_one_agent(tmp_path, store_url) -> None:
         r = await internal.post("/internal/v1/nodes/register", json={**body, "instance": st.agent.instance})
         assert r.status_code == 200 and r.json()["node_id"] == st.agent.node_id
         await internal.aclose()
+
+
+async def test_create_abandoned_by_a_dead_control_plane_is_retried_fresh(tmp_path, store_url) -> None:
+    """A control plane died between placing a create (the row is ``starting``, the key taken) and the node's
+    answer, and the node never made it: the node's heartbeat fails that row (failed_start, key released, not
+    billed) and the client's retry with the same key gets a fresh sandbox, not the dead row."""
+    import hashlib
+    import secrets
+    from datetime import timedelta
+
+    from pilldrops.schema.api import CreateSandboxRequest
+    from pilldrops.server.store.interface import NewSandbox
+
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        body = {"template": "tiny", "timeout": 60}
+        req = CreateSandboxRequest.model_validate(body)
+        now = st.cp.services.sandboxes.ctx.clock.now() - timedelta(seconds=45)   # older than the ready window
+        new = NewSandbox(id="sb_abandoned000000001", team_id=st.team_id, template="tiny", vcpu=req.vcpu,
+                         memory_mb=req.memory_mb, timeout=60, state="starting", access_token=secrets.token_urlsafe(8),
+                         created_at=now, end_at=now + timedelta(seconds=60), idempotency_key="episode-3",
+                         request_hash=hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        await st.cp.store.place_and_insert(new, lambda nodes, allocs: nodes[0])
+        await wait_for(lambda: _eq(_state(c, new.id), "failed"))
+        dead = (await c.get(f"/v1/sandboxes/{new.id}")).json()
+        assert dead["end_reason"] == "failed_start" and dead["cost_usd"] == 0, dead
+        r = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-3"})
+        assert r.status_code == 201, r.text
+        fresh = r.json()
+        assert fresh["id"] != new.id and fresh["state"] == "running"
+        assert await st.runtime.list_ids() == [fresh["id"]]
+        again = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-3"})
+        assert again.status_code == 200 and again.json()["id"] == fresh["id"]

@@ -60,6 +60,7 @@ class SandboxContext:
     pools: PoolService | None = None
     node_cache: TTLCache[str, NodeRecord] = field(init=False)
     in_flight: set[str] = field(default_factory=set)      # pauses/resumes this process is carrying out
+    creating: set[str] = field(default_factory=set)       # creates this process is carrying out (placed rows)
     # the last usage report of each running sandbox (billed every commit_every_s): what is billed when its
     # node is lost before the next commit
     last_usage: dict[str, NodeSandboxStatus] = field(default_factory=dict)

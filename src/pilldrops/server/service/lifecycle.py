@@ -101,8 +101,9 @@ class Lifecycle:
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         if idempotency_key:
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
-            if existing is not None:
-                return await self._replay(existing, req_hash), False
+            if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+                return replayed, False
+            # else its first attempt failed to start and released the key: this retry makes a fresh one
         await ctx.billing.check_can_create(team_id)
         now = ctx.clock.now()
         new = NewSandbox(
@@ -126,14 +127,17 @@ class Lifecycle:
                 duplicate = True
         if duplicate:   # a concurrent request with the same key won the insert: replay it (outside the lock)
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
-            assert existing is not None
-            return await self._replay(existing, req_hash), False
+            if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+                return replayed, False
+            return await self.create(team_id, req, idempotency_key)    # that attempt failed: a fresh one
         spec = ctx.node_spec(row, float(req.timeout))
         ctx.node_cache.put(node.id, node)
+        ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
         try:
             async with self._admission:    # bursts queue here (in order) instead of piling onto the nodes
                 status = await ctx.nodes.create(node.url, spec)
         except BaseException as exc:
+            ctx.creating.discard(row.id)
             # the key is released so that a retry makes a fresh attempt instead of replaying a failure; if the
             # node did create it after all, its next heartbeat reports it running and it is stopped there
             with anyio.CancelScope(shield=True):
@@ -144,10 +148,13 @@ class Lifecycle:
             raise
         running = {"state": S.running.value, "started_at": ctx.clock.now(), "end_at": status.end_at or spec.end_at}
         updated = None      # billing starts now, on the control plane's clock
-        if await ctx.store.set_sandbox(row.id, from_states=[S.starting.value], **running):
-            for k, v in running.items():
-                setattr(row, k, v)
-            updated = row
+        try:
+            if await ctx.store.set_sandbox(row.id, from_states=[S.starting.value], **running):
+                for k, v in running.items():
+                    setattr(row, k, v)
+                updated = row
+        finally:
+            ctx.creating.discard(row.id)
         if updated is None:
             # killed while it was starting: the node did not know it yet, so stop it there now
             with anyio.CancelScope(shield=True):
@@ -191,9 +198,10 @@ class Lifecycle:
         created = sum(1 for it in items if it.sandbox is not None)
         return BatchCreateResponse(items=items, created=created, failed=req.count - created)
 
-    async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord:
-        if row.state == S.failed.value and row.idempotency_key is None:
-            raise errors.ServerError(f"sandbox failed to start: {row.error}")
+    async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
+        """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
+        attempt failed to start and released the key (its node refused, or its control plane died before the
+        node made it), so that the caller makes a fresh attempt."""
         if row.request_hash != req_hash:
             raise errors.Conflict("Idempotency-Key was already used with a different request body",
                                   details={"sandbox_id": row.id})
@@ -201,6 +209,8 @@ class Lifecycle:
             while row.state == S.starting.value:   # the first attempt is still booting it
                 await anyio.sleep(0.05)
                 row = await self.ctx.get_row(row.team_id, row.id)
+        if row.state == S.failed.value and row.idempotency_key is None:
+            return None
         return row
 
     # ---- changes -------------------------------------------------------------------------------------

@@ -121,9 +121,22 @@ class Reconciler:
         from when the report was received, so a report composed before a create finished does not count)."""
         cutoff = (received or self.ctx.clock.now()) - NODE_READY_WINDOW
         for row in await self.ctx.store.live_sandboxes_on(node_id):
-            if row.id in live_ids or row.created_at > cutoff or row.state in IN_FLIGHT:
+            if row.id in live_ids or row.created_at > cutoff or row.state in IN_FLIGHT \
+                    or row.id in self.ctx.creating:
+                continue
+            if row.state == S.starting.value:
+                await self._fail_start(row)
                 continue
             await self._declare_lost(row, self.ctx.clock.now(), "the node no longer has this sandbox")
+
+    async def _fail_start(self, row: SandboxRecord) -> None:
+        """A create that no control plane is carrying out (its process died between placing the row and the
+        node's answer) and that the node never made: it failed to start, nothing was billed, and its
+        idempotency key is released so that the client's retry makes a fresh attempt."""
+        await self.ctx.store.update_sandbox(
+            row.id, from_states=[S.starting.value], state=S.failed.value, end_reason=EndReason.failed_start.value,
+            ended_at=self.ctx.clock.now(), idempotency_key=None,
+            error="the control plane stopped while creating it and the node never made it")
 
     async def stop_orphans(self, node: NodeRecord, statuses: list[NodeSandboxStatus],
                            rows: dict[str, SandboxRecord] | None = None) -> None:
