@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ import tomllib
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,10 @@ class TemplateBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Step:
-    kind: str                     # run | copy | env | workdir
+    kind: str                     # run | copy | env | workdir | user (user: Dockerfile templates)
     value: Any
+    origin: str = ""              # where it came from, for messages ("Dockerfile:12 RUN"); not hashed
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,17 @@ class TemplateSpec:
     steps: tuple[Step, ...]
     path: Path
     isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
+    context: Path | None = None   # copy srcs are relative to this (Dockerfile templates); else to path's folder
+    fixed_hash: str | None = None  # a recorded spec (built from a Dockerfile): its hash as built
 
     @property
     def is_builder(self) -> bool:
-        return self.base in BUILDERS
+        return self.base in BUILDERS or self.base.startswith("debootstrap:")
+
+    @property
+    def root(self) -> Path:
+        """The folder copy sources are relative to."""
+        return self.context if self.context is not None else self.path.parent
 
     def canonical(self) -> dict[str, Any]:
         return {"name": self.name, "from": self.base, "env": self.env, "workdir": self.workdir,
@@ -116,6 +126,8 @@ class Template:
     hash: str
     size: int = 0                 # bytes of every layer (this one and its parents'): what a sandbox sees
     built_at: float = 0.0
+    user: str | None = None       # "uid:gid" its commands run as (a Dockerfile's USER); None = root
+    home: str | None = None       # that user's home (HOME of its commands)
 
 
 @dataclass(frozen=True)
@@ -208,13 +220,53 @@ def _hash_path(h: Any, p: Path) -> None:
 
 
 def spec_hash(spec: TemplateSpec, parent_hash: str) -> str:
+    if spec.fixed_hash:
+        return spec.fixed_hash
     h = hashlib.sha256()
     h.update(json.dumps({"spec": spec.canonical(), "parent": parent_hash, "builder": BUILDER_VERSION},
                         sort_keys=True).encode())
     for s in spec.steps:
-        if s.kind == "copy":
-            _hash_path(h, spec.path.parent / s.value["src"])
+        if s.kind == "copy" and "entries" in s.value:       # exactly what it copies (a Dockerfile's COPY)
+            src = spec.root / s.value["src"]
+            for e in s.value["entries"]:
+                h.update(b"\0" + e.encode())
+                if not e.endswith("/"):
+                    _hash_path(h, src / e if e else src)
+        elif s.kind == "copy":
+            _hash_path(h, spec.root / s.value["src"])
     return h.hexdigest()[:16]
+
+
+DEBIAN_TEMPLATE = re.compile(r"^debian-([a-z]+)$")   # FROM debian:<suite> (not bookworm: that is `base`)
+
+
+def debian_spec(name: str) -> TemplateSpec | None:
+    """The implicit template ``debian-<suite>``: a debootstrap minbase of that suite, workdir /."""
+    m = DEBIAN_TEMPLATE.match(name)
+    if not m:
+        return None
+    return TemplateSpec(name=name, description=f"Debian {m.group(1)} minbase (debootstrap from this machine's "
+                        "apt mirror)", base=f"debootstrap:{m.group(1)}", env={}, workdir="/", steps=(),
+                        path=SPEC_DIR / f"{name}.implicit")
+
+
+RECORDED_SPEC = "spec.json"   # <data>/templates/<name>/spec.json: a spec built from outside the spec dirs
+
+
+def spec_to_json(spec: TemplateSpec, h: str) -> dict[str, Any]:
+    return {"version": 1, "name": spec.name, "description": spec.description, "from": spec.base, "env": spec.env,
+            "workdir": spec.workdir, "isolation": spec.isolation, "hash": h, "path": str(spec.path),
+            "context": str(spec.context) if spec.context else None,
+            "steps": [{"kind": st.kind, "value": st.value, "origin": st.origin, "line": st.line}
+                      for st in spec.steps]}
+
+
+def spec_from_json(d: dict[str, Any]) -> TemplateSpec:
+    return TemplateSpec(name=d["name"], description=d.get("description", ""), base=d["from"], env=dict(d["env"]),
+                        workdir=d.get("workdir"), isolation=d.get("isolation"), path=Path(d["path"]),
+                        context=Path(d["context"]) if d.get("context") else None, fixed_hash=d["hash"],
+                        steps=tuple(Step(st["kind"], st["value"], st.get("origin", ""), st.get("line", 0))
+                                    for st in d["steps"]))
 
 
 def apt_mirror(env: dict[str, str] | None = None, apt_dir: Path | None = None) -> str:
@@ -402,13 +454,13 @@ def _build_busybox(layer: Path, progress: Progress | None) -> None:
     (layer / "etc" / "hostname").write_text("sandbox\n")
 
 
-def _build_debootstrap(layer: Path, progress: Progress | None) -> None:
+def _build_debootstrap(layer: Path, progress: Progress | None, suite: str = DEFAULT_SUITE) -> None:
     if not shutil.which("debootstrap"):
         raise TemplateBuildError("debootstrap missing: run `scripts/install-system-deps`")
     mirror = apt_mirror()
     if progress:
-        progress(f"debootstrap --variant=minbase {DEFAULT_SUITE} from {mirror}")
-    _run(["debootstrap", "--variant=minbase", DEFAULT_SUITE, str(layer), mirror], progress)
+        progress(f"debootstrap --variant=minbase {suite} from {mirror}")
+    _run(["debootstrap", "--variant=minbase", suite, str(layer), mirror], progress)
     for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/apt/archives/*.deb"):
         for p in layer.glob(pattern):
             if p.is_file() or p.is_symlink():
@@ -450,8 +502,9 @@ class TemplateStore:
 
     # specs
     def specs(self) -> dict[str, TemplateSpec]:
-        """Every valid spec by name. A file that does not parse is skipped and kept in :attr:`spec_errors`
-        (logged once): one bad spec in the user's folder never takes the other templates, or a node, down."""
+        """Every valid spec by name: the spec dirs' files, then the specs recorded by :meth:`build_spec`
+        (Dockerfile templates) under names no file defines. A file that does not parse is skipped and kept
+        in :attr:`spec_errors` (logged once): one bad spec never takes the other templates, or a node, down."""
         out: dict[str, TemplateSpec] = {}
         errors: dict[str, str] = {}
         for d in self.spec_dirs:
@@ -462,6 +515,15 @@ class TemplateStore:
                     errors[str(f)] = str(exc)
                     continue
                 out[s.name] = s
+        for f in sorted(self.root.glob(f"*/{RECORDED_SPEC}")) if self.root.is_dir() else ():
+            if f.parent.name in out:
+                continue
+            try:
+                rec = spec_from_json(json.loads(f.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                errors[str(f)] = f"{f}: unreadable recorded spec: {exc}"
+                continue
+            out[rec.name] = rec
         for path, err in errors.items():
             if self._logged_errors.get(path) != err:
                 log.warning("skipping template spec %s: %s", path, err)
@@ -476,16 +538,23 @@ class TemplateStore:
     def spec(self, name: str) -> TemplateSpec:
         specs = self.specs()
         if name not in specs:
+            implicit = debian_spec(name)
+            if implicit is not None:
+                return implicit
             bad = "; ".join(self._logged_errors.values())
             raise TemplateNotFound(f"no template spec named {name!r}" + (f" (skipped invalid specs: {bad})" if bad
                                                                          else ""), details={"template": name})
         return specs[name]
 
     def hash(self, name: str, _seen: tuple[str, ...] = ()) -> str:
-        if name in _seen:
-            raise TemplateSpecError(f"template cycle: {' -> '.join(_seen + (name,))}")
-        s = self.spec(name)
-        parent = f"builder:{s.base}" if s.is_builder else self.hash(s.base, _seen + (name,))
+        return self._hash_of(self.spec(name), _seen)
+
+    def _hash_of(self, s: TemplateSpec, _seen: tuple[str, ...] = ()) -> str:
+        if s.name in _seen:
+            raise TemplateSpecError(f"template cycle: {' -> '.join(_seen + (s.name,))}")
+        if s.fixed_hash:
+            return s.fixed_hash
+        parent = f"builder:{s.base}" if s.is_builder else self.hash(s.base, _seen + (s.name,))
         return spec_hash(s, parent)
 
     # built templates
@@ -501,7 +570,8 @@ class TemplateStore:
         m = json.loads(manifest.read_text())
         layers = tuple(Path(p) for p in m["layers"])
         return Template(name=m["name"], layers=layers, env=m["env"], workdir=m["workdir"], hash=m["hash"],
-                        size=sum(_layer_size(p) for p in layers), built_at=m["built_at"])
+                        size=sum(_layer_size(p) for p in layers), built_at=m["built_at"],
+                        user=m.get("user"), home=m.get("home"))
 
     def list(self) -> list[TemplateStatus]:
         out = []
@@ -516,19 +586,44 @@ class TemplateStore:
         try:
             return self.get(name)
         except TemplateNotFound:
-            if name not in self.specs():
+            if name not in self.specs() and debian_spec(name) is None:
                 raise
             return self.build(name, progress=progress)
 
     def build(self, name: str, progress: Progress | None = None, *, force: bool = False) -> Template:
-        s = self.spec(name)
+        return self._build(self.spec(name), progress, force=force)
+
+    def build_spec(self, spec: TemplateSpec, progress: Progress | None = None, *, force: bool = False) -> Template:
+        """Build a spec that is in no spec dir (a Dockerfile's, from ``node/dockerfile.py``) and record it under
+        ``<data>/templates/<name>/spec.json``, so that ``get``/``list``/``ensure`` find it afterwards like any
+        other template (with the hash it was built with: its build context may be gone by then)."""
+        for d in self.spec_dirs:
+            for f in sorted(Path(d).glob("*.toml")):
+                try:
+                    taken = parse_spec(f).name == spec.name
+                except TemplateSpecError:
+                    continue
+                if taken:
+                    raise TemplateSpecError(f"template name {spec.name!r} is taken by the spec file {f}; "
+                                            "pick another name")
+        if not _NAME_RE.match(spec.name):
+            raise TemplateSpecError(f"template name {spec.name!r} must match {_NAME_RE.pattern}")
+        if spec.base == spec.name:
+            raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
+        return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
+
+    def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
+        name = s.name
+        record = record or debian_spec(name) is not None
         parent = None if s.is_builder else self.ensure(s.base, progress)
-        h = self.hash(name)
+        h = self._hash_of(s) if not (force and s.fixed_hash) else s.fixed_hash
         final = self._final(name, h)
         (self.root / name).mkdir(parents=True, exist_ok=True)
         with open(self.root / name / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if (final / "manifest.json").exists() and not force:
+                if record:
+                    self._record(s, h)
                 return self.get(name)
             t0 = time.monotonic()
             if progress:
@@ -539,13 +634,13 @@ class TemplateStore:
             logged = _tee(progress, log)
             try:
                 try:
-                    self._build_into(s, parent, tmp, logged)
+                    result = self._build_into(s, parent, tmp, logged)
                 except TemplateBuildError as exc:
                     exc.log_path = log_path
                     raise
                 layers = [str(final / "layer")] + ([str(p) for p in parent.layers] if parent else [])
-                env, workdir = self._resolve_env(s, parent)
-                manifest = {"name": name, "hash": h, "layers": layers, "env": env, "workdir": workdir,
+                manifest = {"name": name, "hash": h, "layers": layers, "env": result.env,
+                            "workdir": result.workdir, "user": result.user, "home": result.home,
                             "size": _tree_size(tmp / "layer"), "built_at": time.time(),
                             "build_seconds": round(time.monotonic() - t0, 3), "from": s.base}
                 (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -554,6 +649,8 @@ class TemplateStore:
                     os.rename(final, old)
                     shutil.rmtree(old, ignore_errors=True)
                 os.rename(tmp, final)
+                if record:
+                    self._record(s, h)
             finally:
                 log.close()
                 if tmp.exists():
@@ -563,8 +660,15 @@ class TemplateStore:
                 progress(f"built template {name} in {time.monotonic() - t0:.2f}s")
             return self.get(name)
 
+    def _record(self, s: TemplateSpec, h: str) -> None:
+        dest = self.root / s.name / RECORDED_SPEC
+        tmp = dest.with_name(f".{RECORDED_SPEC}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(spec_to_json(s, h), indent=2))
+        os.rename(tmp, dest)
+
     @staticmethod
-    def _resolve_env(s: TemplateSpec, parent: Template | None) -> tuple[dict[str, str], str]:
+    def _resolve_env(s: TemplateSpec, parent: Template | None) -> _Result:
+        """The result of a spec without steps run (a builder's or one with only env/workdir steps)."""
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
@@ -572,63 +676,224 @@ class TemplateStore:
             if st.kind == "env":
                 env.update(st.value)
             elif st.kind == "workdir":
-                workdir = st.value
-        return env, workdir
+                workdir = posixpath.normpath(posixpath.join(workdir, st.value))
+        return _Result(env, workdir, parent.user if parent else None, parent.home if parent else None)
 
     def _build_into(self, s: TemplateSpec, parent: Template | None, tmp: Path,
-                    progress: Progress | None) -> None:
+                    progress: Progress | None) -> _Result:
         layer = tmp / "layer"
         layer.mkdir(parents=True)
         if parent is None:
-            {"busybox": _build_busybox, "debootstrap": _build_debootstrap}[s.base](layer, progress)
-            if s.steps:
-                self._run_steps(s, None, layer, progress)
-            return
+            builder, _, suite = s.base.partition(":")
+            if builder == "debootstrap":
+                _build_debootstrap(layer, progress, suite or DEFAULT_SUITE)
+            else:
+                _build_busybox(layer, progress)
+            return self._run_steps(s, None, layer, progress) if s.steps else self._resolve_env(s, None)
         work, merged = tmp / "work", tmp / "merged"
         work.mkdir()
         merged.mkdir()
         mount_overlay(merged, list(parent.layers), layer, work)
         try:
-            self._run_steps(s, parent, merged, progress)
+            result = self._run_steps(s, parent, merged, progress)
         finally:
             umount_all_under(merged)
         shutil.rmtree(work, ignore_errors=True)
         merged.rmdir()
+        return result
 
     def _run_steps(self, s: TemplateSpec, parent: Template | None, root: Path,
-                   progress: Progress | None) -> None:
+                   progress: Progress | None) -> _Result:
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
+        user, home = (parent.user, parent.home) if parent else (None, None)
+        n = len(s.steps)
         with _chroot_mounts(root), _host_network_settings(root) as ca_in_root:
             for i, st in enumerate(s.steps):
+                label = f"step {i + 1}/{n}" + (f" ({st.origin})" if st.origin else "")
                 if progress:
-                    progress(f"[{s.name} step {i + 1}/{len(s.steps)}] {st.kind}: {st.value}")
-                if st.kind == "env":
-                    env.update(st.value)
-                elif st.kind == "workdir":
-                    workdir = st.value
-                elif st.kind == "copy":
-                    src = s.path.parent / st.value["src"]
-                    dest = root / st.value["dest"].lstrip("/")
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    if src.is_dir():
-                        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+                    progress(f"[{s.name} {label}] {st.kind}: {_show(st)}")
+                try:
+                    if st.kind == "env":
+                        env.update(st.value)
+                    elif st.kind == "workdir":
+                        workdir = posixpath.normpath(posixpath.join(workdir, st.value))
+                        if st.origin:       # Docker's WORKDIR makes the folder (owned by the USER then)
+                            _mkdirs_owned(root, workdir, user)
+                    elif st.kind == "user":
+                        user, home = resolve_user(root, st.value)
+                    elif st.kind == "copy":
+                        self._copy(s, st.value, root, workdir, user)
                     else:
-                        shutil.copy2(src, dest / src.name if dest.is_dir() else dest)
-                else:
-                    (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-                    script = f"cd {_shq(workdir)} && {st.value}"
-                    try:
-                        _run(["chroot", str(root), "/bin/sh", "-c", script], progress,
-                             env=build_step_env(env, ca_in_root))
-                    except TemplateBuildError as exc:
-                        failed = TemplateBuildError(
-                            f"template {s.name}: step {i + 1}/{len(s.steps)} `{st.value[:120]}` failed "
-                            f"(exit {exc.exit_code})", exc.output)
-                        failed.exit_code = exc.exit_code
-                        raise failed from None
-        (root / (s.workdir or workdir).lstrip("/")).mkdir(parents=True, exist_ok=True)
+                        self._run(s, st, label, root, workdir, env, ca_in_root, user, home, progress)
+                except (OSError, ValueError) as exc:
+                    raise TemplateBuildError(f"template {s.name}: {label} {st.kind} failed: {exc}") from None
+        (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        if user is not None and not any(_in_root(root, p).exists() for p in SETPRIV):
+            raise TemplateBuildError(f"template {s.name}: USER {user} needs setpriv in the template (busybox's or "
+                                     "util-linux's) to run its commands as that user")
+        return _Result(env, workdir, user, home)
+
+    @staticmethod
+    def _run(s: TemplateSpec, st: Step, label: str, root: Path, workdir: str, env: dict[str, str],
+             ca_in_root: bool, user: str | None, home: str | None, progress: Progress | None) -> None:
+        (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        script = f"cd {_shq(workdir)} && {st.value}"
+        argv = ["chroot", *([f"--userspec={user}"] if user else []), str(root), "/bin/sh", "-c", script]
+        try:
+            _run(argv, progress, env=build_step_env({**({"HOME": home} if home else {}), **env}, ca_in_root))
+        except TemplateBuildError as exc:
+            failed = TemplateBuildError(
+                f"template {s.name}: {label} `{st.value[:120]}` failed (exit {exc.exit_code})", exc.output)
+            failed.exit_code = exc.exit_code
+            raise failed from None
+
+    @staticmethod
+    def _copy(s: TemplateSpec, v: dict[str, Any], root: Path, workdir: str, user: str | None) -> None:
+        src = s.root / v["src"]
+        dest = posixpath.normpath(posixpath.join(workdir, v["dest"]))
+        if "entries" not in v:          # a TOML spec's copy: the source as it is
+            target = root / dest.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, target / src.name if target.is_dir() else target)
+            return
+        owner = _owner(root, v["chown"]) if v.get("chown") else None
+        mode = int(v["chmod"], 8) if v.get("chmod") else None
+        if v.get("extract"):            # ADD of a local archive: unpacked by tar inside the chroot, as root
+            inside = f"/.pilldrops-add-{uuid.uuid4().hex[:8]}"
+            shutil.copyfile(src, root / inside.lstrip("/"))
+            try:
+                _run(["chroot", str(root), "/bin/sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C "$1"', "sh", dest,
+                      inside], None)
+            finally:
+                (root / inside.lstrip("/")).unlink(missing_ok=True)
+            return
+        top = _in_root(root, dest)
+        if v["entries"] != [""]:        # a folder: its contents go into dest
+            made = not top.exists()
+            top.mkdir(parents=True, exist_ok=True)
+            if made and owner:
+                os.chown(top, *owner)
+        for e in v["entries"]:
+            if e == "":
+                target = _in_root(root, posixpath.join(dest, src.name)) if top.is_dir() else top
+            else:
+                target = _in_root(root, posixpath.join(dest, e.rstrip("/")))
+            if e.endswith("/"):
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copystat(src / e, target)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if target.is_dir() and not target.is_symlink():
+                    raise ValueError(f"cannot copy {v['src']}/{e} over the folder {target.relative_to(root)}")
+                shutil.copy2(src / e if e else src, target)
+            if owner:
+                os.chown(target, *owner)
+            if mode is not None:
+                os.chmod(target, mode)
+
+
+SETPRIV = ("/bin/setpriv", "/usr/bin/setpriv")
+
+
+@dataclass(frozen=True)
+class _Result:
+    env: dict[str, str]
+    workdir: str
+    user: str | None
+    home: str | None
+
+
+def _show(st: Step) -> str:
+    if st.kind == "copy" and "entries" in st.value:
+        n = len(st.value["entries"])
+        return f"{st.value['src']} -> {st.value['dest']}" + (f" ({n} entries)" if st.value["entries"] != [""] else "")
+    return str(st.value).replace("\n", "; ")
+
+
+def _in_root(root: Path, path: str) -> Path:
+    """``path`` inside ``root`` with chroot semantics: symlinks (absolute ones too) and ``..`` resolve within
+    ``root``, so nothing a build step made can point a copy at the host."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    done: list[str] = []
+    links = 0
+    while parts:
+        p = parts.pop(0)
+        if p == "..":
+            if done:
+                done.pop()
+            continue
+        cand = root.joinpath(*done, p)
+        if cand.is_symlink():
+            links += 1
+            if links > 40:
+                raise ValueError(f"too many levels of symlinks in {path}")
+            target = os.readlink(cand)
+            if target.startswith("/"):
+                done = []
+            parts = [x for x in target.split("/") if x not in ("", ".")] + parts
+            continue
+        done.append(p)
+    return root.joinpath(*done)
+
+
+def _db(root: Path, name: str) -> list[list[str]]:
+    try:
+        text = _in_root(root, f"/etc/{name}").read_text(errors="replace")
+    except OSError:
+        return []
+    return [ln.split(":") for ln in text.splitlines() if ln and not ln.startswith("#")]
+
+
+def resolve_user(root: Path, spec: str) -> tuple[str | None, str | None]:
+    """A Dockerfile ``USER`` (``name``, ``uid``, ``name:group``, ``uid:gid``) as ``("uid:gid", home)`` from the
+    image's /etc/passwd and /etc/group; root gives ``(None, None)``."""
+    name, _, group = spec.partition(":")
+    passwd = _db(root, "passwd")
+    entry = next((e for e in passwd if len(e) >= 7 and (e[0] == name or (name.isdigit() and e[2] == name))), None)
+    if entry is None and not name.isdigit():
+        raise ValueError(f"USER {spec}: no user {name!r} in the image's /etc/passwd")
+    uid = int(name) if name.isdigit() else int(entry[2])  # type: ignore[index]
+    gid = int(entry[3]) if entry is not None else 0
+    home = entry[5] if entry is not None else "/"
+    if group:
+        gid = _gid(root, group, spec)
+    if uid == 0 and gid == 0:
+        return None, None
+    return f"{uid}:{gid}", home
+
+
+def _gid(root: Path, group: str, what: str) -> int:
+    if group.isdigit():
+        return int(group)
+    g = next((e for e in _db(root, "group") if len(e) >= 3 and e[0] == group), None)
+    if g is None:
+        raise ValueError(f"{what}: no group {group!r} in the image's /etc/group")
+    return int(g[2])
+
+
+def _owner(root: Path, chown: str) -> tuple[int, int]:
+    user, _, group = chown.partition(":")
+    if user.isdigit():
+        uid = int(user)
+        gid = int(user) if not group else _gid(root, group, f"--chown={chown}")
+        return uid, gid
+    resolved, _ = resolve_user(root, user)
+    uid, gid = (int(x) for x in (resolved or "0:0").split(":"))
+    return uid, (_gid(root, group, f"--chown={chown}") if group else gid)
+
+
+def _mkdirs_owned(root: Path, path: str, user: str | None) -> None:
+    target = _in_root(root, path)
+    made = not target.exists()
+    target.mkdir(parents=True, exist_ok=True)
+    if made and user:
+        uid, gid = (int(x) for x in user.split(":"))
+        os.chown(target, uid, gid)
 
 
 def _tee(progress: Progress | None, log: Any) -> Progress:
