@@ -730,9 +730,6 @@ class TemplateStore:
                 except (OSError, ValueError) as exc:
                     raise TemplateBuildError(f"template {s.name}: {label} {st.kind} failed: {exc}") from None
         (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        if user is not None and not any(_in_root(root, p).exists() for p in SETPRIV):
-            raise TemplateBuildError(f"template {s.name}: USER {user} needs setpriv in the template (busybox's or "
-                                     "util-linux's) to run its commands as that user")
         return _Result(env, workdir, user, home)
 
     @staticmethod
@@ -764,8 +761,8 @@ class TemplateStore:
         owner = _owner(root, v["chown"]) if v.get("chown") else None
         mode = int(v["chmod"], 8) if v.get("chmod") else None
         if v.get("extract"):            # ADD of a local archive: unpacked by tar inside the chroot, as root
-            inside = f"/.pilldrops-add-{uuid.uuid4().hex[:8]}"
-            shutil.copyfile(src, root / inside.lstrip("/"))
+            inside = f"/.pilldrops-add-{uuid.uuid4().hex[:8]}.tar"
+            _decompressed_copy(src, root / inside.lstrip("/"))
             try:
                 _run(["chroot", str(root), "/bin/sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C "$1"', "sh", dest,
                       inside], None)
@@ -797,7 +794,17 @@ class TemplateStore:
                 os.chmod(target, mode)
 
 
-SETPRIV = ("/bin/setpriv", "/usr/bin/setpriv")
+def _decompressed_copy(src: Path, dest: Path) -> None:
+    """``src`` (a tar, maybe gzip/bzip2/xz-compressed) as a plain tar at ``dest``: any tar can unpack it."""
+    import bz2
+    import gzip
+    import lzma
+    with open(src, "rb") as f:
+        magic = f.read(6)
+    opener: Any = (gzip.open if magic[:2] == b"\x1f\x8b" else bz2.open if magic[:3] == b"BZh"
+                   else lzma.open if magic == b"\xfd7zXZ\x00" else open)
+    with opener(src, "rb") as fin, open(dest, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1024 * 1024)
 
 
 @dataclass(frozen=True)
