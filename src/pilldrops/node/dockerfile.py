@@ -28,7 +28,8 @@ from typing import IO, Any
 
 from pilldrops.node.templates import BUILD_PATH, DEFAULT_SUITE, Step, TemplateSpec, TemplateSpecError
 
-PACKED_DOCKERFILE = ".pilldrops/Dockerfile"     # where pack_context puts the Dockerfile in the tarball
+PACKED_DOCKERFILE = "Dockerfile"     # where pack_context puts the Dockerfile in the tarball ...
+PACKED_CONTEXT = "context"           # ... and the context files it reads (under this folder)
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "VOLUME"}
 UNSUPPORTED = {
     "HEALTHCHECK": "sandboxes have no health checks",
@@ -491,7 +492,7 @@ class _Translator:
         *sources, dest = words
         if len(sources) > 1 and not dest.endswith("/"):
             self.fail(f"with several sources the destination must be a directory ending in / (got {dest!r})")
-        to_dir = dest.endswith(("/", "/."))
+        to_dir = dest.endswith(("/", "/.")) or dest in (".", "..")
         dest = os.path.normpath(dest)
         matched: list[str] = []
         for src in sources:
@@ -507,7 +508,8 @@ class _Translator:
             elif full.is_dir():
                 value = {"src": rel, "dest": dest, "entries": entries}
             else:
-                target = os.path.join(dest, PurePosixPath(rel).name) if (to_dir or len(matched) > 1) else dest
+                target = os.path.normpath(os.path.join(dest, PurePosixPath(rel).name)) if (to_dir or len(matched) > 1) \
+                    else dest
                 value = {"src": rel, "dest": target, "entries": entries}
             value.update(opts)
             self.steps.append(self._step("copy", value))
@@ -607,14 +609,18 @@ def parse_dockerfile(dockerfile: Path, context: Path | None = None, *, name: str
 
 
 def pack_context(parsed: ParsedDockerfile, fileobj: IO[bytes]) -> None:
-    """A gzip'd tar of the files the build reads plus the Dockerfile at ``PACKED_DOCKERFILE``: the body of a
-    remote build, which unpacks it and calls :func:`parse_dockerfile` on it again."""
+    """A gzip'd tar of the Dockerfile (at ``PACKED_DOCKERFILE``) and the context files the build reads (under
+    ``PACKED_CONTEXT/``): the body of a remote build, which unpacks it and calls
+    ``parse_dockerfile(tmp / PACKED_DOCKERFILE, tmp / PACKED_CONTEXT, ...)`` on it again (same steps, same key)."""
     ctx = parsed.spec.context
     assert ctx is not None
     with tarfile.open(fileobj=fileobj, mode="w:gz") as tar:
         tar.add(parsed.dockerfile, arcname=PACKED_DOCKERFILE, recursive=False)
-        if (ctx / ".dockerignore").is_file():
-            tar.add(ctx / ".dockerignore", arcname=".dockerignore", recursive=False)
+        info = tarfile.TarInfo(PACKED_CONTEXT)
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(info)
+        if (ctx / ".dockerignore").is_file() and not (ctx / ".dockerignore").is_symlink():
+            tar.add(ctx / ".dockerignore", arcname=f"{PACKED_CONTEXT}/.dockerignore", recursive=False)
         dirs: set[str] = set()
         for step in parsed.spec.steps:
             if step.kind == "copy":
@@ -623,6 +629,6 @@ def pack_context(parsed: ParsedDockerfile, fileobj: IO[bytes]) -> None:
                     if e.endswith("/"):
                         dirs.add(os.path.normpath(os.path.join(src, e)))
         for d in sorted(dirs):
-            tar.add(ctx / d, arcname=d, recursive=False)
+            tar.add(ctx / d, arcname=f"{PACKED_CONTEXT}/{d}", recursive=False)
         for rel in parsed.context_files:
-            tar.add(ctx / rel, arcname=rel, recursive=False)
+            tar.add(ctx / rel, arcname=f"{PACKED_CONTEXT}/{rel}", recursive=False)
