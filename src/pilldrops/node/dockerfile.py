@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from pilldrops._internal.dockerignore import PACKED_CONTEXT, PACKED_DOCKERFILE, ignore_rules, ignored
 from pilldrops.node.templates import BUILD_PATH, DEFAULT_SUITE, Step, TemplateSpec, TemplateSpecError
 
-PACKED_DOCKERFILE = "Dockerfile"     # where pack_context puts the Dockerfile in the tarball ...
-PACKED_CONTEXT = "context"           # ... and the context files it reads (under this folder)
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "VOLUME"}
 UNSUPPORTED = {
     "HEALTHCHECK": "sandboxes have no health checks",
@@ -216,69 +215,6 @@ class _Words:
         return self.env.get(m.group(0), ""), i + 1 + len(m.group(0))
 
 
-# -- .dockerignore ---------------------------------------------------------------------------------------
-def _ignore_rules(context: Path) -> list[tuple[bool, re.Pattern[str]]]:
-    f = context / ".dockerignore"
-    if not f.is_file() or f.is_symlink():
-        return []
-    rules = []
-    for raw in f.read_text(errors="replace").splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        pat = os.path.normpath(line[1:].strip() if negate else line).lstrip("/")
-        if pat in (".", ""):
-            continue
-        rules.append((negate, re.compile(_glob_regex(pat))))
-    return rules
-
-
-def _glob_regex(pat: str) -> str:
-    out, i = ["^"], 0
-    while i < len(pat):
-        c = pat[i]
-        if pat.startswith("**", i):
-            out.append(".*")
-            i += 2
-            if i < len(pat) and pat[i] == "/":
-                out[-1] = "(?:.*/)?"
-                i += 1
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            j = pat.find("]", i + 1)
-            if j < 0:
-                out.append(re.escape(c))
-            else:
-                body = pat[i + 1:j]
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
-                i = j
-        elif c == "\\" and i + 1 < len(pat):
-            out.append(re.escape(pat[i + 1]))
-            i += 1
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out) + "$"
-
-
-def _ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
-    """Docker's rule: the last matching pattern wins; a pattern matching a parent dir matches its contents."""
-    if not rules:
-        return False
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
-    excluded = False
-    for negate, rx in rules:
-        if any(rx.match(p) for p in prefixes):
-            excluded = not negate
-    return excluded
-
-
 # -- the translation ---------------------------------------------------------------------------------------
 class _Translator:
     def __init__(self, path: Path, context: Path, name: str, build_args: Mapping[str, str]) -> None:
@@ -291,7 +227,7 @@ class _Translator:
         self.steps: list[Step] = []
         self.files: set[str] = set()
         self.warnings: list[str] = []
-        self.rules = _ignore_rules(context)
+        self.rules = ignore_rules(context)
         self.base: str | None = None
         self.initial_workdir: str | None = None  # "/" for a Debian base (Docker's images start there)
         self.base_label = ""
@@ -534,7 +470,7 @@ class _Translator:
         full = self.context / norm if norm != "." else self.context
         if not full.exists():
             self.fail(f"{src}: not found in the build context ({self.context})")
-        if norm != "." and _ignored(norm, self.rules):
+        if norm != "." and ignored(norm, self.rules):
             self.fail(f"{src}: excluded by .dockerignore")
         return [norm]
 
@@ -555,7 +491,7 @@ class _Translator:
             for n in sorted(dirs) + sorted(files):
                 p = Path(root) / n
                 r = p.relative_to(self.context).as_posix()
-                if _ignored(r, self.rules):
+                if ignored(r, self.rules):
                     continue
                 out.append(r)
         return out

@@ -667,8 +667,8 @@ class TemplateStore:
         os.rename(tmp, dest)
 
     @staticmethod
-    def _resolve_env(s: TemplateSpec, parent: Template | None) -> _Result:
-        """The result of a spec without steps run (a builder's or one with only env/workdir steps)."""
+    def _resolve_env(s: TemplateSpec, parent: Template | None) -> tuple[dict[str, str], str]:
+        """The env and workdir of a spec whose steps did not run (a builder's)."""
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
@@ -677,7 +677,7 @@ class TemplateStore:
                 env.update(st.value)
             elif st.kind == "workdir":
                 workdir = posixpath.normpath(posixpath.join(workdir, st.value))
-        return _Result(env, workdir, parent.user if parent else None, parent.home if parent else None)
+        return env, workdir
 
     def _build_into(self, s: TemplateSpec, parent: Template | None, tmp: Path,
                     progress: Progress | None) -> _Result:
@@ -689,7 +689,8 @@ class TemplateStore:
                 _build_debootstrap(layer, progress, suite or DEFAULT_SUITE)
             else:
                 _build_busybox(layer, progress)
-            return self._run_steps(s, None, layer, progress) if s.steps else self._resolve_env(s, None)
+            return self._run_steps(s, None, layer, progress) if s.steps else _Result(*self._resolve_env(s, None),
+                                                                                      None, None)
         work, merged = tmp / "work", tmp / "merged"
         work.mkdir()
         merged.mkdir()

@@ -1,0 +1,73 @@
+"""``AsyncTemplate.build``: build a template from a Dockerfile, on a control plane or on this machine.
+
+    from pilldrops import Template
+    built = Template.build("my-env", dockerfile="Dockerfile", context=".", build_args={"PY": "3"})
+    sb = Sandbox.create(template=built.name)
+
+Against a control plane (the default) the build context (minus ``.dockerignore``) and the Dockerfile go up
+as one tarball and the build log streams back. ``local=True`` builds on this machine instead, with the
+``pilldrops template build -f`` command (needs root), which is what a node agent on this host then runs.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pilldrops._internal.dockerignore import pack_build_context
+from pilldrops.errors import InvalidRequest, ServerError
+from pilldrops.sdk._async.client import AsyncAPIClient
+from pilldrops.sdk._base import AsyncBlocking
+from pilldrops.sdk._build import BuiltTemplate, build_event, build_params, local_build
+
+LogCallback = Callable[[str], None]
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class AsyncTemplate:
+    """Templates as a user builds them. Twin of :class:`Template`."""
+
+    @classmethod
+    async def build(cls, name: str, *, dockerfile: str | Path = "Dockerfile", context: str | Path | None = None,
+                    build_args: dict[str, str] | None = None, force: bool = False, local: bool = False,
+                    on_log: LogCallback | None = None, api_url: str | None = None, api_key: str | None = None,
+                    data_dir: str | Path | None = None, timeout: float = 3600) -> BuiltTemplate:
+        """Build template ``name`` from ``dockerfile`` (the supported subset: FROM one of our templates or
+        debian:SUITE, RUN, COPY/ADD from ``context``, ENV, WORKDIR, ARG, USER). ``context`` defaults to the
+        Dockerfile's folder. ``on_log`` gets each build-log line. Returns the template's name, hash and size.
+
+        ``local=True``: build on this machine (root; ``data_dir`` is ``pilldrops up``'s, by default the
+        usual one), else on the control plane at ``api_url``. Errors are typed: a Dockerfile outside the
+        subset is :class:`InvalidRequest` naming the instruction and its line."""
+        if not _NAME.match(name):
+            raise InvalidRequest(f"template name {name!r} must match {_NAME.pattern}")
+        path = Path(dockerfile)
+        ctx = Path(context) if context is not None else path.resolve().parent
+        if not path.is_file():
+            raise InvalidRequest(f"no Dockerfile at {path}")
+        if not ctx.is_dir():
+            raise InvalidRequest(f"build context {ctx} is not a folder")
+        if local:
+            return await AsyncBlocking.run(local_build, name, path, ctx, dict(build_args or {}), force, on_log,
+                                           data_dir, timeout)
+        client = AsyncAPIClient.from_options(api_url, api_key)
+
+        def pack() -> bytes:
+            buf = io.BytesIO()
+            pack_build_context(path, ctx, buf)
+            return buf.getvalue()
+
+        body = await AsyncBlocking.run(pack)
+        log: list[str] = []
+        built: BuiltTemplate | None = None
+        async with client.stream("POST", f"/v1/templates/{name}/builds", idempotent=False, content=body,
+                                 params=build_params(build_args, force), timeout=timeout,
+                                 headers={"content-type": "application/gzip"}) as response:
+            async for line in response.aiter_lines():
+                built = build_event(line, log, on_log) or built
+        if built is None:
+            raise ServerError(f"the build of {name} ended without a result (last log line: "
+                                 f"{log[-1] if log else 'none'})")
+        return built
