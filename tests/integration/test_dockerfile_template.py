@@ -187,3 +187,20 @@ def test_errors_name_the_line_and_context_escapes_are_refused(tmp_path: Path, da
                                        "--data-dir", str(data_dir)])
         assert res.exit_code == 1 and want in res.output, (text, res.output)
         assert "Traceback" not in res.output
+
+
+def test_sdk_builds_on_this_machine(tmp_path: Path, data_dir: Path, tiny) -> None:  # type: ignore[no-untyped-def]
+    from pilldrops import InvalidRequest, Template
+    ctx = tmp_path / "sdk"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM tiny\nARG N=0\nRUN echo $N > /n\n")
+    lines: list[str] = []
+    built = Template.build("dfsdk", dockerfile=ctx / "Dockerfile", build_args={"N": "7"}, local=True,
+                           data_dir=data_dir, on_log=lines.append)
+    tpl = TemplateStore(data_dir).get("dfsdk")
+    assert (built.name, built.hash, built.size_bytes) == ("dfsdk", tpl.hash, tpl.size)
+    assert (tpl.layers[0] / "n").read_text() == "7\n"
+    assert any("Dockerfile:3 RUN" in ln for ln in lines)
+    (ctx / "Dockerfile").write_text("FROM tiny\nHEALTHCHECK CMD true\n")
+    with pytest.raises(InvalidRequest, match="Dockerfile:2: HEALTHCHECK: not supported"):
+        Template.build("dfsdk", dockerfile=ctx / "Dockerfile", local=True, data_dir=data_dir)

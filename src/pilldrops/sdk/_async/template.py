@@ -15,6 +15,7 @@ import io
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pilldrops._internal.dockerignore import pack_build_context
 from pilldrops.errors import InvalidRequest, ServerError
@@ -33,14 +34,16 @@ class AsyncTemplate:
     async def build(cls, name: str, *, dockerfile: str | Path = "Dockerfile", context: str | Path | None = None,
                     build_args: dict[str, str] | None = None, force: bool = False, local: bool = False,
                     on_log: LogCallback | None = None, api_url: str | None = None, api_key: str | None = None,
-                    data_dir: str | Path | None = None, timeout: float = 3600) -> BuiltTemplate:
+                    data_dir: str | Path | None = None, timeout: float = 3600,
+                    transport: Any = None) -> BuiltTemplate:
         """Build template ``name`` from ``dockerfile`` (the supported subset: FROM one of our templates or
         debian:SUITE, RUN, COPY/ADD from ``context``, ENV, WORKDIR, ARG, USER). ``context`` defaults to the
         Dockerfile's folder. ``on_log`` gets each build-log line. Returns the template's name, hash and size.
 
         ``local=True``: build on this machine (root; ``data_dir`` is ``pilldrops up``'s, by default the
         usual one), else on the control plane at ``api_url``. Errors are typed: a Dockerfile outside the
-        subset is :class:`InvalidRequest` naming the instruction and its line."""
+        subset is :class:`InvalidRequest` naming the instruction and its line. ``transport``: an optional
+        ``httpx`` transport (tests)."""
         if not _NAME.match(name):
             raise InvalidRequest(f"template name {name!r} must match {_NAME.pattern}")
         path = Path(dockerfile)
@@ -52,7 +55,7 @@ class AsyncTemplate:
         if local:
             return await AsyncBlocking.run(local_build, name, path, ctx, dict(build_args or {}), force, on_log,
                                            data_dir, timeout)
-        client = AsyncAPIClient.from_options(api_url, api_key)
+        client = AsyncAPIClient.from_options(api_url, api_key, transport=transport)
 
         def pack() -> bytes:
             buf = io.BytesIO()
