@@ -27,7 +27,14 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from pilldrops._internal.dockerignore import PACKED_CONTEXT, PACKED_DOCKERFILE, ignore_rules, ignored
-from pilldrops.node.templates import BUILD_PATH, DEFAULT_SUITE, Step, TemplateSpec, TemplateSpecError
+from pilldrops.node.templates import (
+    BUILD_PATH,
+    DEFAULT_SUITE,
+    Step,
+    TemplateSpec,
+    TemplateSpecError,
+    spec_document,
+)
 
 IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "VOLUME"}
 UNSUPPORTED = {
@@ -62,6 +69,11 @@ class ParsedDockerfile:
     context_files: tuple[str, ...]     # relative POSIX paths under the context that the build reads
     warnings: tuple[str, ...] = ()
     dockerfile: Path = field(default=Path("Dockerfile"))
+
+    @property
+    def document(self) -> dict[str, Any]:
+        """The spec as a document (a TOML spec's shape: ``spec_document``), e.g. for a remote build."""
+        return spec_document(self.spec)
 
 
 @dataclass(frozen=True)
@@ -529,15 +541,24 @@ def parse_dockerfile(dockerfile: Path, context: Path | None = None, *, name: str
                      build_args: Mapping[str, str] | None = None) -> ParsedDockerfile:
     """Translate ``dockerfile`` (its build context: ``context``, default its folder) into a template spec."""
     path = Path(dockerfile)
-    ctx = Path(context) if context is not None else path.resolve().parent
-    if not ctx.is_dir():
-        raise DockerfileError(path, 0, "", f"build context {ctx} is not a folder")
     try:
         if path.stat().st_size > MAX_DOCKERFILE_BYTES:
             raise DockerfileError(path, 0, "", f"larger than {MAX_DOCKERFILE_BYTES} bytes")
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise DockerfileError(path, 0, "", f"cannot read: {e}") from e
+    return parse_dockerfile_text(text, path, context if context is not None else path.resolve().parent,
+                                 name=name, build_args=build_args)
+
+
+def parse_dockerfile_text(text: str, dockerfile: Path, context: Path, *, name: str,
+                          build_args: Mapping[str, str] | None = None) -> ParsedDockerfile:
+    """:func:`parse_dockerfile` of ``text`` (``dockerfile`` only names it in messages and in the spec)."""
+    path, ctx = Path(dockerfile), Path(context)
+    if not ctx.is_dir():
+        raise DockerfileError(path, 0, "", f"build context {ctx} is not a folder")
+    if len(text) > MAX_DOCKERFILE_BYTES:
+        raise DockerfileError(path, 0, "", f"larger than {MAX_DOCKERFILE_BYTES} bytes")
     instructions, escape = _instructions(text, path)
     t = _Translator(path.resolve(), ctx.resolve(), name, build_args or {})
     t.escape = escape

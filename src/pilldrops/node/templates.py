@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pilldrops.errors import TemplateNotFound
@@ -157,6 +157,56 @@ def parse_spec(path: Path) -> TemplateSpec:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TemplateSpecError(f"{path}: {e}") from e
+    return spec_from_dict(data, path)
+
+
+def spec_document(spec: TemplateSpec) -> dict[str, Any]:
+    """The spec as a plain dict in the shape of its TOML file (what a remote build sends, and what a
+    Dockerfile becomes): the inverse of :func:`spec_from_dict`."""
+    return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
+            "workdir": spec.workdir, "isolation": spec.isolation,
+            "steps": [{s.kind: s.value} for s in spec.steps]}
+
+
+_USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*(:[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
+_COPY_EXTRA = {"entries", "chown", "chmod", "extract"}     # a Dockerfile's COPY/ADD (node/dockerfile.py)
+
+
+def _rel_ok(p: str) -> bool:
+    return not p.startswith("/") and ".." not in p.split("/") and "\0" not in p
+
+
+def _check_copy(value: Any, where: str, path: Path) -> dict[str, Any]:
+    if (not isinstance(value, dict) or not {"src", "dest"} <= set(value) or set(value) - {"src", "dest"} - _COPY_EXTRA
+            or not isinstance(value["src"], str) or not isinstance(value["dest"], str) or not value["dest"]):
+        raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
+    if Path(value["src"]).is_absolute():
+        rel = os.path.relpath(value["src"], path.resolve().parent)
+        raise TemplateSpecError(
+            f"{where}: copy src {value['src']!r} is absolute; write it relative to the spec file "
+            f"(e.g. {rel!r}) so that the spec and its files can move together")
+    entries = value.get("entries")
+    # what a Dockerfile's COPY writes, relative to src: never outside it (the document may come from afar)
+    if entries is not None and (not isinstance(entries, list) or not _rel_ok(value["src"])
+                                or not all(isinstance(e, str) and _rel_ok(e) for e in entries)):
+        raise TemplateSpecError(f"{where}: copy entries must be relative paths inside src")
+    if "chown" in value and not (isinstance(value["chown"], str) and _USER_RE.match(value["chown"])):
+        raise TemplateSpecError(f"{where}: copy chown must be user[:group]")
+    if "chmod" in value and not (isinstance(value["chmod"], str) and re.fullmatch(r"[0-7]{3,4}", value["chmod"])):
+        raise TemplateSpecError(f"{where}: copy chmod must be an octal mode")
+    if "extract" in value and not isinstance(value["extract"], bool):
+        raise TemplateSpecError(f"{where}: copy extract must be true or false")
+    return dict(value)
+
+
+def spec_from_dict(data: Any, path: Path, *, context: Path | None = None) -> TemplateSpec:
+    """A spec from its document (a TOML file's table, a Dockerfile's translation, or a remote build's JSON).
+    ``path`` names where it came from; copy sources are relative to ``context``, else to its folder.
+    A step's ``workdir`` and a copy's ``dest`` may be relative: to the workdir in effect at that step."""
+    path = Path(path)
+    if not isinstance(data, dict):
+        raise TemplateSpecError(f"{path}: a template spec must be a table")
+    data = {k: v for k, v in data.items() if v is not None}     # a document's null = the key left out
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise TemplateSpecError(f"{path}: unknown keys {sorted(unknown)}")
@@ -178,33 +228,28 @@ def parse_spec(path: Path) -> TemplateSpec:
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
         if not isinstance(raw, dict) or len(raw) != 1:
-            raise TemplateSpecError(f"{where}: each step has exactly one of run/copy/env/workdir")
+            raise TemplateSpecError(f"{where}: each step has exactly one of run/copy/env/workdir/user")
         (kind, value), = raw.items()
         if kind == "run":
             if not isinstance(value, str) or not value.strip():
                 raise TemplateSpecError(f"{where}: 'run' must be a non-empty string")
         elif kind == "copy":
-            if (not isinstance(value, dict) or set(value) != {"src", "dest"}
-                    or not all(isinstance(x, str) for x in value.values())
-                    or not value["dest"].startswith("/")):
-                raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
-            if Path(value["src"]).is_absolute():
-                rel = os.path.relpath(value["src"], path.resolve().parent)
-                raise TemplateSpecError(
-                    f"{where}: copy src {value['src']!r} is absolute; write it relative to the spec file "
-                    f"(e.g. {rel!r}) so that the spec and its files can move together")
-            value = dict(value)
+            value = _check_copy(value, where, path)
         elif kind == "env":
             value = _str_map(value, where)
         elif kind == "workdir":
-            if not isinstance(value, str) or not value.startswith("/"):
-                raise TemplateSpecError(f"{where}: 'workdir' must be an absolute path")
+            if not isinstance(value, str) or not value or "\0" in value:
+                raise TemplateSpecError(f"{where}: 'workdir' must be a path")
+        elif kind == "user":
+            if not isinstance(value, str) or not _USER_RE.match(value):
+                raise TemplateSpecError(f"{where}: 'user' must be name, uid, name:group or uid:gid")
         else:
             raise TemplateSpecError(f"{where}: unknown step kind {kind!r}")
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve(), isolation=isolation)
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation,
+                        context=Path(context).resolve() if context is not None else None)
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -612,6 +657,13 @@ class TemplateStore:
             raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
         return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
 
+    def build_document(self, document: dict[str, Any], context: Path, progress: Progress | None = None, *,
+                       force: bool = False) -> Template:
+        """:meth:`build_spec` of a spec document (``spec_document``'s shape; a Dockerfile's translation) whose
+        copy sources are relative to ``context``."""
+        spec = spec_from_dict(document, Path(context) / "Dockerfile", context=Path(context))
+        return self.build_spec(spec, progress, force=force)
+
     def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
         name = s.name
         record = record or debian_spec(name) is not None
@@ -759,6 +811,8 @@ class TemplateStore:
             else:
                 shutil.copy2(src, target / src.name if target.is_dir() else target)
             return
+        for e in v["entries"]:      # never through a symlink of the context (it may come from a remote client)
+            _no_links(s.root, posixpath.join(v["src"], e.rstrip("/")) if e else v["src"])
         owner = _owner(root, v["chown"]) if v.get("chown") else None
         mode = int(v["chmod"], 8) if v.get("chmod") else None
         if v.get("extract"):            # ADD of a local archive: unpacked by tar inside the chroot, as root
@@ -847,6 +901,16 @@ def _in_root(root: Path, path: str) -> Path:
             continue
         done.append(p)
     return root.joinpath(*done)
+
+
+def _no_links(base: Path, rel: str) -> None:
+    cur = base
+    for part in PurePosixPath(rel).parts:
+        if part in ("..", "/"):
+            raise ValueError(f"copy source {rel!r} leaves the build context")
+        cur = cur / part
+        if cur.is_symlink():
+            raise ValueError(f"copy source {rel!r}: {cur.relative_to(base)} is a symlink (refused)")
 
 
 def _db(root: Path, name: str) -> list[list[str]]:

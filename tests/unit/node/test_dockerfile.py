@@ -270,3 +270,27 @@ def test_user_ids_reach_pd_init_in_the_request() -> None:
     for bad in ("app", "1:", "-1:2", "1:2:3", f"{2**32}:0"):
         with pytest.raises(ValueError):
             parse_ids(bad)
+
+
+def test_document_round_trips_and_a_remote_document_is_checked(tmp_path: Path) -> None:
+    """The document (what a remote build sends) gives back the same spec; one crafted to leave its context
+    or use an unknown step is refused by spec_from_dict before anything runs."""
+    from pilldrops.dockerfile import to_document
+    from pilldrops.node.templates import TemplateSpecError, spec_from_dict
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "f").write_text("x")
+    text = "FROM tiny\nWORKDIR w\nCOPY --chown=1:1 app ./\nUSER 1:1\nRUN echo hi\n"
+    doc = to_document(text, "t", context=tmp_path)
+    spec = spec_from_dict(doc, tmp_path / "Dockerfile", context=tmp_path)
+    assert [(s.kind, s.value) for s in spec.steps] == steps(parse(tmp_path, text))
+    assert spec_hash(spec, "p") == spec_hash(parse(tmp_path, text).spec, "p")
+    with pytest.raises(ValueError, match="Dockerfile:2: HEALTHCHECK"):
+        to_document("FROM tiny\nHEALTHCHECK NONE\n", "t", context=tmp_path)
+    for bad_step, why in [({"copy": {"src": "app", "dest": "/x", "entries": ["../../etc/passwd"]}}, "inside src"),
+                          ({"copy": {"src": "../app", "dest": "/x", "entries": ["f"]}}, "inside src"),
+                          ({"copy": {"src": "app", "dest": "/x", "mode": "1"}}, "'copy' must be"),
+                          ({"copy": {"src": "app", "dest": "/x", "chmod": "u+x"}}, "octal"),
+                          ({"user": "root; rm -rf /"}, "'user' must be"),
+                          ({"shell": "bash"}, "unknown step kind")]:
+        with pytest.raises(TemplateSpecError, match=why):
+            spec_from_dict({**doc, "steps": [bad_step]}, tmp_path / "Dockerfile", context=tmp_path)
