@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-import tarfile
 from pathlib import Path
-from typing import IO
 
 Rules = list[tuple[bool, "re.Pattern[str]"]]
 PACKED_DOCKERFILE = "Dockerfile"     # a remote build's tarball: the Dockerfile ...
@@ -79,26 +77,3 @@ def ignored(rel: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
         if any(rx.match(p) for p in prefixes):
             excluded = not negate
     return excluded
-
-
-
-def pack_build_context(dockerfile: Path, context: Path, fileobj: IO[bytes]) -> int:
-    """The whole build context minus what ``.dockerignore`` excludes (as ``docker build`` sends it), under
-    ``PACKED_CONTEXT/``, plus the Dockerfile at ``PACKED_DOCKERFILE``, as a gzip'd tar. Symlinks are left out
-    (a build never follows them). Returns the number of context entries packed."""
-    rules = ignore_rules(context)
-    n = 0
-    with tarfile.open(fileobj=fileobj, mode="w:gz") as tar:
-        tar.add(dockerfile, arcname=PACKED_DOCKERFILE, recursive=False)
-        tar.add(context, arcname=PACKED_CONTEXT, recursive=False)
-        for root, dirs, files in os.walk(context):
-            dirs.sort()
-            for name in dirs + sorted(files):
-                p = Path(root) / name
-                rel = p.relative_to(context).as_posix()
-                if p.is_symlink() or (ignored(rel, rules) and rel != ".dockerignore"):
-                    continue
-                if p.is_dir() or p.is_file():
-                    tar.add(p, arcname=f"{PACKED_CONTEXT}/{rel}", recursive=False)
-                    n += 1
-    return n

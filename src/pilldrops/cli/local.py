@@ -112,10 +112,11 @@ def _console() -> Any:
 def _one_line_build_errors() -> Iterator[None]:
     """A failed template build is one clear line (what failed, its last output line, the log file), not a
     traceback."""
+    from pilldrops.dockerfile import DockerfileError
     from pilldrops.node.templates import TemplateBuildError, TemplateSpecError
     try:
         yield
-    except (TemplateBuildError, TemplateSpecError) as exc:
+    except (TemplateBuildError, TemplateSpecError, DockerfileError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -433,7 +434,7 @@ def template_build(name: str, context: Path | None, dockerfile: Path | None, bui
 
 def _build_dockerfile(store: Any, name: str, dockerfile: Path, context: Path | None, build_args: tuple[str, ...],
                       force: bool) -> Any:
-    from pilldrops.node.dockerfile import parse_dockerfile
+    from pilldrops.node.dockerfile import template_spec
     args: dict[str, str] = {}
     for a in build_args:
         key, eq, value = a.partition("=")
@@ -441,10 +442,10 @@ def _build_dockerfile(store: Any, name: str, dockerfile: Path, context: Path | N
             value = os.environ.get(key, "")     # `--build-arg KEY` takes the value from the environment
         args[key] = value
     with _one_line_build_errors():
-        parsed = parse_dockerfile(dockerfile, context, name=name, build_args=args)
+        spec, parsed = template_spec(dockerfile, context, name=name, build_args=args)
         for w in parsed.warnings:
-            _console().print(f"[yellow]warning:[/] {w}")
-        return _with_progress(name, lambda progress: store.build_spec(parsed.spec, progress, force=force))
+            _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
+        return _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
     sys.stdout.flush()
 
 

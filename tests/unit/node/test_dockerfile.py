@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from pilldrops.node.dockerfile import (
+from pilldrops.dockerfile import (
     PACKED_CONTEXT,
     PACKED_DOCKERFILE,
     DockerfileError,
     pack_context,
     parse_dockerfile,
 )
+from pilldrops.node import templates as node_templates
+from pilldrops.node.dockerfile import spec_of
 from pilldrops.node.isolation.superexec import encode_request, parse_ids
 from pilldrops.node.templates import BUILD_PATH, Step, TemplateStore, spec_hash
 
@@ -33,7 +35,7 @@ def parse(tmp_path: Path, text: str, build_args: dict[str, str] | None = None,  
 
 
 def steps(parsed) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
-    return [(s.kind, s.value) for s in parsed.spec.steps]
+    return [(s.kind, s.value) for s in parsed.steps]
 
 
 def error(tmp_path: Path, text: str, files: dict[str, str] | None = None) -> str:
@@ -45,27 +47,27 @@ def error(tmp_path: Path, text: str, files: dict[str, str] | None = None) -> str
 def test_every_supported_instruction(tmp_path: Path) -> None:
     p = parse(tmp_path, "FROM tiny\nENV A=1\nWORKDIR /app\nCOPY a.txt .\nADD a.txt /b.txt\nARG X=2\n"
                         "RUN echo hi\nUSER nobody\n", files={"a.txt": "x"})
-    assert p.spec.base == "tiny" and p.spec.name == "t" and p.spec.context == tmp_path.resolve()
+    assert p.base == "tiny" and p.name == "t" and p.context == tmp_path.resolve()
     assert steps(p) == [("env", {"A": "1"}), ("workdir", "/app"),
                         ("copy", {"src": "a.txt", "dest": "a.txt", "entries": [""]}),
                         ("copy", {"src": "a.txt", "dest": "/b.txt", "entries": [""]}),
                         ("run", "export X=2\necho hi"), ("user", "nobody")]
-    assert [s.line for s in p.spec.steps] == [2, 3, 4, 5, 7, 8]
-    assert p.spec.steps[0].origin == "Dockerfile:2 ENV"
+    assert [s.line for s in p.steps] == [2, 3, 4, 5, 7, 8]
+    assert p.steps[0].origin == "Dockerfile:2 ENV"
     assert p.context_files == ("a.txt",)
 
 
 def test_from_maps_templates_and_debian_suites(tmp_path: Path) -> None:
-    assert parse(tmp_path, "FROM code-interpreter\n").spec.base == "code-interpreter"
-    assert parse(tmp_path, "from mybuilt\n").spec.base == "mybuilt"              # keywords are case-insensitive
+    assert parse(tmp_path, "FROM code-interpreter\n").base == "code-interpreter"
+    assert parse(tmp_path, "from mybuilt\n").base == "mybuilt"              # keywords are case-insensitive
     for image, base in [("debian:bookworm", "base"), ("debian:bookworm-slim", "base"), ("debian:12", "base"),
                         ("docker.io/library/debian:12.5-slim", "base"), ("debian:trixie", "debian-trixie"),
                         ("debian:13-slim", "debian-trixie"), ("debian", "debian-stable"),
                         ("debian:sid", "debian-sid")]:
-        spec = parse(tmp_path, f"FROM {image}\n").spec
+        spec = parse(tmp_path, f"FROM {image}\n")
         assert (spec.base, spec.workdir) == (base, "/"), image            # Docker's debian images start in /
-    assert parse(tmp_path, "ARG SUITE=trixie\nFROM debian:${SUITE}\n").spec.base == "debian-trixie"
-    assert parse(tmp_path, "ARG S\nFROM debian:$S\n", {"S": "bullseye"}).spec.base == "debian-bullseye"
+    assert parse(tmp_path, "ARG SUITE=trixie\nFROM debian:${SUITE}\n").base == "debian-trixie"
+    assert parse(tmp_path, "ARG S\nFROM debian:$S\n", {"S": "bullseye"}).base == "debian-bullseye"
     assert "FROM: ubuntu:22.04: only our templates" in error(tmp_path, "FROM ubuntu:22.04\n")
     assert "images are never pulled" in error(tmp_path, "FROM ghcr.io/x/y:1\n")
     assert "unknown Debian tag 'bookworm-20240101'" in error(tmp_path, "FROM debian:bookworm-20240101\n")
@@ -83,13 +85,13 @@ def test_continuations_comments_and_directives(tmp_path: Path) -> None:
             "   # indented comment\nENV K=v\n")
     p = parse(tmp_path, text)
     assert steps(p) == [("run", "echo a     && echo b     && echo c"), ("env", {"K": "v"})]
-    assert [s.line for s in p.spec.steps] == [6, 12]                    # the line an instruction starts on
+    assert [s.line for s in p.steps] == [6, 12]                    # the line an instruction starts on
     # the escape directive switches the continuation (and escape) character
     p = parse(tmp_path, "# escape=`\nFROM tiny\nRUN dir c:\\ `\n  && echo ok\nENV P=c:\\x\n")
     assert steps(p) == [("run", "dir c:\\   && echo ok"), ("env", {"P": "c:\\x"})]
     assert "invalid escape directive" in error(tmp_path, "# escape=x\nFROM tiny\n")
     # a directive after the first instruction or comment is only a comment
-    assert parse(tmp_path, "FROM tiny\n# escape=`\nRUN a \\\n b\n").spec.steps[0].value == "a  b"
+    assert parse(tmp_path, "FROM tiny\n# escape=`\nRUN a \\\n b\n").steps[0].value == "a  b"
 
 
 def test_run_shell_and_exec_forms(tmp_path: Path) -> None:
@@ -207,7 +209,7 @@ def test_add_of_a_local_archive_is_unpacked(tmp_path: Path) -> None:
 
 def test_the_cache_key_covers_copied_content_args_and_not_line_numbers(tmp_path: Path) -> None:
     def key(text: str, args: dict[str, str] | None = None) -> str:
-        return spec_hash(parse(tmp_path, text, args).spec, "parent")
+        return spec_hash(spec_of(parse(tmp_path, text, args)), "parent")
     base = "FROM tiny\nARG V=1\nCOPY app /app\nRUN echo $V\n"
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "f").write_text("one")
@@ -236,29 +238,33 @@ def test_pack_context_holds_exactly_what_the_build_reads(tmp_path: Path) -> None
         names = sorted(tar.getnames())
         unpacked = tmp_path / "unpacked"
         tar.extractall(unpacked, filter="data")
-    assert names == sorted([PACKED_DOCKERFILE, PACKED_CONTEXT, *(f"{PACKED_CONTEXT}/{n}" for n in (".dockerignore", "src/a",
+    assert names == sorted([PACKED_DOCKERFILE, PACKED_CONTEXT, *(f"{PACKED_CONTEXT}/{n}" for n in (".dockerignore", "src", "src/a",
                                                                                    "src/sub"))])
     again = parse_dockerfile(unpacked / PACKED_DOCKERFILE, unpacked / PACKED_CONTEXT, name="t")
-    assert [s.value for s in again.spec.steps] == [s.value for s in p.spec.steps]
-    assert spec_hash(again.spec, "p") == spec_hash(p.spec, "p")            # same key on the builder node
+    assert [s.value for s in again.steps] == [s.value for s in p.steps]
+    assert spec_hash(spec_of(again), "p") == spec_hash(spec_of(p), "p")            # same key on the builder node
 
 
 def test_recorded_spec_round_trips_with_its_hash(tmp_path: Path) -> None:
     """build_spec records a Dockerfile's spec; the store lists it with its hash even after the context is gone."""
     from pilldrops.node.templates import spec_from_json, spec_to_json
     p = parse(tmp_path, "FROM tiny\nCOPY f /f\nUSER nobody\n", files={"f": "x"})
-    h = spec_hash(p.spec, "parent")
+    h = spec_hash(spec_of(p), "parent")
     d = tmp_path / "data" / "templates" / "t"
     d.mkdir(parents=True)
-    (d / "spec.json").write_text(__import__("json").dumps(spec_to_json(p.spec, h)))
+    (d / "spec.json").write_text(__import__("json").dumps(spec_to_json(spec_of(p), h)))
     (tmp_path / "f").unlink()
     store = TemplateStore(tmp_path / "data", spec_dirs=[])
     rec = store.spec("t")
-    assert rec == spec_from_json(spec_to_json(p.spec, h)) and store.hash("t") == h
-    assert [(s.kind, s.value, s.line) for s in rec.steps] == [(s.kind, s.value, s.line) for s in p.spec.steps]
+    assert rec == spec_from_json(spec_to_json(spec_of(p), h)) and store.hash("t") == h
+    assert [(s.kind, s.value, s.line) for s in rec.steps] == [(s.kind, s.value, s.line) for s in p.steps]
     assert [t.name for t in store.list()] == ["t"]
     assert store.spec("debian-trixie").base == "debootstrap:trixie"       # FROM debian:trixie's parent
     assert isinstance(rec.steps[0], Step)
+    # the parser's own copies of the node's constants agree with them
+    from pilldrops import dockerfile
+    assert (dockerfile.BUILD_PATH, dockerfile.DEFAULT_SUITE) == (node_templates.BUILD_PATH,
+                                                                 node_templates.DEFAULT_SUITE)
 
 
 def test_user_ids_reach_pd_init_in_the_request() -> None:
@@ -283,7 +289,7 @@ def test_document_round_trips_and_a_remote_document_is_checked(tmp_path: Path) -
     doc = to_document(text, "t", context=tmp_path)
     spec = spec_from_dict(doc, tmp_path / "Dockerfile", context=tmp_path)
     assert [(s.kind, s.value) for s in spec.steps] == steps(parse(tmp_path, text))
-    assert spec_hash(spec, "p") == spec_hash(parse(tmp_path, text).spec, "p")
+    assert spec_hash(spec, "p") == spec_hash(spec_of(parse(tmp_path, text)), "p")
     with pytest.raises(ValueError, match="Dockerfile:2: HEALTHCHECK"):
         to_document("FROM tiny\nHEALTHCHECK NONE\n", "t", context=tmp_path)
     for bad_step, why in [({"copy": {"src": "app", "dest": "/x", "entries": ["../../etc/passwd"]}}, "inside src"),

@@ -5,24 +5,24 @@
     built = Template.build("my-env", dockerfile="Dockerfile", context=".", build_args={"PY": "3"})
     sb = Sandbox.create(template=built.name)
 
-Against a control plane (the default) the build context (minus ``.dockerignore``) and the Dockerfile go up
-as one tarball and the build log streams back. ``local=True`` builds on this machine instead, with the
+Against a control plane (the default) the Dockerfile is translated here (``pilldrops.dockerfile``), the files
+its COPY/ADD read go up by digest, and one node builds it for the whole fleet while the log streams back. ``local=True`` builds on this machine instead, with the
 ``pilldrops template build -f`` command (needs root), which is what a node agent on this host then runs.
 """
 
 from __future__ import annotations
 
-import io
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pilldrops._internal.dockerignore import pack_build_context
+import httpx
+
 from pilldrops.errors import InvalidRequest, ServerError
 from pilldrops.sdk._sync.client import APIClient
 from pilldrops.sdk._base import Blocking
-from pilldrops.sdk._build import BuiltTemplate, build_event, build_params, local_build
+from pilldrops.sdk._build import BuiltTemplate, build_event, context_digest, local_build, remote_plan
 
 LogCallback = Callable[[str], None]
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -57,21 +57,23 @@ class Template:
             return Blocking.run(local_build, name, path, ctx, dict(build_args or {}), force, on_log,
                                            data_dir, timeout)
         client = APIClient.from_options(api_url, api_key, transport=transport)
-
-        def pack() -> bytes:
-            buf = io.BytesIO()
-            pack_build_context(path, ctx, buf)
-            return buf.getvalue()
-
-        body = Blocking.run(pack)
-        log: list[str] = []
+        plan = Blocking.run(remote_plan, path, ctx, name, dict(build_args or {}))
         built: BuiltTemplate | None = None
-        with client.stream("POST", f"/v1/templates/{name}/builds", idempotent=False, content=body,
-                                 params=build_params(build_args, force), timeout=timeout,
-                                 headers={"content-type": "application/gzip"}) as response:
-            for line in response.iter_lines():
-                built = build_event(line, log, on_log) or built
-        if built is None:
-            raise ServerError(f"the build of {name} ended without a result (last log line: "
-                                 f"{log[-1] if log else 'none'})")
+        for i, (document, tar) in enumerate(plan):
+            digest = None
+            if tar is not None:
+                digest = context_digest(tar)
+                client.request("PUT", f"/v1/templates/contexts/{digest}", idempotent=True, content=tar,
+                                     headers={"content-type": "application/x-tar"}, timeout=timeout)
+            log: list[str] = []
+            built = None
+            body = {"spec": document, "context": digest, "force": force and i == len(plan) - 1}
+            with client.stream("POST", "/v1/templates/builds", idempotent=False, json=body,
+                                     timeout=httpx.Timeout(30.0, read=timeout)) as response:
+                for line in response.iter_lines():
+                    built = build_event(line, log, on_log) or built
+            if built is None:
+                raise ServerError(f"the build of {document.get('name')} ended without a result (last log "
+                                  f"line: {log[-1] if log else 'none'})")
+        assert built is not None
         return built
