@@ -404,9 +404,10 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
               help="a Dockerfile ARG's value (repeatable)")
 @_data_dir_option
 @click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
+@click.option("--local", is_flag=True, help="build on this machine (what this command always does here)")
 @_templates_dir_option
 def template_build(name: str, context: Path | None, dockerfile: Path | None, build_args: tuple[str, ...],
-                   data_dir: Path, force: bool, templates_dirs: tuple[Path, ...]) -> None:
+                   data_dir: Path, force: bool, local: bool, templates_dirs: tuple[Path, ...]) -> None:
     """Build a template into a cached read-only layer on this machine: from a TOML spec (Debian packages or
     busybox), or with -f from a Dockerfile (no Docker engine needed; FROM one of our templates or debian:SUITE).
 

@@ -134,7 +134,8 @@ def local_build(name: str, dockerfile: Path, context: Path, build_args: dict[str
     if os.geteuid() != 0:
         raise PermissionDenied("a local template build needs root (chroot, mount): run it as root, or build on "
                                "a control plane (local=False)")
-    argv = [sys.executable, "-m", "pilldrops", "template", "build", name, str(context), "-f", str(dockerfile)]
+    argv = [sys.executable, "-m", "pilldrops", "template", "build", name, str(context), "-f", str(dockerfile),
+            "--local"]
     for k, v in build_args.items():
         argv += ["--build-arg", f"{k}={v}"]
     if force:
