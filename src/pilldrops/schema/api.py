@@ -241,6 +241,7 @@ class RunEvent(_Response):
     truncated: bool | None = None
     timed_out: bool | None = None
     paused: bool | None = None      # the sandbox was paused while the command ran: it was ended (exit 137)
+    oom_killed: bool | None = None  # the sandbox's memory limit killed it (exit 137): memory_mb was exceeded
     code: str | None = None
     message: str | None = None
 
