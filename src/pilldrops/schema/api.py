@@ -44,6 +44,11 @@ class SandboxState(str, Enum):
     lost = "lost"
 
 
+#: States of a sandbox that has not ended: what listings show unless asked for ended ones too.
+LIVE_STATES: tuple[SandboxState, ...] = (SandboxState.starting, SandboxState.running, SandboxState.pausing,
+                                         SandboxState.paused, SandboxState.resuming)
+
+
 class EndReason(str, Enum):
     killed = "killed"
     timeout = "timeout"
