@@ -16,7 +16,7 @@ import pytest
 from pilldrops import Sandbox
 from tests.e2e.conftest import Server
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]   # base: ~1 min, more under load
 
 DOCKERFILE = """FROM debian:bookworm-slim
 ARG TOOL=grep

@@ -41,11 +41,12 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
+from pilldrops.node.rootfs_ops import copy_entries, mkdirs_owned, resolve_user
 from pilldrops.schema.api import ISOLATION_MODES
 
 log = logging.getLogger("pilldrops.templates")
@@ -773,7 +774,7 @@ class TemplateStore:
                     elif st.kind == "workdir":
                         workdir = posixpath.normpath(posixpath.join(workdir, st.value))
                         if st.origin:       # Docker's WORKDIR makes the folder (owned by the USER then)
-                            _mkdirs_owned(root, workdir, user)
+                            mkdirs_owned(root, workdir, user)
                     elif st.kind == "user":
                         user, home = resolve_user(root, st.value)
                     elif st.kind == "copy":
@@ -811,55 +812,7 @@ class TemplateStore:
             else:
                 shutil.copy2(src, target / src.name if target.is_dir() else target)
             return
-        for e in v["entries"]:      # never through a symlink of the context (it may come from a remote client)
-            _no_links(s.root, posixpath.join(v["src"], e.rstrip("/")) if e else v["src"])
-        owner = _owner(root, v["chown"]) if v.get("chown") else None
-        mode = int(v["chmod"], 8) if v.get("chmod") else None
-        if v.get("extract"):            # ADD of a local archive: unpacked by tar inside the chroot, as root
-            inside = f"/.pilldrops-add-{uuid.uuid4().hex[:8]}.tar"
-            _decompressed_copy(src, root / inside.lstrip("/"))
-            try:
-                _run(["chroot", str(root), "/bin/sh", "-c", 'mkdir -p "$1" && tar -xf "$2" -C "$1"', "sh", dest,
-                      inside], None)
-            finally:
-                (root / inside.lstrip("/")).unlink(missing_ok=True)
-            return
-        top = _in_root(root, dest)
-        if v["entries"] != [""]:        # a folder: its contents go into dest
-            made = not top.exists()
-            top.mkdir(parents=True, exist_ok=True)
-            if made and owner:
-                os.chown(top, *owner)
-        for e in v["entries"]:
-            if e == "":
-                target = _in_root(root, posixpath.join(dest, src.name)) if top.is_dir() else top
-            else:
-                target = _in_root(root, posixpath.join(dest, e.rstrip("/")))
-            if e.endswith("/"):
-                target.mkdir(parents=True, exist_ok=True)
-                shutil.copystat(src / e, target)
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if target.is_dir() and not target.is_symlink():
-                    raise ValueError(f"cannot copy {v['src']}/{e} over the folder {target.relative_to(root)}")
-                shutil.copy2(src / e if e else src, target)
-            if owner:
-                os.chown(target, *owner)
-            if mode is not None:
-                os.chmod(target, mode)
-
-
-def _decompressed_copy(src: Path, dest: Path) -> None:
-    """``src`` (a tar, maybe gzip/bzip2/xz-compressed) as a plain tar at ``dest``: any tar can unpack it."""
-    import bz2
-    import gzip
-    import lzma
-    with open(src, "rb") as f:
-        magic = f.read(6)
-    opener: Any = (gzip.open if magic[:2] == b"\x1f\x8b" else bz2.open if magic[:3] == b"BZh"
-                   else lzma.open if magic == b"\xfd7zXZ\x00" else open)
-    with opener(src, "rb") as fin, open(dest, "wb") as fout:
-        shutil.copyfileobj(fin, fout, 1024 * 1024)
+        copy_entries(src, v, s.root, root, dest, run=lambda argv: _run(argv, None))
 
 
 @dataclass(frozen=True)
@@ -875,97 +828,6 @@ def _show(st: Step) -> str:
         n = len(st.value["entries"])
         return f"{st.value['src']} -> {st.value['dest']}" + (f" ({n} entries)" if st.value["entries"] != [""] else "")
     return str(st.value).replace("\n", "; ")
-
-
-def _in_root(root: Path, path: str) -> Path:
-    """``path`` inside ``root`` with chroot semantics: symlinks (absolute ones too) and ``..`` resolve within
-    ``root``, so nothing a build step made can point a copy at the host."""
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    done: list[str] = []
-    links = 0
-    while parts:
-        p = parts.pop(0)
-        if p == "..":
-            if done:
-                done.pop()
-            continue
-        cand = root.joinpath(*done, p)
-        if cand.is_symlink():
-            links += 1
-            if links > 40:
-                raise ValueError(f"too many levels of symlinks in {path}")
-            target = os.readlink(cand)
-            if target.startswith("/"):
-                done = []
-            parts = [x for x in target.split("/") if x not in ("", ".")] + parts
-            continue
-        done.append(p)
-    return root.joinpath(*done)
-
-
-def _no_links(base: Path, rel: str) -> None:
-    cur = base
-    for part in PurePosixPath(rel).parts:
-        if part in ("..", "/"):
-            raise ValueError(f"copy source {rel!r} leaves the build context")
-        cur = cur / part
-        if cur.is_symlink():
-            raise ValueError(f"copy source {rel!r}: {cur.relative_to(base)} is a symlink (refused)")
-
-
-def _db(root: Path, name: str) -> list[list[str]]:
-    try:
-        text = _in_root(root, f"/etc/{name}").read_text(errors="replace")
-    except OSError:
-        return []
-    return [ln.split(":") for ln in text.splitlines() if ln and not ln.startswith("#")]
-
-
-def resolve_user(root: Path, spec: str) -> tuple[str | None, str | None]:
-    """A Dockerfile ``USER`` (``name``, ``uid``, ``name:group``, ``uid:gid``) as ``("uid:gid", home)`` from the
-    image's /etc/passwd and /etc/group; root gives ``(None, None)``."""
-    name, _, group = spec.partition(":")
-    passwd = _db(root, "passwd")
-    entry = next((e for e in passwd if len(e) >= 7 and (e[0] == name or (name.isdigit() and e[2] == name))), None)
-    if entry is None and not name.isdigit():
-        raise ValueError(f"USER {spec}: no user {name!r} in the image's /etc/passwd")
-    uid = int(name) if name.isdigit() else int(entry[2])  # type: ignore[index]
-    gid = int(entry[3]) if entry is not None else 0
-    home = entry[5] if entry is not None else "/"
-    if group:
-        gid = _gid(root, group, spec)
-    if uid == 0 and gid == 0:
-        return None, None
-    return f"{uid}:{gid}", home
-
-
-def _gid(root: Path, group: str, what: str) -> int:
-    if group.isdigit():
-        return int(group)
-    g = next((e for e in _db(root, "group") if len(e) >= 3 and e[0] == group), None)
-    if g is None:
-        raise ValueError(f"{what}: no group {group!r} in the image's /etc/group")
-    return int(g[2])
-
-
-def _owner(root: Path, chown: str) -> tuple[int, int]:
-    user, _, group = chown.partition(":")
-    if user.isdigit():
-        uid = int(user)
-        gid = int(user) if not group else _gid(root, group, f"--chown={chown}")
-        return uid, gid
-    resolved, _ = resolve_user(root, user)
-    uid, gid = (int(x) for x in (resolved or "0:0").split(":"))
-    return uid, (_gid(root, group, f"--chown={chown}") if group else gid)
-
-
-def _mkdirs_owned(root: Path, path: str, user: str | None) -> None:
-    target = _in_root(root, path)
-    made = not target.exists()
-    target.mkdir(parents=True, exist_ok=True)
-    if made and user:
-        uid, gid = (int(x) for x in user.split(":"))
-        os.chown(target, uid, gid)
 
 
 def _tee(progress: Progress | None, log: Any) -> Progress:
