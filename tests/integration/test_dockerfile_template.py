@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from pilldrops.cli.main import cli
 from pilldrops.node.dataplane import DataPlane
 from pilldrops.node.template_cache import TemplateCache
-from pilldrops.node.templates import TemplateStore
+from pilldrops.node.templates import SPEC_DIR, TemplateStore
 from pilldrops.schema.api import RunRequest
 from pilldrops.schema.node import NodeSandboxSpec
 
@@ -204,3 +204,19 @@ def test_sdk_builds_on_this_machine(tmp_path: Path, data_dir: Path, tiny) -> Non
     (ctx / "Dockerfile").write_text("FROM tiny\nHEALTHCHECK CMD true\n")
     with pytest.raises(InvalidRequest, match="Dockerfile:2: HEALTHCHECK: not supported"):
         Template.build("dfsdk", dockerfile=ctx / "Dockerfile", local=True, data_dir=data_dir)
+
+
+def test_a_toml_copy_cannot_write_through_a_planted_symlink(tmp_path: Path, data_dir: Path, tiny) -> None:  # type: ignore[no-untyped-def]
+    """The same guard for a TOML spec's copy (a remote build sends those too): the link resolves in the root."""
+    host_target = tmp_path / "host-dir"
+    host_target.mkdir()
+    specs = tmp_path / "specs"
+    (specs / "files").mkdir(parents=True)
+    (specs / "files" / "payload").write_text("pwned\n")
+    os.symlink("payload", specs / "files" / "alias")                # a spec's own symlink is copied as one
+    (specs / "tomlesc.toml").write_text(f'name = "tomlesc"\nfrom = "tiny"\n[[steps]]\nrun = "ln -s {host_target} '
+                                        f'/trap"\n[[steps]]\ncopy = {{src = "files", dest = "/trap"}}\n')
+    tpl = TemplateStore(data_dir, spec_dirs=[SPEC_DIR, specs]).build("tomlesc")
+    assert list(host_target.iterdir()) == []
+    inside = tpl.layers[0] / str(host_target).lstrip("/")
+    assert (inside / "payload").read_text() == "pwned\n" and os.readlink(inside / "alias") == "payload"

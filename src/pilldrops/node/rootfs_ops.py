@@ -16,11 +16,28 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 
+def tree_entries(src: Path) -> list[str]:
+    """The entries of a TOML spec's copy of ``src``: [""] for a file (or link), else everything under it."""
+    if src.is_symlink() or not src.is_dir():
+        return [""]
+    out = []
+    for dirpath, dirs, files in os.walk(src):
+        base = Path(dirpath).relative_to(src).as_posix()
+        for n in sorted(dirs):
+            p = Path(dirpath) / n
+            rel = n if base == "." else f"{base}/{n}"
+            out.append(rel if p.is_symlink() else rel + "/")
+        out += [n if base == "." else f"{base}/{n}" for n in sorted(files)]
+    return out
+
+
 def copy_entries(src: Path, v: dict[str, Any], context: Path, root: Path, dest: str,
-                 run: Callable[[list[str]], None]) -> None:
-    """A Dockerfile ``COPY``/``ADD`` step (``v``: src, entries, chown, chmod, extract) of ``src`` (in
-    ``context``) to ``dest`` (absolute, inside ``root``). ``run`` runs a command (``chroot`` into root)."""
-    for e in v["entries"]:      # never through a symlink of the context (it may come from a remote client)
+                 run: Callable[[list[str]], None], *, links: bool = False) -> None:
+    """A ``COPY``/``ADD`` step (``v``: src, entries, chown, chmod, extract) of ``src`` (in ``context``) to
+    ``dest`` (absolute, inside ``root``); every target is resolved inside ``root``. ``run`` runs a command
+    (``chroot`` into root). ``links``: symlinks among the entries are copied as symlinks (a TOML spec's own
+    files); otherwise a symlink anywhere in a source is refused (a Dockerfile's context may come from afar)."""
+    for e in v["entries"] if not links else ():
         _no_links(context, posixpath.join(v["src"], e.rstrip("/")) if e else v["src"])
     owner = _owner(root, v["chown"]) if v.get("chown") else None
     mode = int(v["chmod"], 8) if v.get("chmod") else None
@@ -47,10 +64,15 @@ def copy_entries(src: Path, v: dict[str, Any], context: Path, root: Path, dest: 
             target.mkdir(parents=True, exist_ok=True)
             shutil.copystat(src / e, target)
         else:
+            source = src / e if e else src
             target.parent.mkdir(parents=True, exist_ok=True)
-            if target.is_dir() and not target.is_symlink():
+            if target.is_dir():
                 raise ValueError(f"cannot copy {v['src']}/{e} over the folder {target.relative_to(root)}")
-            shutil.copy2(src / e if e else src, target)
+            if source.is_symlink() and target.exists():
+                target.unlink()                 # a TOML spec's symlink replaces what is there
+            shutil.copy2(source, target, follow_symlinks=False)
+            if source.is_symlink():
+                continue
         if owner:
             os.chown(target, *owner)
         if mode is not None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
-from pilldrops.node.rootfs_ops import copy_entries, mkdirs_owned, resolve_user
+from pilldrops.node.rootfs_ops import copy_entries, mkdirs_owned, resolve_user, tree_entries
 from pilldrops.schema.api import ISOLATION_MODES
 
 log = logging.getLogger("pilldrops.templates")
@@ -804,13 +804,11 @@ class TemplateStore:
     def _copy(s: TemplateSpec, v: dict[str, Any], root: Path, workdir: str, user: str | None) -> None:
         src = s.root / v["src"]
         dest = posixpath.normpath(posixpath.join(workdir, v["dest"]))
-        if "entries" not in v:          # a TOML spec's copy: the source as it is
-            target = root / dest.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():
-                shutil.copytree(src, target, symlinks=True, dirs_exist_ok=True)
-            else:
-                shutil.copy2(src, target / src.name if target.is_dir() else target)
+        if "entries" not in v:          # a TOML spec's copy: the source as it is (its symlinks as symlinks)
+            if not src.exists():
+                raise ValueError(f"copy source missing: {src}")
+            copy_entries(src, {**v, "entries": tree_entries(src)}, s.root, root, dest, run=lambda argv: _run(argv, None),
+                         links=True)
             return
         copy_entries(src, v, s.root, root, dest, run=lambda argv: _run(argv, None))
 
