@@ -149,8 +149,10 @@ async def test_dockerfile_template_builds_and_runs(tmp_path: Path, data_dir: Pat
         await runtime.destroy(handle)
 
 
-def test_build_steps_cannot_write_outside_the_layer(tmp_path: Path, data_dir: Path, tiny) -> None:  # type: ignore[no-untyped-def]
-    """A RUN step plants absolute symlinks; COPY through them still lands inside the template's root."""
+def test_build_steps_cannot_write_outside_the_layer(tmp_path: Path, data_dir: Path, tiny,  # type: ignore[no-untyped-def]
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RUN step plants absolute symlinks; COPY through them, and a child's build (which puts the host's CA
+    bundle in /tmp and makes its WORKDIR), still land inside the template's root."""
     ctx = tmp_path / "esc"
     ctx.mkdir()
     (ctx / "payload").write_text("pwned\n")
@@ -165,6 +167,21 @@ def test_build_steps_cannot_write_outside_the_layer(tmp_path: Path, data_dir: Pa
     layer = TemplateStore(data_dir).get("dfescape").layers[0]
     inside = layer / str(host_target).lstrip("/")
     assert (inside / "payload").read_text() == "pwned\n" and (inside / "f").read_text() == "pwned\n"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("CA\n")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    (ctx / "Dockerfile").write_text(f"FROM tiny\nRUN rm -rf /tmp && ln -s {host_target} /tmp && ln -s "
+                                    f"{host_target} /wd\n")
+    (ctx / "Child").write_text("FROM dfescape2\nWORKDIR /wd/made\nRUN cat $SSL_CERT_FILE > /seen || true\n")
+    res = CliRunner().invoke(cli, ["template", "build", "dfescape2", "-f", str(ctx / "Dockerfile"), str(ctx),
+                                   "--data-dir", str(data_dir)])
+    assert res.exit_code == 0, res.output
+    # host_target is under /tmp, so inside the root /tmp and /wd are symlink loops: the CA bundle is skipped
+    # and the WORKDIR is a clear error; either way nothing lands on the host
+    res = CliRunner().invoke(cli, ["template", "build", "dfescape3", "-f", str(ctx / "Child"), str(ctx),
+                                   "--data-dir", str(data_dir)])
+    assert res.exit_code == 1 and "(Child:2 WORKDIR) workdir failed: too many levels of symlinks" in res.output
+    assert list(host_target.iterdir()) == []
 
 
 def test_errors_name_the_line_and_context_escapes_are_refused(tmp_path: Path, data_dir: Path) -> None:

@@ -49,7 +49,7 @@ def copy_entries(src: Path, v: dict[str, Any], context: Path, root: Path, dest: 
         finally:
             (root / inside.lstrip("/")).unlink(missing_ok=True)
         return
-    top = _in_root(root, dest)
+    top = in_root(root, dest)
     if v["entries"] != [""]:        # a folder: its contents go into dest
         made = not top.exists()
         top.mkdir(parents=True, exist_ok=True)
@@ -57,9 +57,9 @@ def copy_entries(src: Path, v: dict[str, Any], context: Path, root: Path, dest: 
             os.chown(top, *owner)
     for e in v["entries"]:
         if e == "":
-            target = _in_root(root, posixpath.join(dest, src.name)) if top.is_dir() else top
+            target = in_root(root, posixpath.join(dest, src.name)) if top.is_dir() else top
         else:
-            target = _in_root(root, posixpath.join(dest, e.rstrip("/")))
+            target = in_root(root, posixpath.join(dest, e.rstrip("/")))
         if e.endswith("/"):
             target.mkdir(parents=True, exist_ok=True)
             shutil.copystat(src / e, target)
@@ -89,7 +89,7 @@ def _decompressed_copy(src: Path, dest: Path) -> None:
         shutil.copyfileobj(fin, fout, 1024 * 1024)
 
 
-def _in_root(root: Path, path: str) -> Path:
+def in_root(root: Path, path: str) -> Path:
     """``path`` inside ``root`` with chroot semantics: symlinks (absolute ones too) and ``..`` resolve within
     ``root``, so nothing a build step made can point a copy at the host."""
     parts = [p for p in path.split("/") if p not in ("", ".")]
@@ -127,7 +127,7 @@ def _no_links(base: Path, rel: str) -> None:
 
 def _db(root: Path, name: str) -> list[list[str]]:
     try:
-        text = _in_root(root, f"/etc/{name}").read_text(errors="replace")
+        text = in_root(root, f"/etc/{name}").read_text(errors="replace")
     except OSError:
         return []
     return [ln.split(":") for ln in text.splitlines() if ln and not ln.startswith("#")]
@@ -172,7 +172,7 @@ def _owner(root: Path, chown: str) -> tuple[int, int]:
 
 
 def mkdirs_owned(root: Path, path: str, user: str | None) -> None:
-    target = _in_root(root, path)
+    target = in_root(root, path)
     made = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     if made and user:

@@ -46,7 +46,7 @@ from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
-from pilldrops.node.rootfs_ops import copy_entries, mkdirs_owned, resolve_user, tree_entries
+from pilldrops.node.rootfs_ops import copy_entries, in_root, mkdirs_owned, resolve_user, tree_entries
 from pilldrops.schema.api import ISOLATION_MODES
 
 log = logging.getLogger("pilldrops.templates")
@@ -425,6 +425,13 @@ def build_step_env(env: dict[str, str], ca_in_root: bool) -> dict[str, str]:
     return {**out, **env}
 
 
+def _dir_in_root(root: Path, path: str) -> bool:
+    try:
+        return in_root(root, path).is_dir()
+    except ValueError:          # a symlink loop a build step made: no such folder then
+        return False
+
+
 @contextmanager
 def _host_network_settings(root: Path) -> Iterator[bool]:
     """The host's CA bundle at BUILD_CA and an apt config for its proxy and CA while the steps run; both are
@@ -434,8 +441,8 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
     ca_in_root = False
     ca = host_ca_bundle()
     try:
-        if ca is not None and (root / "tmp").is_dir():
-            dest = root / BUILD_CA.lstrip("/")
+        if ca is not None and _dir_in_root(root, "/tmp"):
+            dest = in_root(root, BUILD_CA)         # inside root even if a parent's step made /tmp a symlink
             shutil.copyfile(ca, dest)
             made.append(dest)
             ca_in_root = True
@@ -443,9 +450,8 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
                  if k in ("http_proxy", "https_proxy")]
         if ca_in_root:
             lines.append(f'Acquire::https::CAInfo "{BUILD_CA}";')
-        apt_dir = root / "etc" / "apt" / "apt.conf.d"
-        if lines and apt_dir.is_dir():
-            conf = root / BUILD_APT_CONF.lstrip("/")
+        if lines and _dir_in_root(root, posixpath.dirname(BUILD_APT_CONF)):
+            conf = in_root(root, BUILD_APT_CONF)
             conf.write_text("\n".join(lines) + "\n")
             made.append(conf)
         yield ca_in_root
@@ -456,8 +462,11 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
 
 @contextmanager
 def _chroot_mounts(root: Path) -> Iterator[None]:
-    """proc + /dev + the host's resolv.conf inside ``root`` for the duration of the build steps."""
+    """proc + /dev + the host's resolv.conf inside ``root`` for the duration of the build steps. A parent
+    template whose /proc, /dev or /etc is a symlink is refused: mounting there would mount on the host."""
     for d in ("proc", "dev", "etc"):
+        if (root / d).is_symlink():
+            raise TemplateBuildError(f"the template's /{d} is a symlink ({os.readlink(root / d)}): refused")
         (root / d).mkdir(exist_ok=True)
     resolv = root / "etc" / "resolv.conf"
     saved: tuple[str, bytes | str] | None = None
@@ -773,8 +782,7 @@ class TemplateStore:
                         env.update(st.value)
                     elif st.kind == "workdir":
                         workdir = posixpath.normpath(posixpath.join(workdir, st.value))
-                        if st.origin:       # Docker's WORKDIR makes the folder (owned by the USER then)
-                            mkdirs_owned(root, workdir, user)
+                        mkdirs_owned(root, workdir, user)   # as Docker's WORKDIR: made, owned by the USER
                     elif st.kind == "user":
                         user, home = resolve_user(root, st.value)
                     elif st.kind == "copy":
@@ -783,13 +791,13 @@ class TemplateStore:
                         self._run(s, st, label, root, workdir, env, ca_in_root, user, home, progress)
                 except (OSError, ValueError) as exc:
                     raise TemplateBuildError(f"template {s.name}: {label} {st.kind} failed: {exc}") from None
-        (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        mkdirs_owned(root, workdir, None)
         return _Result(env, workdir, user, home)
 
     @staticmethod
     def _run(s: TemplateSpec, st: Step, label: str, root: Path, workdir: str, env: dict[str, str],
              ca_in_root: bool, user: str | None, home: str | None, progress: Progress | None) -> None:
-        (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        mkdirs_owned(root, workdir, None)      # (inside root even through a symlink a step planted)
         script = f"cd {_shq(workdir)} && {st.value}"
         argv = ["chroot", *([f"--userspec={user}"] if user else []), str(root), "/bin/sh", "-c", script]
         try:
