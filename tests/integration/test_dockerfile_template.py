@@ -237,3 +237,26 @@ def test_a_toml_copy_cannot_write_through_a_planted_symlink(tmp_path: Path, data
     assert list(host_target.iterdir()) == []
     inside = tpl.layers[0] / str(host_target).lstrip("/")
     assert (inside / "payload").read_text() == "pwned\n" and os.readlink(inside / "alias") == "payload"
+
+
+async def test_user_under_gvisor(tmp_path: Path, data_dir: Path, gvisor, tiny,  # type: ignore[no-untyped-def]
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """USER holds under gVisor too: through pd-init's socket and through `runsc exec --user`."""
+    ctx = tmp_path / "gv"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM tiny\nUSER nobody\nWORKDIR /\n")
+    res = CliRunner().invoke(cli, ["template", "build", "dfgvisor", "-f", str(ctx / "Dockerfile"),
+                                   "--data-dir", str(data_dir)])
+    assert res.exit_code == 0, res.output
+    cache = TemplateCache(TemplateStore(data_dir), "it")
+    spec = NodeSandboxSpec(id="dfgv", template="dfgvisor", vcpu=1, memory_mb=256, access_token="t",
+                           end_at=datetime.now(UTC) + timedelta(minutes=5), isolation="gvisor")
+    handle = await gvisor.create(cache.runtime_spec(spec))
+    try:
+        dp = DataPlane(gvisor)
+        target = cache.target(spec, handle)
+        assert await _run(dp, target, "id -u") == (0, "65534\n", "")
+        monkeypatch.setenv("PILLDROPS_EXEC", "crun")
+        assert await _run(dp, target, "id -u") == (0, "65534\n", "")
+    finally:
+        await gvisor.destroy(handle)
