@@ -188,9 +188,11 @@ class E2BApi:
         envs = data.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
             raise errors.InvalidRequest("metadata and envVars must be objects")
-        try:
+        network = data.get("network") if isinstance(data.get("network"), dict) else {}
+        try:   # user ports are public unless network.allowPublicTraffic is false, as on E2B
             req = CreateSandboxRequest(template=e2b_template(asked), metadata=metadata, envs=envs,
-                                       timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+                                       timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
+                                       public=network.get("allowPublicTraffic", True) is not False)
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
             raise errors.InvalidRequest(f"invalid request: {'.'.join(map(str, first.get('loc', ())))}: "
