@@ -86,8 +86,7 @@ class E2BRouting:
         self.rest = create_rest_app(services, on_created=self._created)
         self.envd = _load_envd(services)
         self.code_interpreter = code_interpreter.CodeInterpreter()
-        assert services.urls is not None
-        self.ports = PortGateway(services.sandboxes, services.urls)
+        self.ports = PortGateway(services.sandboxes, services.urls)   # type: ignore[arg-type]
         self._warming: set[asyncio.Task[None]] = set()
 
     def _created(self, row: Any) -> None:

@@ -97,9 +97,8 @@ def _states(states: list[str] | None) -> list[str]:
 def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="PillDrops control plane", version=VERSION,
                   description="Disposable sandboxes for RL rollouts. See docs/api.md.")
-    if services.urls is None:
+    if services.urls is None and services.sandboxes is not None:
         services.urls = URLService(services.sandboxes.store, services.sandboxes.clock)
-    urls = services.urls
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
     install_error_handlers(app)
@@ -167,7 +166,8 @@ def create_app(services: Services) -> FastAPI:
     async def port_url(sandbox_id: str, body: PortURLRequest, p: Caller, request: Request) -> PortURL:
         """A URL (signed, expiring; none needed for a public port) that reaches ``port`` inside the sandbox,
         HTTP and WebSocket, through this control plane."""
-        return await urls.create(await sbx.get_row(p.team_id, sandbox_id), body, str(request.base_url))
+        assert services.urls is not None
+        return await services.urls.create(await sbx.get_row(p.team_id, sandbox_id), body, str(request.base_url))
 
     @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
     async def pause(sandbox_id: str, p: Caller) -> SandboxInfo:

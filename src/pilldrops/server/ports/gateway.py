@@ -161,7 +161,8 @@ class PortGateway:
         query_tokens, query = _query(scope)
         cookie_tokens, headers = _cookies(list(scope.get("headers", [])))
         try:
-            row, expires_at = await self.urls.authorize(sandbox_id, port, [*query_tokens, *cookie_tokens])
+            row, expires_at = await self.urls.authorize(sandbox_id, port, [*query_tokens, *cookie_tokens],
+                                                        reveal_missing=e2b)
             node = await self.sandboxes.node_for(row)
         except errors.PillDropsError as exc:
             if scope["type"] == "websocket":

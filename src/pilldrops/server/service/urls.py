@@ -77,10 +77,12 @@ class URLService:
 
     # ---- serving them --------------------------------------------------------------------------------
 
-    async def authorize(self, sandbox_id: str, port: int, tokens: list[str]) -> tuple[SandboxRecord, int | None]:
+    async def authorize(self, sandbox_id: str, port: int, tokens: list[str], *, reveal_missing: bool = False
+                        ) -> tuple[SandboxRecord, int | None]:
         """The running sandbox behind a request for ``port``, and the expiry of the token that admitted it
-        (None: a public port). A token is checked before the store is read, so that nobody without one
-        learns whether a sandbox exists; then an ended sandbox is 404 and a paused one 409."""
+        (None: a public port). Without a valid token nobody learns whether a sandbox exists (an unknown one
+        is refused like a private one), unless ``reveal_missing`` (the E2B surface, whose envd port tells
+        anyway); then an ended sandbox is 404 and a paused one 409."""
         secret = await self.secret()
         now = self.clock.now().timestamp()
         first_error: errors.PillDropsError | None = None
@@ -92,6 +94,8 @@ class URLService:
             except errors.AuthenticationError as exc:
                 first_error = first_error or exc
         row = await self.store.get_sandbox(sandbox_id)
+        if row is None and reveal_missing:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} not found", details={"sandbox_id": sandbox_id})
         if expires_at is None and (row is None or not is_public(row, port)):
             raise first_error or errors.URLTokenRequired(
                 f"this URL needs its token (?{TOKEN_PARAM}=...); get one with sb.get_url({port}) or "
