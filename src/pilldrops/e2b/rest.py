@@ -9,8 +9,9 @@ Mapping:
 - ids: ``sb_abc…`` is ``sbabc…`` on this surface (E2B ids are ``[a-z0-9]+``); both are accepted;
 - templates: ``code-interpreter-v1`` -> ``code-interpreter``; other names as they are (``base``, ...);
 - the sandbox's access token is E2B's ``envdAccessToken``; ``timeout`` defaults to 300 s;
-- unknown fields are ignored, as E2B does; ``autoPause``, ``network``, ``mcp``, ``volumeMounts`` have no
-  effect (see the README's "Coming from E2B").
+- unknown fields are ignored, as E2B does; ``autoPause``, ``mcp``, ``volumeMounts`` have no effect, and of
+  ``network`` only ``allowPublicTraffic`` (default true: the sandbox's ports are public; false: they need a
+  port URL's token) (see the README's "Coming from E2B").
 """
 
 from __future__ import annotations
