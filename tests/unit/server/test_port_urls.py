@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 
 from pilldrops import errors
@@ -149,3 +150,21 @@ async def test_paused_sandbox_is_409_and_public_host_form(tmp_path) -> None:
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
         r = await c.get("/", headers={"Host": f"3000-{sb['id'].replace('_', '')}.sb.example.test"})
         assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"   # E2B's answer
+
+
+@pytest.mark.anyio
+async def test_e2b_sandboxes_are_public_unless_they_say_otherwise(tmp_path) -> None:
+    async with stack(tmp_path, templates=("tiny", "base")) as st, httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=st.cp.app), base_url="http://cp", headers={"X-API-Key": st.key}) as c:
+        public = (await c.post("/v2/sandboxes", json={"templateID": "base"})).json()["sandboxID"]
+        private = (await c.post("/v2/sandboxes", json={"templateID": "base",
+                                                       "network": {"allowPublicTraffic": False}})).json()["sandboxID"]
+        r = await c.get("/x", headers={"E2b-Sandbox-Id": private, "E2b-Sandbox-Port": "8080"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "url_token_required"
+        # public: admitted, then the fake runtime has no network to reach: E2B's "unreachable" answer
+        r = await c.get("/x", headers={"E2b-Sandbox-Id": public, "E2b-Sandbox-Port": "8080"})
+        assert r.status_code == 502 and r.json()["sandboxId"] == public
+        assert r.json()["error"]["code"] != "url_token_required"
+        async with st.client() as ours:
+            info = (await ours.get(f"/v1/sandboxes/sb_{private[2:]}")).json()
+            assert info["public"] is False and (await ours.get(f"/v1/sandboxes/sb_{public[2:]}")).json()["public"]
