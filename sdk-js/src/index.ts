@@ -7,9 +7,10 @@
  * const r = await sb.run('python -c "print(1 + 1)"')
  * ```
  */
-export { Sandbox, BATCH_CHUNK } from './sandbox.js'
+export { Sandbox, BATCH_CHUNK, LIVE_STATES } from './sandbox.js'
 export type {
-  CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, UrlOptions, UsageOptions,
+  CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, SandboxListOptions,
+  UrlOptions, UsageOptions,
 }
   from './sandbox.js'
 export { Files, DEFAULT_MAX_READ_BYTES } from './files.js'
