@@ -176,8 +176,8 @@ class PortGateway:
         answer: list[tuple[bytes, bytes]] = []
         if expires_at is not None and query_tokens:        # a token in the URL: the browser keeps it as a cookie
             token = next(t for t in query_tokens if t)
-            answer.append(_cookie(token, expires_at, self.urls.clock.now().timestamp(), prefix + "/",
-                                  _scheme(scope) == "https"))
+            https = _scheme(scope) == "https" or dict(headers).get(b"x-forwarded-proto") == b"https"
+            answer.append(_cookie(token, expires_at, self.urls.clock.now().timestamp(), prefix + "/", https))
             if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and \
                     dict(headers).get(b"sec-fetch-mode") == b"navigate":
                 location = (prefix.encode() + path) if prefix else path
