@@ -20,6 +20,7 @@ from pilldrops.errors import (
     CommandFailed,
     Conflict,
     FileNotFound,
+    GatewayTimeout,
     InsufficientCredits,
     InvalidRequest,
     InvalidState,
@@ -29,14 +30,18 @@ from pilldrops.errors import (
     PayloadTooLarge,
     PermissionDenied,
     PillDropsError,
+    PortNotOpen,
     RateLimited,
     RequestTimeout,
     SandboxNotFound,
     ServerError,
     TemplateNotFound,
     TransportError,
+    URLTokenExpired,
+    URLTokenInvalid,
+    URLTokenRequired,
 )
-from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxState, UsageSummary
+from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._async.template import AsyncTemplate
 from pilldrops.sdk._base import RunResult
@@ -57,6 +62,7 @@ __all__ = [
     "Conflict",
     "FileInfo",
     "FileNotFound",
+    "GatewayTimeout",
     "HistoryRecord",
     "InsufficientCredits",
     "InvalidRequest",
@@ -69,6 +75,8 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "PillDropsError",
+    "PortNotOpen",
+    "PortURL",
     "RateLimited",
     "RequestTimeout",
     "RunResult",
@@ -80,6 +88,9 @@ __all__ = [
     "Template",
     "TemplateNotFound",
     "TransportError",
+    "URLTokenExpired",
+    "URLTokenInvalid",
+    "URLTokenRequired",
     "UsageSummary",
     "__version__",
     "amap",
