@@ -156,6 +156,14 @@ class CapacityUnavailable(PillDropsError):
     retryable = True
 
 
+class TemplateBuildFailed(PillDropsError):
+    """A template build ran and failed (a step's exit status, a bad spec, a layer that did not verify); the
+    message names the step and its last output line."""
+
+    code = "template_build_failed"
+    status = 422
+
+
 class TransportError(PillDropsError):
     """No HTTP response was received (connection refused, reset, DNS, ...)."""
 
@@ -182,7 +190,7 @@ class CommandFailed(PillDropsError):
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported,
+    CapacityUnavailable, NotSupported, TemplateBuildFailed,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

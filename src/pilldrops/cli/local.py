@@ -82,6 +82,16 @@ def _templates_dir_option(f: Any) -> Any:
                              "always read")(f)
 
 
+def _template_store_options(f: Any) -> Any:
+    f = click.option("--template-context-max-mb", type=int, default=256, show_default=True,
+                     help="largest build context a `template build` may upload (MiB)")(f)
+    return click.option("--template-store", type=click.Path(path_type=Path), default=None,
+                        envvar="PILLDROPS_TEMPLATE_STORE",
+                        help="directory of the template store: the layers of templates built once and "
+                             "fetched by every node [default: DATA_DIR/template-store]; every control-plane "
+                             "process of a fleet must name the same (shared) directory")(f)
+
+
 _HELD: list[int] = []     # data-dir lock fds, held until the process exits
 
 
@@ -195,10 +205,12 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--credits", "credits_usd", type=float, default=None, metavar="USD",
               help="give teams this many USD of credits and refuse creates at zero [default: no credit "
                    "limit on your own machine]")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
        keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
-       templates_dirs: tuple[Path, ...], credits_usd: float | None, verbose: bool, **billing: Any) -> None:
+       templates_dirs: tuple[Path, ...], credits_usd: float | None, template_store: Path | None,
+       template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground.
 
     It is one person's machine: there is no credit limit unless --credits USD is given."""
@@ -211,6 +223,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     cpu, mem = default_capacity()
     anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
@@ -288,15 +302,18 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 @_control_plane_options
 @click.option("--free-credits", "--initial-credits", "free_credits", type=float, default=5.0, show_default=True,
               metavar="USD", help="USD of credits a new team starts with")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
-          verbose: bool, **billing: Any) -> None:
+          template_store: Path | None, template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
     _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
               liveness)
 
@@ -386,23 +403,26 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
         tg.cancel_scope.cancel()
 
 
-# ---- template build ---------------------------------------------------------------------------------
+# ---- template build on this machine (``template build --local``; the command is in cli/templates.py) ----
 
-@click.command("build")
-@click.argument("name")
-@_data_dir_option
-@click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
-@_templates_dir_option
-def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...]) -> None:
-    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine.
-
-    Specs are TOML files: the packaged ones, ~/.config/pilldrops/templates/*.toml and --templates-dir.
-    A running node announces a newly built template within about a second."""
+def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...],
+                document: dict[str, Any] | None = None, context: Path | None = None) -> None:
+    """Build a template into a cached read-only layer on this machine (root): a spec by name, or a spec
+    document (a Dockerfile's) with its context dir."""
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    if force:
+    if document is not None:
+        if not hasattr(store, "build_document"):
+            raise click.ClickException("a local build of a Dockerfile is not supported by this version; build it "
+                                       "through the control plane (without --local)")
+        t0 = time.monotonic()
+        with _one_line_build_errors(), _console().status(f"building {name}") as status:
+            tpl = store.build_document(document, context or Path("."),
+                                       progress=lambda line: status.update(f"building {name}: {line[:90]}"))
+        _console().print(f"[green]✓[/] {name} built in {time.monotonic() - t0:.0f}s")
+    elif force:
         t0 = time.monotonic()
         with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),

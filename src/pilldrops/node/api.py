@@ -19,6 +19,7 @@ from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
+    NodeBuildRequest,
     NodeDeadline,
     NodePoolSpec,
     NodePoolStatus,
@@ -89,6 +90,11 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
         agent.forget(sandbox_id)
         return {"ok": True}
+
+    @node.post("/templates/builds", response_class=StreamingResponse)
+    async def build_template(body: NodeBuildRequest) -> StreamingResponse:
+        """Build a spec document into a layer for the template store (``node.template_builds``)."""
+        return StreamingResponse(await agent.build_template(body), media_type="application/x-ndjson")
 
     @node.put("/pools")
     async def set_pools(body: list[NodePoolSpec]) -> dict[str, list[NodePoolStatus]]:

@@ -145,6 +145,24 @@ def parse_spec(path: Path) -> TemplateSpec:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TemplateSpecError(f"{path}: {e}") from e
+    return spec_from_dict(data, path)
+
+
+def spec_document(spec: TemplateSpec) -> dict[str, Any]:
+    """The spec as a plain dict in the shape of its TOML file (what a remote build sends): the inverse of
+    :func:`spec_from_dict`."""
+    return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
+            "workdir": spec.workdir, "isolation": spec.isolation,
+            "steps": [{s.kind: s.value} for s in spec.steps]}
+
+
+def spec_from_dict(data: Any, path: Path) -> TemplateSpec:
+    """A spec from its document (a TOML file's table, or a remote build's JSON). ``path`` names where it
+    came from; its folder is the root ``copy`` sources are relative to (the build context)."""
+    path = Path(path)
+    if not isinstance(data, dict):
+        raise TemplateSpecError(f"{path}: a template spec must be a table")
+    data = {k: v for k, v in data.items() if v is not None}     # a document's null = the key left out
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise TemplateSpecError(f"{path}: unknown keys {sorted(unknown)}")
