@@ -106,11 +106,12 @@ class Fleet:
             self.key = re.search(r"PILLDROPS_API_KEY=(\S+)", out).group(1)  # type: ignore[union-attr]
             self.token = re.search(r"PILLDROPS_NODE_TOKEN=(\S+)", out).group(1)  # type: ignore[union-attr]
 
-    def add_node(self, *, capacity_vcpu: float | None = None) -> Proc:
+    def add_node(self, *, capacity_vcpu: float | None = None, templates: str = "tiny") -> Proc:
+        """``templates=""``: a node that builds nothing itself (it fetches from the template store)."""
         i = len(self.nodes)
         name = f"{self.name}-n{i}"
         args = ["node", "--control-plane", self.url, "--node-token", self.token, "--port", str(free_port()),
-                "--data-dir", str(self.root / f"node{i}"), "--name", name, "--templates", "tiny"]
+                "--data-dir", str(self.root / f"node{i}"), "--name", name, "--templates", templates]
         if capacity_vcpu:
             args += ["--capacity-vcpu", str(capacity_vcpu)]
         p = Proc(args, self.root / f"node{i}.log")
@@ -122,12 +123,13 @@ class Fleet:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
 
-    def wait_nodes_ready(self, n: int, timeout: float = 30) -> None:
+    def wait_nodes_ready(self, n: int, timeout: float = 30, template: str | None = "tiny") -> None:
         deadline = time.monotonic() + timeout
         with self.api() as c:
             while time.monotonic() < deadline:
                 items = c.get("/v1/nodes").json()["items"]
-                if sum(1 for x in items if x["state"] == "ready" and "tiny" in x["templates"]) >= n:
+                if sum(1 for x in items if x["state"] == "ready"
+                       and (template is None or template in x["templates"])) >= n:
                     return
                 time.sleep(0.1)
         raise AssertionError(f"{n} ready nodes not seen in {timeout}s")

@@ -116,6 +116,7 @@ class RemoteBuilds:
                                               f"template store: build it first (`pilldrops template build "
                                               f"{spec.base}`)", details={"template": spec.base})
             out = tmp / "out"
+            await send.send(_event("log", line=f"[{spec.name}] from {spec.base}: {len(spec.steps)} step(s)"))
             await self._steps(spec, parent, out, send)
             env, workdir = TemplateStore._resolve_env(spec, parent)   # type: ignore[arg-type]
             size = _tree_size(out / "layer")

@@ -40,7 +40,11 @@ MAX_LAYER_BYTES = 16 << 30
 DEFAULT_MAX_CONTEXT_BYTES = 256 << 20
 BUILD_SHAPE = (1.0, 1024)      # what a build asks of its node (vCPU, MiB)
 READY_WINDOW = timedelta(seconds=30)
-BUILD_FILTERS = (scheduler.READY, scheduler.NOT_DRAINING, scheduler.FITS_VCPU, scheduler.FITS_MEMORY)
+# a build is not a sandbox: it holds no reservation, so a full node may build; the least loaded one does
+BUILD_FILTERS = (scheduler.READY, scheduler.NOT_DRAINING)
+LEAST_LOADED = scheduler.Scorer("least loaded", lambda r, n: -((n.capacity_vcpu - n.used_vcpu) / n.capacity_vcpu
+                                                               + (n.capacity_memory_mb - n.used_memory_mb)
+                                                               / n.capacity_memory_mb))
 
 
 def ref_of(row: TemplateVersionRecord) -> NodeTemplateRef:
@@ -126,7 +130,7 @@ class TemplateService:
         return self._run(name, spec, parent, key, node, body)
 
     async def _builder(self) -> Any:
-        """The node a build runs on: ready, not draining, the best fit for a 1 vCPU / 1 GiB job."""
+        """The node a build runs on: ready, not draining, the least loaded."""
         nodes = await self.store.list_nodes()
         allocs = await self.store.allocations()
         now = self.clock.now()
@@ -135,7 +139,7 @@ class TemplateService:
             used_vcpu=allocs.get(n.id, (0.0, 0))[0], used_memory_mb=allocs.get(n.id, (0.0, 0))[1],
             ready=n.state == "ready" and now - n.last_heartbeat_at < READY_WINDOW, draining=n.draining)
             for n in nodes]
-        result = scheduler.place(scheduler.Request("", *BUILD_SHAPE), views, filters=BUILD_FILTERS)
+        result = scheduler.place(scheduler.Request("", *BUILD_SHAPE), views, [LEAST_LOADED], filters=BUILD_FILTERS)
         if isinstance(result, scheduler.Unschedulable):
             raise errors.CapacityUnavailable(f"no node can build templates now: {result.explain()}",
                                              details={"reasons": result.reasons})
