@@ -83,8 +83,8 @@ async def test_versions_and_gc(store_url: str, tmp_path: Path) -> None:
             (tmp_path / "blobs" / "layers").mkdir(parents=True, exist_ok=True)
             (tmp_path / "blobs" / "layers" / d[7:]).write_bytes(b"x")
         svc = TemplateService(store, blobs, SimpleNamespace(), Clock())    # type: ignore[arg-type]
-        common = dict(env={}, workdir="/", size_bytes=1, description="", isolation=None, parent=None,
-                      builder="n", build_seconds=0.1, built_at=NOW)
+        common = {"env": {}, "workdir": "/", "size_bytes": 1, "description": "", "isolation": None, "parent": None,
+                      "builder": "n", "build_seconds": 0.1, "built_at": NOW}
         v1 = await store.add_template_version(name="tiny", key="k1", layers=[{"digest": D1, "size": 1}], **common)
         v2 = await store.add_template_version(name="tiny", key="k2", layers=[{"digest": D2, "size": 1}], **common)
         assert (v1.version, v2.version) == (1, 2)
