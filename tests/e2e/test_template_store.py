@@ -124,6 +124,18 @@ def test_one_build_ships_to_every_node(fleet: Fleet) -> None:
     assert not (fleet.root / "node3" / "templates").exists()        # nothing was built there
     late.kill()
 
+    # a user's spec with a copy step: its build context is uploaded by digest and built remotely
+    specs = fleet.root / "specs"
+    (specs / "files").mkdir(parents=True)
+    (specs / "files" / "episode.sh").write_text("echo from-context $GREETING\n")
+    (specs / "mine.toml").write_text('name = "mine"\nfrom = "tiny"\nworkdir = "/env"\n[env]\nGREETING = "hi"\n'
+                                     '[[steps]]\ncopy = { src = "files/episode.sh", dest = "/env/episode.sh" }\n')
+    res = _cli(fleet, "template", "build", "mine", "--templates-dir", str(specs))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "fetching build context sha256:" in res.stderr and "tiny" in res.stderr and " v1 " in res.stdout
+    with Sandbox.create(template="mine", memory_mb=128, api_url=fleet.url, api_key=fleet.key) as sb:
+        assert sb.run("sh episode.sh").stdout == "from-context hi\n"
+
     # a corrupted layer in the store is refused by digest on the next node that fetches it
     with fleet.api() as c:
         tiny = next(t for t in c.get("/v1/templates").json()["items"] if t["name"] == "tiny")
