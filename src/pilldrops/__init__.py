@@ -33,6 +33,7 @@ from pilldrops.errors import (
     RequestTimeout,
     SandboxNotFound,
     ServerError,
+    TemplateBuildFailed,
     TemplateNotFound,
     TransportError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxState",
     "ServerError",
+    "TemplateBuildFailed",
     "TemplateNotFound",
     "TransportError",
     "UsageSummary",

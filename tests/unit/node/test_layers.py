@@ -86,3 +86,40 @@ async def test_fetch_verifies_the_digest_and_size(tmp_path: Path) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_versions_are_remembered_and_unused_ones_collected(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pilldrops.node.template_cache import TemplateCache
+    from pilldrops.schema.node import NodeLayerRef, NodeSandboxSpec, NodeTemplateRef
+    blobs = {}
+    for i in (1, 2):
+        layer = tmp_path / f"built{i}"
+        layer.mkdir()
+        (layer / "v").write_text(str(i))
+        digest, size = pack_layer(layer, tmp_path / f"b{i}.tar")
+        blobs[digest] = (tmp_path / f"b{i}.tar").read_bytes()
+    (d1, d2) = list(blobs)
+
+    async def fetch(digest: str) -> AsyncIterator[bytes]:
+        async def one() -> AsyncIterator[bytes]:
+            yield blobs[digest]
+        return one()
+
+    local = SimpleNamespace(list=list, get=lambda name: (_ for _ in ()).throw(KeyError(name)))
+    refs = [NodeTemplateRef(name="t", version=v, key=f"k{v}", layers=[NodeLayerRef(digest=d, size=len(blobs[d]))],
+                            env={"V": str(v)}) for v, d in ((1, d1), (2, d2))]
+    cache = TemplateCache(local, "n", LayerCache(tmp_path / "layers"), fetch=fetch)
+    for ref in refs:
+        await cache.ensure(ref)
+    spec = NodeSandboxSpec(id="sb_1", template="t", vcpu=1, memory_mb=64, end_at="2026-01-01T00:00:00Z",
+                           access_token="x", template_ref=refs[0])
+    assert cache.runtime_spec(spec).envs["V"] == "1"            # a sandbox of v1 stands on v1's layer
+    assert [(i.name, i.version) for i in cache.refresh()] == [("t", 2)]
+    again = TemplateCache(local, "n", LayerCache(tmp_path / "layers"), fetch=fetch)   # a restarted agent
+    assert again.holds(refs[0]) and again.latest_refs()["t"].version == 2
+    again.layers._recent.clear()                                   # past the grace period   # type: ignore[union-attr]
+    assert again.gc([refs[0]]) == []                               # v1 still used by a sandbox
+    assert again.gc([]) == [d1] and not again.holds(refs[0]) and again.holds(refs[1])
