@@ -99,7 +99,7 @@ async def test_versions_are_remembered_and_unused_ones_collected(tmp_path: Path)
         layer = tmp_path / f"built{i}"
         layer.mkdir()
         (layer / "v").write_text(str(i))
-        digest, size = pack_layer(layer, tmp_path / f"b{i}.tar")
+        digest, _size = pack_layer(layer, tmp_path / f"b{i}.tar")
         blobs[digest] = (tmp_path / f"b{i}.tar").read_bytes()
     (d1, d2) = list(blobs)
 
