@@ -10,10 +10,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tests import leakcheck
 
 
 def free_port() -> int:
@@ -141,3 +145,17 @@ class Fleet:
         for p in [*self.nodes, self.cp]:
             if p is not None and p.proc is not None:
                 p.proc.wait(timeout=60)
+
+
+@contextmanager
+def running_fleet(root: Path, name: str, match: str, db: str | None = None) -> Iterator[Fleet]:
+    """A fleet under ``root`` (its processes stopped at the end), checked for leaks of sandboxes whose
+    names contain ``match``."""
+    root.mkdir()
+    f = Fleet(root, name, db=db)
+    before = leakcheck.snapshot(f.crun_roots(), match=match)
+    try:
+        yield f
+    finally:
+        f.stop()
+    leakcheck.assert_no_leaks(before, settle=5)
