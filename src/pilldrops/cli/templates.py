@@ -52,7 +52,10 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.argument("name")
 @click.argument("context", required=False, type=click.Path(file_okay=False, path_type=Path))
 @click.option("-f", "--file", "dockerfile", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="build from this Dockerfile (CONTEXT, default '.', holds what COPY/ADD read)")
+              help="build from this Dockerfile (CONTEXT, default: the Dockerfile's folder, holds what COPY/ADD "
+                   "read)")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE",
+              help="a Dockerfile ARG's value (repeatable)")
 @click.option("--force", is_flag=True, help="rebuild even when the store (or cache) holds this exact spec")
 @click.option("--local", is_flag=True,
               help="build on this machine into its own data dir (root), not through the control plane")
@@ -63,7 +66,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @pass_state
 @click.pass_context
 def build(ctx: click.Context, state: CliState, name: str, context: Path | None, dockerfile: Path | None,
-          force: bool, local: bool, data_dir: Path | None, templates_dirs: tuple[Path, ...]) -> None:
+          build_args: tuple[str, ...], force: bool, local: bool, data_dir: Path | None,
+          templates_dirs: tuple[Path, ...]) -> None:
     """Build a template ONCE for the whole deployment.
 
     The control plane picks a node, which builds it and stores its layers (by digest) in the template
@@ -73,8 +77,8 @@ def build(ctx: click.Context, state: CliState, name: str, context: Path | None, 
 
     NAME is a TOML spec (the packaged ones, ~/.config/pilldrops/templates/*.toml, --templates-dir), or
     with -f the name to give a Dockerfile's template. --local builds on this machine only (the old way)."""
-    document = _dockerfile_document(dockerfile, name) if dockerfile else None
-    root = context or (Path(".") if dockerfile else None)
+    root = context or (dockerfile.parent if dockerfile else None)
+    document = _dockerfile_document(dockerfile, name, root, build_args) if dockerfile else None
     if local or (data_dir is not None and _explicit(ctx, "data_dir")):
         from pilldrops.cli.local import DEFAULT_DATA_DIR, local_build
         local_build(name, data_dir or DEFAULT_DATA_DIR, force, templates_dirs, document, root)
@@ -84,12 +88,19 @@ def build(ctx: click.Context, state: CliState, name: str, context: Path | None, 
                           context=root, force=force, templates_dirs=templates_dirs)
 
 
-def _dockerfile_document(path: Path, name: str) -> dict[str, Any]:
+def _dockerfile_document(path: Path, name: str, context: Path | None, build_args: tuple[str, ...]) -> dict[str, Any]:
     try:
         from pilldrops import dockerfile  # type: ignore[attr-defined]   # issue 19 part 3 (branch dockerfile)
     except ImportError:
         raise click.ClickException("Dockerfile templates are not available in this version") from None
+    args = {}
+    for item in build_args:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--build-arg")
+        args[key] = value
     try:
-        return dict(dockerfile.to_document(path.read_text(), name))
+        return dict(dockerfile.to_document(path.read_text(), name, context=context or path.parent,
+                                           build_args=args, dockerfile=path))
     except ValueError as exc:
         raise click.ClickException(f"{path}: {exc}") from None

@@ -31,7 +31,6 @@ from pilldrops.node.isolation.mounts import umount_all_under
 from pilldrops.node.layers import pack_layer
 from pilldrops.node.template_cache import TemplateCache
 from pilldrops.node.templates import (
-    BUILDERS,
     TemplateBuildError,
     TemplateSpecError,
     TemplateStore,
@@ -111,14 +110,19 @@ class RemoteBuilds:
                                                    f"{len(req.parent.layers)} layer(s)"))
                 await self.cache.ensure(req.parent)
                 parent = self.cache.stored(req.parent)
-            elif spec.base not in BUILDERS:
+            elif not spec.is_builder:
                 raise errors.TemplateNotFound(f"template {spec.base!r} (the 'from' of {spec.name!r}) is not in the "
                                               f"template store: build it first (`pilldrops template build "
                                               f"{spec.base}`)", details={"template": spec.base})
             out = tmp / "out"
             await send.send(_event("log", line=f"[{spec.name}] from {spec.base}: {len(spec.steps)} step(s)"))
-            await self._steps(spec, parent, out, send)
-            env, workdir = TemplateStore._resolve_env(spec, parent)   # type: ignore[arg-type]
+            result = await self._steps(spec, parent, out, send)
+            if result is not None:     # a builder that resolves USER against the built rootfs says so itself
+                env, workdir = dict(result.env), result.workdir
+                user, home = getattr(result, "user", None), getattr(result, "home", None)
+            else:
+                env, workdir = TemplateStore._resolve_env(spec, parent)   # type: ignore[arg-type]
+                user = home = None
             size = _tree_size(out / "layer")
             await send.send(_event("log", line=f"packing layer ({size / 2**20:.1f} MiB)"))
             digest, blob_size = await anyio.to_thread.run_sync(pack_layer, out / "layer", tmp / "layer.tar")
@@ -127,7 +131,8 @@ class RemoteBuilds:
             if self.cache.layers is not None:
                 self.cache.layers.adopt(digest, out / "layer")
             await send.send(_event("done", layer={"digest": digest, "size": blob_size}, env=env, workdir=workdir,
-                                   size_bytes=size, build_seconds=round(time.monotonic() - t0, 3)))
+                                   user=user, home=home, size_bytes=size,
+                                   build_seconds=round(time.monotonic() - t0, 3)))
         finally:
             umount_all_under(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -154,14 +159,15 @@ class RemoteBuilds:
                 raise errors.InvalidRequest(f"build context is not a safe tar: {exc}") from exc
         await anyio.to_thread.run_sync(unpack)
 
-    async def _steps(self, spec: Any, parent: Any, out: Path, send: Any) -> None:
-        """The build itself, in a worker thread; its output lines go to the stream as they come."""
+    async def _steps(self, spec: Any, parent: Any, out: Path, send: Any) -> Any:
+        """The build itself, in a worker thread; its output lines go to the stream as they come. Returns
+        what the builder returns (``(env, workdir, user, home)`` where it resolves a USER; else None)."""
         portal_send = send.send
 
         def progress(line: str) -> None:
             anyio.from_thread.run(portal_send, _event("log", line=line[:MAX_LINE]))
 
-        def build() -> None:
-            self.store._build_into(spec, parent, out, progress)
+        def build() -> Any:
+            return self.store._build_into(spec, parent, out, progress)
 
-        await anyio.to_thread.run_sync(build)
+        return await anyio.to_thread.run_sync(build)

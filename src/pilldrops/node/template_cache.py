@@ -41,6 +41,8 @@ class StoredTemplate:
     built_at: float = 0.0
     version: int = 0
     digests: tuple[str, ...] = field(default=())
+    user: str | None = None            # "uid:gid" its commands run as (a Dockerfile's USER); None: root
+    home: str | None = None
 
 
 class Templates(Protocol):
@@ -113,7 +115,7 @@ class TemplateCache:
         return StoredTemplate(name=ref.name, layers=tuple(self.layers.path(x.digest) for x in ref.layers),
                               env=dict(ref.env), workdir=ref.workdir or "/", hash=ref.key, size=ref.size_bytes,
                               built_at=ref.built_at.timestamp() if ref.built_at else 0.0, version=ref.version,
-                              digests=tuple(x.digest for x in ref.layers))
+                              digests=tuple(x.digest for x in ref.layers), user=ref.user, home=ref.home)
 
     def latest_refs(self) -> dict[str, NodeTemplateRef]:
         """The newest version of each store template this node holds."""

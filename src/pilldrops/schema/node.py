@@ -86,6 +86,8 @@ class NodeTemplateRef(_Model):
     layers: list[NodeLayerRef] = Field(..., min_length=1)          # top first (parents' layers after this template's own)
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
+    user: str | None = None             # "uid:gid" commands run as (a Dockerfile's USER); None: root
+    home: str | None = None
     isolation: str | None = None
     built_at: datetime | None = None
     size_bytes: int = 0

@@ -50,8 +50,13 @@ LEAST_LOADED = scheduler.Scorer("least loaded", lambda r, n: -((n.capacity_vcpu 
 def ref_of(row: TemplateVersionRecord) -> NodeTemplateRef:
     return NodeTemplateRef(name=row.name, version=row.version, key=row.key,
                            layers=[NodeLayerRef(**layer) for layer in row.layers], env=dict(row.env or {}),
-                           workdir=row.workdir or "/", isolation=row.isolation, built_at=row.built_at,
+                           workdir=row.workdir or "/", user=getattr(row, "user", None),
+                           home=getattr(row, "home", None), isolation=row.isolation, built_at=row.built_at,
                            size_bytes=row.size_bytes)
+
+
+def _opt_str(v: Any) -> str | None:
+    return str(v)[:1024] if v else None
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -199,7 +204,8 @@ class TemplateService:
         own = int(done.get("size_bytes") or layer.size)
         return await self.store.add_template_version(
             name=name, key=key, layers=layers, env=dict(done.get("env") or {}),
-            workdir=str(done.get("workdir") or "/"), size_bytes=own + (parent.size_bytes if parent else 0),
+            workdir=str(done.get("workdir") or "/"), user=_opt_str(done.get("user")),
+            home=_opt_str(done.get("home")), size_bytes=own + (parent.size_bytes if parent else 0),
             description=str(spec.get("description") or ""), isolation=spec.get("isolation"),
             parent=parent.name if parent else None, builder=node.name,
             build_seconds=float(done.get("build_seconds") or 0.0), built_at=self.clock.now())

@@ -103,6 +103,8 @@ class TemplateVersionRecord(Protocol):
     layers: list[Any]          # [{"digest", "size"}], top first
     env: dict[str, str]
     workdir: str
+    user: str | None
+    home: str | None
     size_bytes: int
     description: str
     isolation: str | None

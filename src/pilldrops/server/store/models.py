@@ -195,6 +195,8 @@ class TemplateVersion(Base):
     layers: Mapped[list[Any]] = mapped_column(JSON)              # [{"digest", "size"}], top first
     env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     workdir: Mapped[str] = mapped_column(String(1024), default="/")
+    user: Mapped[str | None] = mapped_column(String(64), nullable=True)     # "uid:gid" (a Dockerfile's USER)
+    home: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     description: Mapped[str] = mapped_column(Text, default="")
     isolation: Mapped[str | None] = mapped_column(String(16), nullable=True)

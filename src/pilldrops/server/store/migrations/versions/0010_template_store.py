@@ -20,6 +20,8 @@ def upgrade() -> None:
         sa.Column("layers", sa.JSON(), nullable=False),
         sa.Column("env", sa.JSON(), nullable=False),
         sa.Column("workdir", sa.String(1024), nullable=False),
+        sa.Column("user", sa.String(64), nullable=True),
+        sa.Column("home", sa.String(1024), nullable=True),
         sa.Column("size_bytes", sa.BigInteger(), nullable=False),
         sa.Column("description", sa.Text(), nullable=False),
         sa.Column("isolation", sa.String(16), nullable=True),
