@@ -403,6 +403,24 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
         tg.cancel_scope.cancel()
 
 
+def spec_chain(name: str, templates_dirs: tuple[Path, ...]) -> list[tuple[dict[str, Any], Path]]:
+    """The spec documents of ``name`` and of its parents that are spec files here (packaged, the user's,
+    ``--templates-dir``), child first, each with its folder (the root its copy sources are relative to)."""
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs, spec_document
+    with _one_line_build_errors():
+        specs = TemplateStore(Path("/nonexistent"), spec_dirs=default_spec_dirs(templates_dirs)).specs()
+    out: list[tuple[dict[str, Any], Path]] = []
+    seen: set[str] = set()
+    while name in specs and name not in seen:
+        seen.add(name)
+        spec = specs[name]
+        out.append((spec_document(spec), spec.path.parent))
+        if spec.is_builder:          # built from debootstrap/busybox: the end of the chain
+            break
+        name = spec.base
+    return out
+
+
 # ---- template build on this machine (``template build --local``; the command is in cli/templates.py) ----
 
 def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...],

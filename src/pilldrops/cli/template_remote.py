@@ -20,28 +20,17 @@ from pilldrops.sdk._template_build import ContextTooLarge, context_digest, pack_
 BUILD_TIMEOUT = httpx.Timeout(30.0, read=None)     # a Debian template takes minutes: no read timeout on the stream
 
 
-def _specs(templates_dirs: tuple[Path, ...]) -> Any:
-    from pilldrops.node.templates import BUILDERS, TemplateStore, default_spec_dirs, spec_document
-    store = TemplateStore(Path("/nonexistent"), spec_dirs=default_spec_dirs(templates_dirs))
-    return store, BUILDERS, spec_document
-
-
 def build(client: APIClient, name: str, *, document: dict[str, Any] | None, context: Path | None,
           force: bool, templates_dirs: tuple[Path, ...]) -> None:
-    store, builders, spec_document = _specs(templates_dirs)
+    from pilldrops.cli.local import spec_chain  # reads spec files (node code: only through cli/local.py)
     chain: list[tuple[dict[str, Any], Path | None]] = []
     if document is not None:
         chain.append((document, context))
         base = document.get("from")
     else:
         base = name
-    seen: set[str] = set()
-    specs = store.specs()
-    while isinstance(base, str) and base not in builders and base in specs and base not in seen:
-        seen.add(base)
-        spec = specs[base]
-        chain.append((spec_document(spec), spec.path.parent))
-        base = spec.base
+    if isinstance(base, str):
+        chain.extend(spec_chain(base, templates_dirs))
     if document is None and not chain:
         raise click.ClickException(f"no template spec named {name!r} here (packaged, ~/.config/pilldrops/"
                                    "templates or --templates-dir); for a Dockerfile use -f")
