@@ -195,7 +195,7 @@ class NodeAgent:
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
         member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
-                  if spec.isolation == "container" else None)
+                  if spec.isolation == "container" and self.template_cache.pooled_version(spec) else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)
@@ -322,8 +322,10 @@ class NodeAgent:
 
     def refresh_templates(self) -> list[TemplateInfo]:
         in_use = [sb.spec.template_ref for sb in self.sandboxes if sb.spec.template_ref is not None]
+        members = [str(p) for pool in self.pools.pools.values() for m in pool.ready
+                   if isinstance(m.version, tuple) for p in m.version[0]]     # the layers warm members stand on
         try:
-            self.template_cache.gc(in_use)
+            self.template_cache.gc(in_use, members)
         except OSError:
             log.exception("template layer gc failed")
         return self.template_cache.refresh()

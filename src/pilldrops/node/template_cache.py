@@ -125,11 +125,21 @@ class TemplateCache:
                 out[name] = ref
         return out
 
-    def gc(self, in_use: Iterable[NodeTemplateRef]) -> list[str]:
-        """Drop layers (and remembered versions) that neither a sandbox here nor the newest version of a
-        template uses."""
+    def pooled_version(self, spec: NodeSandboxSpec) -> bool:
+        """Whether a warm member of ``spec.template`` (made from the newest version held here) is of the
+        version the create asks for: only then may it be claimed."""
+        if spec.template_ref is None:
+            return True
+        tpl = self._cache.get(spec.template)
+        return isinstance(tpl, StoredTemplate) and tpl.version == spec.template_ref.version
+
+    def gc(self, in_use: Iterable[NodeTemplateRef], layer_paths: Iterable[str] = ()) -> list[str]:
+        """Drop layers (and remembered versions) that neither a sandbox here, a warm member (its
+        ``layer_paths``) nor the newest version of a template uses."""
         if self.layers is None:
             return []
+        root = self.layers.root
+        members = {"sha256:" + Path(p).parent.name for p in layer_paths if Path(p).parent.parent == root}
         keep_refs = {(r.name, r.version): r for r in [*in_use, *self.latest_refs().values()]}
         for key in list(self._refs):
             if key not in keep_refs:
@@ -137,7 +147,7 @@ class TemplateCache:
                 d = self._refs_dir()
                 if d is not None:
                     (d / f"{key[0]}-{key[1]}.json").unlink(missing_ok=True)
-        dropped = self.layers.gc(x.digest for r in keep_refs.values() for x in r.layers)
+        dropped = self.layers.gc({x.digest for r in keep_refs.values() for x in r.layers} | members)
         if dropped:
             log.info("dropped unused template layers %s", dropped)
         return dropped
