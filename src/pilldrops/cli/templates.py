@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="build from this Dockerfile (CONTEXT, default: the Dockerfile's folder, holds what COPY/ADD "
                    "read)")
 @click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE",
-              help="a Dockerfile ARG's value (repeatable)")
+              help="a Dockerfile ARG's value (repeatable; KEY alone takes $KEY)")
 @click.option("--force", is_flag=True, help="rebuild even when the store (or cache) holds this exact spec")
 @click.option("--local", is_flag=True,
               help="build on this machine into its own data dir (root), not through the control plane")
@@ -96,8 +97,12 @@ def _dockerfile_document(path: Path, name: str, context: Path | None, build_args
     args = {}
     for item in build_args:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not key:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--build-arg")
+        if not sep:                    # KEY alone takes $KEY, as docker build does
+            if key not in os.environ:
+                raise click.BadParameter(f"{key} is not set in the environment", param_hint="--build-arg")
+            value = os.environ[key]
         args[key] = value
     try:
         return dict(dockerfile.to_document(path.read_text(), name, context=context or path.parent,
