@@ -66,6 +66,13 @@ def test_one_build_ships_to_every_node(fleet: Fleet) -> None:
     assert again.returncode == 0 and "up to date" in again.stderr and " v1 " in again.stdout
     built_on = [i for i in range(3) if digest[7:] in _layers(fleet, i)]
     assert len(built_on) == 1                                      # exactly one node built it
+    deadline = time.monotonic() + 10                               # and reports that it holds it
+    while time.monotonic() < deadline:
+        (tiny,) = [t for t in json.loads(_cli(fleet, "template", "list", "--json").stdout) if t["name"] == "tiny"]
+        if tiny["nodes"]:
+            break
+        time.sleep(0.3)
+    assert tiny["nodes"] == [fleet.node_names[built_on[0]]]
 
     # creates succeed on all three nodes; two of them fetch the layer first
     boxes, times = [], []

@@ -49,6 +49,7 @@ from pilldrops.schema.node import (
     NodeResume,
     NodeSandboxSpec,
     NodeSandboxStatus,
+    NodeTemplateRef,
 )
 
 log = logging.getLogger("pilldrops.node")
@@ -341,6 +342,10 @@ class NodeAgent:
         await self.template_cache.ensure(ref)
         log.info("fetched template %s v%d in %.2fs", ref.name, ref.version, time.monotonic() - t0)
         self._wake_heartbeat.set()          # the control plane learns at once that this node holds it
+
+    async def hold_template(self, ref: NodeTemplateRef) -> None:
+        await self.template_cache.ensure(ref)
+        self._wake_heartbeat.set()
 
     async def build_template(self, req: NodeBuildRequest) -> AsyncIterator[bytes]:
         if self.builds is None:

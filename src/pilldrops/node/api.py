@@ -26,6 +26,7 @@ from pilldrops.schema.node import (
     NodeResume,
     NodeSandboxSpec,
     NodeSandboxStatus,
+    NodeTemplateRef,
 )
 
 
@@ -95,6 +96,12 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     async def build_template(body: NodeBuildRequest) -> StreamingResponse:
         """Build a spec document into a layer for the template store (``node.template_builds``)."""
         return StreamingResponse(await agent.build_template(body), media_type="application/x-ndjson")
+
+    @node.post("/templates/refs")
+    async def hold_template(body: NodeTemplateRef) -> dict[str, bool]:
+        """Hold this template-store version (fetch what is missing): the builder learns its version here."""
+        await agent.hold_template(body)
+        return {"ok": True}
 
     @node.put("/pools")
     async def set_pools(body: list[NodePoolSpec]) -> dict[str, list[NodePoolStatus]]:

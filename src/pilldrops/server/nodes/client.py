@@ -20,6 +20,7 @@ from pilldrops.schema.node import (
     NodeResume,
     NodeSandboxSpec,
     NodeSandboxStatus,
+    NodeTemplateRef,
 )
 
 
@@ -97,6 +98,11 @@ class NodeClient:
             await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}/checkpoint")
         except errors.NotFound:
             return
+
+    async def hold_template(self, node_url: str, ref: NodeTemplateRef) -> None:
+        """Have that node hold a template-store version (it fetches what it lacks)."""
+        await self._call("POST", f"{node_url}/node/v1/templates/refs", content=ref.model_dump_json(),
+                         headers={"content-type": "application/json"}, timeout=httpx.Timeout(600.0, connect=5.0))
 
     @asynccontextmanager
     async def stream_build(self, node_url: str, body: NodeBuildRequest) -> AsyncIterator[AsyncIterator[str]]:

@@ -186,6 +186,10 @@ class TemplateService:
             return
         ref = ref_of(row)
         self._current.put(name, ref)
+        try:                 # the builder holds the layer already: now it knows the version, and reports it
+            await self.nodes.hold_template(node.url, ref)
+        except errors.PillDropsError as exc:
+            log.warning("builder %s did not take template %s v%d: %s", node.name, name, row.version, exc)
         yield _event("status", message=f"stored template {name} v{row.version} "
                                        f"({row.size_bytes / 2**20:.1f} MiB, layer {ref.layers[0].digest[:19]})")
         try:
