@@ -20,6 +20,7 @@ from pilldrops.errors import (
     CommandFailed,
     Conflict,
     FileNotFound,
+    GatewayTimeout,
     InsufficientCredits,
     InvalidRequest,
     InvalidState,
@@ -29,6 +30,7 @@ from pilldrops.errors import (
     PayloadTooLarge,
     PermissionDenied,
     PillDropsError,
+    PortNotOpen,
     RateLimited,
     RequestTimeout,
     SandboxNotFound,
@@ -36,8 +38,11 @@ from pilldrops.errors import (
     TemplateBuildFailed,
     TemplateNotFound,
     TransportError,
+    URLTokenExpired,
+    URLTokenInvalid,
+    URLTokenRequired,
 )
-from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxState, UsageSummary
+from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._base import RunResult
 from pilldrops.sdk._sync.sandbox import Sandbox
@@ -53,6 +58,7 @@ __all__ = [
     "Conflict",
     "FileInfo",
     "FileNotFound",
+    "GatewayTimeout",
     "HistoryRecord",
     "InsufficientCredits",
     "InvalidRequest",
@@ -65,6 +71,8 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "PillDropsError",
+    "PortNotOpen",
+    "PortURL",
     "RateLimited",
     "RequestTimeout",
     "RunResult",
@@ -76,6 +84,9 @@ __all__ = [
     "TemplateBuildFailed",
     "TemplateNotFound",
     "TransportError",
+    "URLTokenExpired",
+    "URLTokenInvalid",
+    "URLTokenRequired",
     "UsageSummary",
     "__version__",
     "amap",

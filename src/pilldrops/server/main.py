@@ -21,6 +21,7 @@ from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.service.templates import DEFAULT_MAX_CONTEXT_BYTES, TemplateService
+from pilldrops.server.service.urls import URLService
 from pilldrops.server.store.sql import Store
 
 log = logging.getLogger("pilldrops.server")
@@ -77,7 +78,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
                               default_isolation: str = DEFAULT_ISOLATION,
                               template_store: Path | None = None,
-                              max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES) -> ControlPlane:
+                              max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
+                              public_host: str | None = None) -> ControlPlane:
     """``template_store``: the directory of the template store's layers (issue 19); None: no store (only
     templates the nodes build themselves)."""
     clock = clock or Clock()
@@ -92,7 +94,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,
                                           pools=pools),
-                        billing=billing_service, pools=pools)
+                        billing=billing_service, pools=pools,
+                        urls=URLService(store, clock, public_host))
     if template_store is not None:
         services.templates = TemplateService(store, BlobStore(template_store), node_client, clock,
                                              max_context_bytes=max_context_bytes)

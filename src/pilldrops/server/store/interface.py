@@ -94,6 +94,8 @@ class SandboxRecord(Protocol):
     pause_count: int | None
     checkpoint_bytes: int | None
     timeout_left: float | None
+    public_ports: list[int] | None
+    public: bool
 
 
 class TemplateVersionRecord(Protocol):
@@ -151,6 +153,8 @@ class NewSandbox:
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
     template_version: int | None = None   # the template store's version it runs (None: a node-built template)
+    public_ports: list[int] = field(default_factory=list)
+    public: bool = False
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
@@ -227,6 +231,8 @@ class Store(Protocol):
     async def template_version(self, name: str, version: int | None = None) -> TemplateVersionRecord | None: ...
     async def template_versions_in_use(self) -> set[tuple[str, int]]: ...
     async def delete_template_version(self, name: str, version: int) -> None: ...
+    # secrets the deployment's control-plane processes share
+    async def shared_secret(self, name: str, new_value: str, now: datetime) -> str: ...
 
     # warm pools
     async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None: ...
