@@ -462,6 +462,24 @@ def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Pa
     sys.stdout.flush()
 
 
+def local_dockerfile_build(name: str, data_dir: Path, dockerfile: Path, context: Path | None,
+                           build_args: dict[str, str], force: bool, templates_dirs: tuple[Path, ...]) -> None:
+    """``template build NAME -f Dockerfile --local``: on this machine (root), each step labelled with its
+    Dockerfile line in the log and in errors."""
+    from pilldrops.node.dockerfile import template_spec
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs
+    if os.geteuid() != 0:
+        raise click.ClickException("building templates needs root (chroot, mount)")
+    store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
+    with _one_line_build_errors():
+        spec, parsed = template_spec(dockerfile, context, name=name, build_args=build_args)
+        for w in parsed.warnings:
+            _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
+        tpl = _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
+    click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
+    sys.stdout.flush()
+
+
 # ---- admin: teams and credits (on the store directly) ----------------------------------------------------
 
 def _db_option(f: Any) -> Any:

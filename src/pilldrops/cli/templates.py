@@ -79,11 +79,15 @@ def build(ctx: click.Context, state: CliState, name: str, context: Path | None, 
     NAME is a TOML spec (the packaged ones, ~/.config/pilldrops/templates/*.toml, --templates-dir), or
     with -f the name to give a Dockerfile's template. --local builds on this machine only (the old way)."""
     root = context or (dockerfile.parent if dockerfile else None)
-    document = _dockerfile_document(dockerfile, name, root, build_args) if dockerfile else None
     if local or (data_dir is not None and _explicit(ctx, "data_dir")):
-        from pilldrops.cli.local import DEFAULT_DATA_DIR, local_build
-        local_build(name, data_dir or DEFAULT_DATA_DIR, force, templates_dirs, document, root)
+        from pilldrops.cli.local import DEFAULT_DATA_DIR, local_build, local_dockerfile_build
+        if dockerfile is not None:      # steps keep their Dockerfile lines for the log and errors
+            local_dockerfile_build(name, data_dir or DEFAULT_DATA_DIR, dockerfile, root, _build_args(build_args),
+                                   force, templates_dirs)
+        else:
+            local_build(name, data_dir or DEFAULT_DATA_DIR, force, templates_dirs)
         return
+    document = _dockerfile_document(dockerfile, name, root, build_args) if dockerfile else None
     from pilldrops.cli import template_remote
     template_remote.build(APIClient.from_options(state.api_url, state.api_key), name, document=document,
                           context=root, force=force, templates_dirs=templates_dirs)
@@ -94,6 +98,17 @@ def _dockerfile_document(path: Path, name: str, context: Path | None, build_args
         from pilldrops import dockerfile  # type: ignore[attr-defined]   # issue 19 part 3 (branch dockerfile)
     except ImportError:
         raise click.ClickException("Dockerfile templates are not available in this version") from None
+    try:
+        parsed = dockerfile.parse_dockerfile(path, context or path.parent, name=name,
+                                             build_args=_build_args(build_args))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    for w in parsed.warnings:
+        click.echo(f"warning: {w}", err=True)
+    return dict(parsed.document)
+
+
+def _build_args(build_args: tuple[str, ...]) -> dict[str, str]:
     args = {}
     for item in build_args:
         key, sep, value = item.partition("=")
@@ -104,10 +119,4 @@ def _dockerfile_document(path: Path, name: str, context: Path | None, build_args
                 raise click.BadParameter(f"{key} is not set in the environment", param_hint="--build-arg")
             value = os.environ[key]
         args[key] = value
-    try:
-        parsed = dockerfile.parse_dockerfile(path, context or path.parent, name=name, build_args=args)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    for w in parsed.warnings:
-        click.echo(f"warning: {w}", err=True)
-    return dict(parsed.document)
+    return args
