@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from pilldrops.node.runtime.base import SandboxSpec
-from tests.hostile._crun_fixtures import *  # noqa: F403 - the fixtures of these cases
+from tests.hostile._crun_fixtures import *
 from tests.hostile._crun_fixtures import cgroup_pids, live, sh, wait_only_init
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from pilldrops import errors
 from pilldrops.node.dataplane import Target
 from pilldrops.node.runtime.base import Handle, SandboxSpec
-from pilldrops.schema.api import TemplateInfo
+from pilldrops.schema.api import DEFAULT_DISK_MB, TemplateInfo
 from pilldrops.schema.node import NodeSandboxSpec
 
 PIDS_LIMIT = 1024
@@ -26,12 +26,16 @@ class TemplateCache:
     def __init__(self, templates: Templates, node_name: str) -> None:
         self.templates = templates
         self.node_name = node_name
+        self.default_disk_mb = DEFAULT_DISK_MB     # the agent's setting: a spec without disk_mb gets it
+        self._disk: dict[str, int | None] = {}     # template -> its spec's default disk_mb
         self._cache: dict[str, Any] = {}
 
     def refresh(self) -> list[TemplateInfo]:
         """Re-read the built templates (off the hot path: at start and with each heartbeat)."""
         cache, infos = {}, []
+        disk = {}
         for st in self.templates.list():
+            disk[st.name] = getattr(st, "disk_mb", None)
             if not getattr(st, "built", True):
                 continue
             t = self.templates.get(st.name)
@@ -40,8 +44,9 @@ class TemplateCache:
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
                                       layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
                                       isolation=getattr(st, "isolation", None),
+                                      disk_mb=getattr(st, "disk_mb", None),
                                       workdir=getattr(t, "workdir", None)))
-        self._cache = cache
+        self._cache, self._disk = cache, disk
         return infos
 
     def get(self, name: str) -> Any:
@@ -69,7 +74,12 @@ class TemplateCache:
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
                            envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
-                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation)
+                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation,
+                           disk_mb=self.disk_mb(spec))
+
+    def disk_mb(self, spec: NodeSandboxSpec) -> int:
+        """The spec's disk size: its own (the control plane resolved it), else its template's, else ours."""
+        return spec.disk_mb or self._disk.get(spec.template) or self.default_disk_mb
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self.get(spec.template)

@@ -10,7 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason
+from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_ISOLATION, DEFAULT_MAX_DISK_MB, EndReason
 from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
@@ -62,7 +62,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                               lost_after: float = 300.0, unreachable_after: float | None = None,
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
-                              default_isolation: str = DEFAULT_ISOLATION) -> ControlPlane:
+                              default_isolation: str = DEFAULT_ISOLATION, default_disk_mb: int = DEFAULT_DISK_MB,
+                              max_disk_mb: int = DEFAULT_MAX_DISK_MB) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -71,6 +72,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     pools = PoolService(store, node_client, clock)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
+    sandboxes.lifecycle.default_disk_mb, sandboxes.lifecycle.max_disk_mb = default_disk_mb, max_disk_mb
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

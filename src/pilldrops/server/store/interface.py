@@ -67,6 +67,7 @@ class SandboxRecord(Protocol):
     isolation: str
     vcpu: float
     memory_mb: int
+    disk_mb: int | None
     timeout: int
     state: str
     node_id: str | None
@@ -131,6 +132,7 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    disk_mb: int | None = None        # set by the placement's choose too (the template's default, or the request's)
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
