@@ -18,6 +18,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   └─ InvalidState      409 invalid_state       (details: from, to)
     ├─ InsufficientCredits   402 insufficient_credits
     ├─ PayloadTooLarge       413 payload_too_large
+    │   └─ DiskQuotaExceeded 413 disk_quota_exceeded (an upload or write past the sandbox's disk_mb)
     ├─ RateLimited           429 rate_limited        (retryable)
     ├─ ServerError           500 internal            (retryable for idempotent calls)
     ├─ NodeUnavailable       502 node_unavailable    (retryable)
@@ -125,6 +126,12 @@ class PayloadTooLarge(PillDropsError):
     status = 413
 
 
+class DiskQuotaExceeded(PayloadTooLarge):
+    """An upload or file write does not fit in the sandbox's disk (``disk_mb``); details: free bytes."""
+
+    code = "disk_quota_exceeded"
+
+
 class RateLimited(PillDropsError):
     code = "rate_limited"
     status = 429
@@ -182,7 +189,7 @@ class CommandFailed(PillDropsError):
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported,
+    CapacityUnavailable, NotSupported, DiskQuotaExceeded,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

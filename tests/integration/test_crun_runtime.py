@@ -121,7 +121,7 @@ async def test_sandboxes_are_isolated(runtime, tiny):  # type: ignore[no-untyped
     _, ps, _ = await run(runtime, b, ["ps"])
     assert "1234" not in ps
     _, ls, _ = await run(runtime, b, ["sh", "-c", "ls /proc | grep -E '^[0-9]+$'"])
-    assert len(ls.split()) <= 4, ls                 # init, sh, ls, grep
+    assert len(ls.split()) <= 5, ls                 # init, shepherd, sh, ls, grep
     _, ls_a, _ = await run(runtime, a, ["ps"])
     assert "sleep 1234" in ls_a
     # network: loopback only and up

@@ -426,6 +426,11 @@ export interface components {
             capacity_wait: number;
             /** Count */
             count: number;
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -488,6 +493,11 @@ export interface components {
         };
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -987,6 +997,10 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Disk Mb */
+            disk_mb?: number | null;
+            /** Disk Used Bytes */
+            disk_used_bytes?: number | null;
             /** End At */
             end_at?: string | null;
             end_reason?: components["schemas"]["EndReason"] | null;
@@ -1093,6 +1107,8 @@ export interface components {
              * @default
              */
             description: string;
+            /** Disk Mb */
+            disk_mb?: number | null;
             /** Isolation */
             isolation?: string | null;
             /** Layers */

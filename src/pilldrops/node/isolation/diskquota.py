@@ -240,11 +240,26 @@ def remove(d: Path) -> None:
         _detach_loop(dev)       # no-op after autoclear; clears a device a failed mount left attached
 
 
+def _mounted(d: Path) -> bool:
+    try:
+        return os.stat(d / MOUNT).st_dev != os.stat(d).st_dev
+    except OSError:
+        return False
+
+
+def free_bytes(d: Path) -> int | None:
+    """Bytes a write may still add to the sandbox's disk (None: it has no disk of its own)."""
+    if not _mounted(d):
+        return None
+    st = os.statvfs(d / MOUNT)
+    return st.f_bavail * st.f_frsize
+
+
 def usage(d: Path, disk_mb: int | None = None) -> Usage | None:
     """Bytes used on the sandbox's disk, and its limit (None: the sandbox has no disk of its own)."""
+    if not _mounted(d):
+        return None
     try:
-        if os.stat(d / MOUNT).st_dev == os.stat(d).st_dev:
-            return None                         # not mounted
         st = os.statvfs(d / MOUNT)
     except OSError:
         return None
