@@ -104,7 +104,7 @@ export class InsufficientCredits extends PillDropsError {
   static override readonly status = 402
 }
 export class PayloadTooLarge extends PillDropsError {
-  static override readonly code = 'payload_too_large'
+  static override readonly code: string = 'payload_too_large'
   static override readonly status = 413
 }
 /** An upload or file write does not fit in the sandbox's disk (`diskMb`); `details.free_bytes` is what is left. */

@@ -65,9 +65,9 @@ class _LoopConfig(ctypes.Structure):
 
 
 def image_mb(disk_mb: int) -> int:
-    """Size of the image whose usable space holds at least ``disk_mb`` MiB (ext4's inode tables and
-    bitmaps take 1.57% of it, plus ~100 KiB)."""
-    return disk_mb + -(-disk_mb * 162 // 10_000) + 1
+    """Size of the image whose free space is at least ``disk_mb`` MiB: ext4's inode tables and bitmaps take
+    1.57% of it, and it keeps min(2%, 16 MiB) in reserve for itself (``s_resv_clusters``), plus ~100 KiB."""
+    return disk_mb + -(-disk_mb * 162 // 10_000) + min(-(-disk_mb * 205 // 10_000), 16) + 2
 
 
 def unavailable_reason() -> str | None:
