@@ -18,7 +18,6 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-import anyio
 import pytest
 
 from pilldrops import errors
@@ -39,6 +38,14 @@ def spec(tiny, sid: str, disk_mb: int | None = 64) -> SandboxSpec:  # type: igno
 
 def real_bytes(path: Path) -> int:
     return os.stat(path).st_blocks * 512
+
+
+def sparse_tar(tmp_path: Path, size: int) -> None:
+    """``tmp_path/s.tar``: a GNU sparse member of ``size`` bytes with one real byte."""
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(size)
+        f.write(b"x")
+    subprocess.run(["tar", "-S", "-C", str(tmp_path), "-cf", str(tmp_path / "s.tar"), "sparse"], check=True)
 
 
 async def chunks(data: bytes, size: int = 1 << 16):  # type: ignore[no-untyped-def]
@@ -94,11 +101,7 @@ async def test_uploads_count_at_their_real_size(crun_rt, tiny, tmp_path: Path) -
     plane, t = DataPlane(crun_rt), Target(id=h.id, handle=h)
     try:
         # a 1 GiB sparse file: a tar of a few KiB (GNU sparse member)
-        sparse = tmp_path / "sparse"
-        with open(sparse, "wb") as f:
-            f.truncate(1 << 30)
-            f.write(b"x")
-        subprocess.run(["tar", "-S", "-C", str(tmp_path), "-cf", str(tmp_path / "s.tar"), "sparse"], check=True)
+        sparse_tar(tmp_path, 1 << 30)
         small = (tmp_path / "s.tar").read_bytes()
         assert len(small) < 64 * 1024
         before = crun_rt.disk_usage(h).used_bytes

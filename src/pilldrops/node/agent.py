@@ -37,7 +37,7 @@ from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
 from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
-from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
+from pilldrops.node.runtime.registry import checkpoint_unsupported, disk_refusal, support_of
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
@@ -182,6 +182,9 @@ class NodeAgent:
             raise errors.InvalidRequest(f"disk_mb {rt_spec.disk_mb} MiB is past node {self.settings.name}'s "
                                         f"maximum of {self.settings.max_disk_mb} MiB",
                                         details={"field": "disk_mb", "max_disk_mb": self.settings.max_disk_mb})
+        if (why := disk_refusal(self.runtime, rt_spec)) is not None:
+            raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
+                                                      "isolation": rt_spec.isolation})
         # warm pools are containers, and their members have the template's default disk
         member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
                   if spec.isolation == "container"
