@@ -1,15 +1,17 @@
 """Per-sandbox disk quota: the writable layer on a loop-mounted ext4 image of its own (issue 16 part 2).
 
-Per sandbox (``SandboxDisk.make``): ``<sandbox dir>/disk.img``, a sparse file of about ``disk_mb`` MiB (a
+Per sandbox (``make``): ``<sandbox dir>/disk.img``, a sparse file of about ``disk_mb`` MiB (a
 copy of a pre-formatted "golden" image of that size: 230 KiB of real blocks for 10 GiB, made once per
 size with mkfs.ext4 and kept in ``<state_dir>/disk-golden/``), attached to a free loop device with
-LOOP_CONFIGURE (autoclear, direct I/O) and mounted (mount(2), ``nosuid,nodev,noinit_itable``) on
-``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work`` dirs. No process on the create
+LOOP_CONFIGURE (autoclear, direct I/O: no second copy in the page cache) and mounted (mount(2),
+``nosuid,nodev,noinit_itable``) on ``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work`` dirs. No process on the create
 path once the golden image of a size exists. Past the size every write in the sandbox fails with ENOSPC;
 uploads are unpacked by the sandbox's own ``tar`` into the same layer, so they are charged at the blocks
-they really allocate (holes cost nothing, zeros written do) and fail the same way. Nothing else on the
+they write and fail the same way (the data plane refuses an archive whose members add up to more than
+``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
 node shares the file system: other sandboxes and the host's disk are untouched (the image is sparse, so
-the host's disk holds only what the sandbox wrote; discard gives deleted blocks back).
+the host's disk holds at most the high-water mark of what the sandbox wrote, never more than its size;
+no ``discard``: it made every unmount 20-40 ms slower, and the whole image goes with the sandbox).
 
 Why not a project quota on one shared file system: this kernel (and the CI machines) has neither
 CONFIG_XFS_QUOTA nor CONFIG_QFMT_V2, so XFS and ext4 project quotas cannot be mounted; and a tmpfs upper
@@ -199,7 +201,7 @@ def mount_image(d: Path) -> Path:
     mnt.mkdir(exist_ok=True)
     dev, lfd = _attach_loop(image)
     try:
-        mount(dev, mnt, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable,discard")
+        mount(dev, mnt, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable")
     except MountError as e:
         raise DiskQuotaError(e.errno, str(e)) from e
     finally:
