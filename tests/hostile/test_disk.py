@@ -246,9 +246,9 @@ def test_sanitize_counts_members_at_their_unpacked_size(tmp_path: Path) -> None:
     reading the rest (a sparse member at its full size, a gzip'd one decompressed)."""
     from pilldrops.node.archive import sanitize
     sparse_tar(tmp_path, 1 << 30)
-    with open(tmp_path / "s.tar", "rb") as src, open(tmp_path / "out.tar", "wb") as dst:
-        with pytest.raises(errors.DiskQuotaExceeded) as e:
-            sanitize(src, dst, max_bytes=64 * MiB)
+    with (open(tmp_path / "s.tar", "rb") as src, open(tmp_path / "out.tar", "wb") as dst,
+          pytest.raises(errors.DiskQuotaExceeded) as e):
+        sanitize(src, dst, max_bytes=64 * MiB)
     assert e.value.details == {"free_bytes": 64 * MiB, "member": "sparse"}
     assert (tmp_path / "out.tar").stat().st_size < MiB                # nothing of it was written out
     sparse_tar(tmp_path, 8 * MiB)
