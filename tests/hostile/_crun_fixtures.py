@@ -41,7 +41,7 @@ def hd_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(why)
     from pilldrops.node.isolation.host import prepare_host
     prepare_host()
-    return tmp_path_factory.mktemp(MATCH, numbered=False)
+    return tmp_path_factory.mktemp(MATCH)       # numbered: each module importing these has its own
 
 
 @pytest.fixture(scope="session")

@@ -193,7 +193,7 @@ async def test_kill_kills_the_whole_tree(runtime, tiny):  # type: ignore[no-unty
     h = await runtime.create(spec(tiny, "tree"))
     p = await runtime.exec(h, ["sh", "-c", "sleep 100 & sleep 100 & wait"], env={}, cwd=None)
     with anyio.fail_after(5):
-        while len(cgroup_procs(h)) < 5:           # init + shepherd + sh + 2 sleeps
+        while len(cgroup_procs(h)) < 5 or p.pid is None:     # init + shepherd + sh + 2 sleeps; the pid frame
             await anyio.sleep(0.01)
     assert p.pid is not None
     await p.kill()

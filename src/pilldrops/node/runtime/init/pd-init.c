@@ -506,6 +506,9 @@ int main(void) {
     sigaddset(&set, SIGUSR1);
     sigaddset(&set, SIGUSR2);
     sigprocmask(SIG_BLOCK, &set, NULL);
+    /* Orphans come to us and are reaped here even where we are not PID 1 (a microVM guest, under
+     * pd-vmagent): a shepherd killed on a timeout leaves its killed descendants' zombies to us. */
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
     /* Drop the stdio crun handed over (host files, e.g. crun's error log): an fd on a host file the
      * sandbox cannot see would make a CRIU checkpoint fail (issue 6). */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
