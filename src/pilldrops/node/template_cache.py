@@ -73,9 +73,9 @@ class TemplateCache:
                                           f"{self.node_name}: {exc}") from exc
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
-                           envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
+                           envs={**_home(tpl), **dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
                            hostname=spec.id.replace("_", "-"), isolation=spec.isolation,
-                           disk_mb=self.disk_mb(spec))
+                           user=getattr(tpl, "user", None), disk_mb=self.disk_mb(spec))
 
     def disk_mb(self, spec: NodeSandboxSpec) -> int:
         """The spec's disk size: its own (the control plane resolved it), else its template's, else ours."""
@@ -83,5 +83,11 @@ class TemplateCache:
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self.get(spec.template)
-        return Target(id=spec.id, handle=handle, env={**dict(tpl.env), **spec.envs},
-                      workdir=tpl.workdir or "/")
+        return Target(id=spec.id, handle=handle, env={**_home(tpl), **dict(tpl.env), **spec.envs},
+                      workdir=tpl.workdir or "/", user=getattr(tpl, "user", None))
+
+
+def _home(tpl: Any) -> dict[str, str]:
+    """HOME of a template whose commands run as another user (its USER's home), unless its env sets one."""
+    home = getattr(tpl, "home", None)
+    return {"HOME": home} if getattr(tpl, "user", None) and home else {}

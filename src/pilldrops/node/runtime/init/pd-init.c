@@ -14,8 +14,9 @@
  * connection. Every frame, both ways, is  u8 type | u32 length (little endian) | payload.
  *
  *   agent -> pd-init   'H' u32 the agent's protocol version (optional, before 'R'; a v1 agent sends none)
- *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY) | u32 argc | u32 envc |
- *                          [u16 rows | u16 cols, with flag 2] | cwd\0 argv[0]\0 ... env[0]\0 ...
+ *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY, 4 = user) | u32 argc |
+ *                          u32 envc | [u16 rows | u16 cols, with flag 2] | [u32 uid | u32 gid, with flag 4] |
+ *                          cwd\0 argv[0]\0 ... env[0]\0 ...
  *                          (exactly once)
  *                      'I' stdin bytes        'E' stdin EOF        'K' kill the command's process group
  *                      'S' i32 signal for the command's process group (v2)
@@ -44,7 +45,8 @@
  * The command's pid reaches pd-init through that pipe, so 'P' and $$ stay the command's own pid.
  *
  * The command does setpgid(0, 0) (so -pid names its process group; with a PTY it becomes the terminal's
- * foreground group), chdir(cwd) (failure: message on stderr, exit 126), dup2s the pipes and execvp()s argv
+ * foreground group), with flag 4 drops to uid:gid (no supplementary groups; failure: message on stderr,
+ * exit 126; a template's USER), chdir(cwd) (failure: message on stderr, exit 126), dup2s the pipes and execvp()s argv
  * with environ = env, so PATH comes from env (failure: message on stderr, exit 127). It inherits every
  * restriction of the sandbox (namespaces, cgroup, capabilities, seccomp, no_new_privs) because it is a
  * plain fork of the sandbox's init.
@@ -57,6 +59,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stddef.h>
@@ -246,7 +249,8 @@ static void flush(struct slot *s) {
     }
 }
 
-static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty) {
+static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
+                  const uint32_t *ids) {
     sigset_t all;
     sigfillset(&all);
     setpgid(0, 0);
@@ -257,6 +261,10 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
     sigprocmask(SIG_UNBLOCK, &all, NULL);
     if (in_r < 0) in_r = open("/dev/null", O_RDONLY | O_CLOEXEC);
     dup2(in_r, 0); dup2(out_w, 1); dup2(err_w, 2);
+    if (ids && (setgroups(0, NULL) != 0 || setgid(ids[1]) != 0 || setuid(ids[0]) != 0)) {
+        dprintf(2, "pd-init: cannot run as %u:%u: %s\n", ids[0], ids[1], strerror(errno));
+        _exit(126);
+    }
     if (chdir(cwd) != 0) {
         dprintf(2, "pd-init: chdir to `%s`: %s\n", cwd, strerror(errno));
         _exit(126);
@@ -270,7 +278,8 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
 
 /* The shepherd (see the top): session leader (with the PTY as controlling terminal), child subreaper,
  * every signal blocked; forks the command, sends its pid on ``pid_w``, and exits with its status. */
-static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char **argv, char **env, int tty) {
+static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char **argv, char **env, int tty,
+                     const uint32_t *ids) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
@@ -278,7 +287,7 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     if (tty >= 0) ioctl(tty, TIOCSCTTY, 0);
     pid_t c = fork();
-    if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty); }
+    if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty, ids); }
     if (c > 0) setpgid(c, c);
     int32_t v = c;
     if (write(pid_w, &v, sizeof v) != sizeof v || c < 0) _exit(127);
@@ -295,11 +304,12 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
 }
 
 /* Fork the shepherd; the command's pid (read back from it) goes to *cmd. */
-static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty, pid_t *cmd) {
+static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
+                   const uint32_t *ids, pid_t *cmd) {
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
-    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty); }
+    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids); }
     close(pp[1]);
     int32_t v = -1;
     ssize_t n;
@@ -317,17 +327,25 @@ static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char 
 static int start(struct slot *s) {
     char *p = s->req, *end = s->req + s->req_len;
     if (s->req_len < 9) return -1;
-    int has_stdin = p[0] & 1, pty = p[0] & 2;
+    int has_stdin = p[0] & 1, pty = p[0] & 2, has_user = p[0] & 4;
     uint32_t argc = get_u32((unsigned char *)p + 1), envc = get_u32((unsigned char *)p + 5);
-    if (argc == 0 || argc > s->req_len || envc > s->req_len || (pty && s->req_len < 13)) return -1;
+    if (argc == 0 || argc > s->req_len || envc > s->req_len ||
+        s->req_len < 9 + (pty ? 4 : 0) + (has_user ? 8 : 0)) return -1;
     struct winsize ws = {0};
+    uint32_t ids_buf[2], *ids = NULL;
+    unsigned char *q = (unsigned char *)p + 9;
     if (pty) {
-        unsigned char *q = (unsigned char *)p + 9;
         ws.ws_row = q[0] | q[1] << 8;
         ws.ws_col = q[2] | q[3] << 8;
-        p += 4;
+        q += 4;
     }
-    p += 9;
+    if (has_user) {
+        ids_buf[0] = get_u32(q);
+        ids_buf[1] = get_u32(q + 4);
+        ids = ids_buf;
+        q += 8;
+    }
+    p = (char *)q;
     char **vec = calloc(argc + envc + 2, sizeof(char *));
     if (!vec) return -1;
     char *cwd = NULL;
@@ -347,10 +365,10 @@ static int start(struct slot *s) {
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
             (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
             (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
-            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, &cmd);
+            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cmd);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
-        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, &cmd);
+        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cmd);
     }
     free(vec);
     free(s->req);
