@@ -6,6 +6,7 @@
   and gofer processes), and files left in the root;
 - ``/proc/self/mountinfo`` mount points containing ``match``;
 - cgroup dirs whose name contains ``match`` under ``/sys/fs/cgroup/*`` (depth <= 3);
+- loop devices whose backing file's path contains ``match`` (a sandbox's disk image, issue 16);
 - live processes whose ``/proc/<pid>/cgroup`` mentions ``match``. Zombies are ignored: a killed sandbox
   init is re-parented to the host's pid 1, and on this machine kind pid 1 (process_api) reaps only every
   few seconds; a zombie holds no memory, mount or cgroup.
@@ -58,6 +59,18 @@ def _runsc(roots: list[Path]) -> set[str]:
         if any(w in cmd for w in wanted):
             argv0 = cmd.split(b"\0")[0].decode(errors="replace")
             out.add(f"proc:{name}:{argv0}")
+    return out
+
+
+def _loops(match: str) -> set[str]:
+    out = set()
+    for dev in Path("/sys/block").glob("loop*"):
+        try:
+            backing = (dev / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue                    # not attached
+        if match in backing:
+            out.add(f"loop:{dev.name}:{backing}")
     return out
 
 
@@ -146,7 +159,7 @@ def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops",
     roots = [Path(r) for r in (crun_roots or [])]
     gv = [Path(r) for r in (runsc_roots or [])]
     qdirs = [Path(d) for d in (qemu_dirs or [])]
-    items = _containers(roots) | _runsc(gv) | _mounts(match) | _cgroups(match) | _procs(match) | _qemu(qdirs)
+    items = _containers(roots) | _runsc(gv) | _mounts(match) | _loops(match) | _cgroups(match) | _procs(match) | _qemu(qdirs)
     return {"roots": roots, "match": match, "runsc_roots": gv, "qemu_dirs": qdirs, "items": items}
 
 

@@ -15,6 +15,7 @@
  * │   └─ InvalidState      409 invalid_state       (details: from, to)
  * ├─ InsufficientCredits   402 insufficient_credits
  * ├─ PayloadTooLarge       413 payload_too_large
+ * │   └─ DiskQuotaExceeded 413 disk_quota_exceeded
  * ├─ RateLimited           429 rate_limited        (retryable)
  * ├─ ServerError           500 internal            (retryable for idempotent calls)
  * ├─ NotSupported          501 not_supported
@@ -116,8 +117,12 @@ export class InsufficientCredits extends PillDropsError {
   static override readonly status = 402
 }
 export class PayloadTooLarge extends PillDropsError {
-  static override readonly code = 'payload_too_large'
+  static override readonly code: string = 'payload_too_large'
   static override readonly status = 413
+}
+/** An upload or file write does not fit in the sandbox's disk (`diskMb`); `details.free_bytes` is what is left. */
+export class DiskQuotaExceeded extends PayloadTooLarge {
+  static override readonly code = 'disk_quota_exceeded'
 }
 export class RateLimited extends PillDropsError {
   static override readonly code = 'rate_limited'
@@ -192,7 +197,7 @@ const ALL: (ErrorClass & typeof PillDropsError)[] = [
   InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
   NodeUnavailable, CapacityUnavailable, NotSupported, TemplateBuildFailed, URLTokenRequired, URLTokenInvalid,
-  URLTokenExpired, PortNotOpen, GatewayTimeout,
+  URLTokenExpired, PortNotOpen, GatewayTimeout, DiskQuotaExceeded,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

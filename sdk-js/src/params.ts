@@ -96,6 +96,12 @@ export interface SpecArgs {
   vcpu?: number
   /** Memory limit in MiB (default 512). */
   memoryMb?: number
+  /**
+   * Size of the writable layer in MiB: writes past it fail with ENOSPC inside the sandbox (default: the
+   * template's, else the deployment's, 10240; past the deployment's maximum: `InvalidRequest`). Sent only
+   * when given. `info().diskUsedBytes` is what it holds.
+   */
+  diskMb?: number
   /** Seconds until the sandbox is killed (default 300, max 86400); extend with `setTimeout`. */
   timeout?: number
   /** Free-form labels, filterable in `Sandbox.list` / `Sandbox.history`. */
@@ -130,6 +136,10 @@ export function createBody(spec: SpecArgs): Record<string, unknown> {
   num(body.vcpu, 'vcpu', 0, 64, false, true)
   num(body.memory_mb, 'memoryMb', 16, 262_144, true)
   num(body.timeout, 'timeout', 1, 86_400, true)
+  if (spec.diskMb !== undefined) {
+    num(spec.diskMb, 'diskMb', 16, 4_194_304, true)
+    body.disk_mb = spec.diskMb
+  }
   if (spec.isolation !== undefined) {
     if (!(ISOLATION_MODES as readonly string[]).includes(spec.isolation)) {
       throw new InvalidRequest(`unknown isolation mode ${JSON.stringify(spec.isolation)}; valid modes: ${ISOLATION_MODES.join(', ')}`)

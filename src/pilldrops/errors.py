@@ -21,6 +21,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   └─ InvalidState      409 invalid_state       (details: from, to)
     ├─ InsufficientCredits   402 insufficient_credits
     ├─ PayloadTooLarge       413 payload_too_large
+    │   └─ DiskQuotaExceeded 413 disk_quota_exceeded (an upload or write past the sandbox's disk_mb)
     ├─ RateLimited           429 rate_limited        (retryable)
     ├─ ServerError           500 internal            (retryable for idempotent calls)
     ├─ NodeUnavailable       502 node_unavailable    (retryable)
@@ -142,6 +143,12 @@ class PayloadTooLarge(PillDropsError):
     status = 413
 
 
+class DiskQuotaExceeded(PayloadTooLarge):
+    """An upload or file write does not fit in the sandbox's disk (``disk_mb``); details: free bytes."""
+
+    code = "disk_quota_exceeded"
+
+
 class RateLimited(PillDropsError):
     code = "rate_limited"
     status = 429
@@ -217,7 +224,7 @@ _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, URLTokenRequired, URLTokenInvalid, URLTokenExpired, PermissionDenied,
     NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen,
+    CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen, DiskQuotaExceeded,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

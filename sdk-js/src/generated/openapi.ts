@@ -485,6 +485,11 @@ export interface components {
             capacity_wait: number;
             /** Count */
             count: number;
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -565,6 +570,11 @@ export interface components {
         };
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -1114,6 +1124,10 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Disk Mb */
+            disk_mb?: number | null;
+            /** Disk Used Bytes */
+            disk_used_bytes?: number | null;
             /** End At */
             end_at?: string | null;
             end_reason?: components["schemas"]["EndReason"] | null;
@@ -1252,6 +1266,8 @@ export interface components {
             description: string;
             /** Digest */
             digest?: string | null;
+            /** Disk Mb */
+            disk_mb?: number | null;
             /** Isolation */
             isolation?: string | null;
             /** Key */

@@ -43,6 +43,13 @@ describe('create', () => {
     f.queue('POST', '/v1/sandboxes', () => json(201, wireInfo('sb_3')))
     await Sandbox.create({ ...opts(f), isolation: 'gvisor' })
     assert.equal(JSON.parse(f.calls[5]!.body).isolation, 'gvisor')
+    assert.equal(JSON.parse(f.calls[5]!.body).disk_mb, undefined)
+    // so is the disk size
+    f.queue('POST', '/v1/sandboxes', () => json(201, { ...wireInfo('sb_4'), disk_mb: 64, disk_used_bytes: 4096 }))
+    const disk = await Sandbox.create({ ...opts(f), diskMb: 64 })
+    assert.equal(JSON.parse(f.calls[6]!.body).disk_mb, 64)
+    assert.equal(disk.info.diskMb, 64)
+    assert.equal(disk.info.diskUsedBytes, 4096)
   })
 
   test('capacityWait bounds the waiting, then the capacity error is thrown', async () => {
@@ -60,7 +67,7 @@ describe('create', () => {
     const f = new FakeFetch().on('POST', '/v1/sandboxes', () =>
       json(401, { error: { code: 'unauthenticated', message: 'bad key' } }, { 'x-request-id': 'req-9' }))
     for (const bad of [{ template: 'Bad!' }, { vcpu: 0 }, { memoryMb: 1.5 }, { timeout: 90000 },
-      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }, { isolation: 'vm' }]) {
+      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }, { isolation: 'vm' }, { diskMb: 8 }, { diskMb: 64.5 }]) {
       await assert.rejects(Sandbox.create(opts(f, bad)), InvalidRequest)
     }
     assert.equal(f.calls.length, 0)

@@ -16,7 +16,14 @@ from typing import Any
 
 import click
 
-from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES
+from pilldrops.schema.api import (
+    DEFAULT_DISK_MB,
+    DEFAULT_ISOLATION,
+    DEFAULT_MAX_DISK_MB,
+    DISK_MB_CAP,
+    ISOLATION_MODES,
+    MIN_DISK_MB,
+)
 
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 DEFAULT_TEMPLATES = "code-interpreter"
@@ -55,6 +62,12 @@ def _control_plane_options(f: Any) -> Any:
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
+        click.option("--default-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_DISK_MB,
+                     show_default=True, envvar="PILLDROPS_DEFAULT_DISK_MB",
+                     help="MiB of writable layer of sandboxes whose create and template name none"),
+        click.option("--max-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_MAX_DISK_MB,
+                     show_default=True, envvar="PILLDROPS_MAX_DISK_MB",
+                     help="the largest disk_mb a create may ask for (past it: 400 invalid_request)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -64,7 +77,8 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation"), "public_host": kw.pop("public_host")}
+            "default_isolation": kw.pop("default_isolation"), "default_disk_mb": kw.pop("default_disk_mb"),
+            "max_disk_mb": kw.pop("max_disk_mb"), "public_host": kw.pop("public_host")}
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -256,7 +270,8 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
     node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
                                capacity_vcpu=capacity[0], capacity_memory_mb=capacity[1], control_plane_url=api_url,
-                               node_token=token, keep_on_exit=keep), data_dir, templates_dirs)
+                               node_token=token, keep_on_exit=keep, default_disk_mb=liveness["default_disk_mb"],
+                               max_disk_mb=liveness["max_disk_mb"]), data_dir, templates_dirs)
     cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
     try:
         async with anyio.create_task_group() as tg:
@@ -372,10 +387,16 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
 @click.option("--templates", "template_names", default="", help="comma-separated templates to build first")
 @_templates_dir_option
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
+@click.option("--default-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_DISK_MB,
+              show_default=True, envvar="PILLDROPS_DEFAULT_DISK_MB",
+              help="MiB of writable layer of a sandbox whose create names none (a control plane sends one)")
+@click.option("--max-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_MAX_DISK_MB,
+              show_default=True, envvar="PILLDROPS_MAX_DISK_MB", help="the largest disk this node gives a sandbox")
 @click.option("-v", "--verbose", is_flag=True)
 def node(control_plane: str, node_token: str, host: str, port: int, public_url: str | None, name: str | None,
          capacity_vcpu: float | None, capacity_memory_mb: int | None, data_dir: Path, template_names: str,
-         templates_dirs: tuple[Path, ...], keep_sandboxes: bool, verbose: bool) -> None:
+         templates_dirs: tuple[Path, ...], keep_sandboxes: bool, default_disk_mb: int, max_disk_mb: int,
+         verbose: bool) -> None:
     """Run a node agent on this host (root) that registers with a control plane."""
     import anyio
 
@@ -388,7 +409,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
-                        keep_on_exit=keep_sandboxes)
+                        keep_on_exit=keep_sandboxes, default_disk_mb=default_disk_mb, max_disk_mb=max_disk_mb)
     anyio.run(_node, settings, host, port, data_dir, templates_dirs)
 
 

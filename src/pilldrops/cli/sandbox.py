@@ -48,6 +48,8 @@ def sandbox() -> None:
 @click.option("--template", default="base", show_default=True, help="Template name.")
 @click.option("--vcpu", type=float, default=1, show_default=True, help="CPU quota in cores.")
 @click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit in MiB.")
+@click.option("--disk-mb", type=int, default=None,
+              help="Size of the writable layer in MiB [default: the template's, else the deployment's (10240)].")
 @click.option("--timeout", type=int, default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds until the sandbox is killed.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Metadata (repeatable).")
@@ -60,11 +62,11 @@ def sandbox() -> None:
 @click.option("--public", is_flag=True, help="Serve every port by URL without a token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
 @pass_state
-def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout: int, metadata: tuple[str, ...],
-           env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...], public: bool,
-           as_json: bool) -> None:
+def create(state: CliState, template: str, vcpu: float, memory_mb: int, disk_mb: int | None, timeout: int,
+           metadata: tuple[str, ...], env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...],
+           public: bool, as_json: bool) -> None:
     """Create a sandbox (left running) and print its id."""
-    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, isolation=isolation,
+    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, disk_mb=disk_mb, timeout=timeout, isolation=isolation,
                         public_ports=list(public_ports), public=public,
                         metadata=_output.parse_pairs(metadata, "--metadata"),
                         envs=_output.parse_pairs(env, "--env"), **state.sdk_options())
@@ -116,6 +118,10 @@ def get(state: CliState, sandbox_id: str, as_json: bool) -> None:
         fields["timeout_left"] = f"{left:.0f} s (counted again from resume)" if left is not None else None
     else:
         fields.pop("timeout_left", None)
+    if info.disk_used_bytes is not None:
+        used = info.disk_used_bytes / 2**20
+        fields["disk_used_bytes"] = (f"{info.disk_used_bytes} ({used:.1f} MiB of {info.disk_mb} MiB)"
+                                     if info.disk_mb else info.disk_used_bytes)
     _output.print_table(["FIELD", "VALUE"], [[k, getattr(v, "value", v)] for k, v in fields.items()])
 
 

@@ -38,11 +38,11 @@ from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
 from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
-from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
+from pilldrops.node.runtime.registry import checkpoint_unsupported, disk_refusal, support_of
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_builds import RemoteBuilds
 from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
-from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
+from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeBuildRequest,
     NodePoolSpec,
@@ -81,6 +81,8 @@ class Settings:
     create_concurrency: int = 8
     keep_on_exit: bool = False
     pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
+    default_disk_mb: int = DEFAULT_DISK_MB     # a spec without disk_mb (from an older control plane)
+    max_disk_mb: int = DEFAULT_MAX_DISK_MB     # a spec past it is refused (400 invalid_request)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class NodeAgent:
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
                                             fetch=lambda digest: self._blob("layers", digest))
+        self.template_cache.default_disk_mb = settings.default_disk_mb
         self.builds = (RemoteBuilds(templates, self.template_cache, self._blob, self._upload_layer,
                                     state_dir / "builds") if hasattr(templates, "_build_into") else None)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
@@ -195,8 +198,18 @@ class NodeAgent:
                                       current=existing.state.value, target="running")
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
-        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
-                  if spec.isolation == "container" and self.template_cache.pooled_version(spec) else None)
+        if rt_spec.disk_mb is not None and rt_spec.disk_mb > self.settings.max_disk_mb:
+            raise errors.InvalidRequest(f"disk_mb {rt_spec.disk_mb} MiB is past node {self.settings.name}'s "
+                                        f"maximum of {self.settings.max_disk_mb} MiB",
+                                        details={"field": "disk_mb", "max_disk_mb": self.settings.max_disk_mb})
+        if (why := disk_refusal(self.runtime, rt_spec)) is not None:
+            raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
+                                                      "isolation": rt_spec.isolation})
+        # warm pools are containers, and their members have the template's default disk
+        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+                  if spec.isolation == "container" and self.template_cache.pooled_version(spec)
+                  and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None}))
+                  else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)

@@ -208,7 +208,8 @@ class Checkpoints:
 
     async def _fetch(self, sandbox_id: str, body: NodeResume) -> Image:
         """Copy a checkpoint from the node that paused it (same node token), as a tar stream with xattrs
-        (the writable layer's overlay whiteouts and opaque dirs)."""
+        (the writable layer's overlay whiteouts and opaque dirs) and holes (a sandbox's sparse disk.img is sent
+        as the blocks it holds: the sender packs with --sparse)."""
         path = self.dir / sandbox_id
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
@@ -250,7 +251,7 @@ class Checkpoints:
         sb = self._paused(sandbox_id)
         if sb is None or sb.image is None:
             raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
-        proc = await anyio.open_process([*_TAR, "-c", "-f", "-", "-C", str(sb.image.path), "."],
+        proc = await anyio.open_process([*_TAR, "--sparse", "-c", "-f", "-", "-C", str(sb.image.path), "."],
                                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         async def stream() -> AsyncIterator[bytes]:

@@ -22,7 +22,7 @@ from pilldrops import errors
 from pilldrops.node.dataplane import Target
 from pilldrops.node.layers import LayerCache
 from pilldrops.node.runtime.base import Handle, SandboxSpec
-from pilldrops.schema.api import TemplateInfo
+from pilldrops.schema.api import DEFAULT_DISK_MB, TemplateInfo
 from pilldrops.schema.node import NodeSandboxSpec, NodeTemplateRef
 
 PIDS_LIMIT = 1024
@@ -56,6 +56,8 @@ class TemplateCache:
                  fetch: Callable[[str], Awaitable[AsyncIterator[bytes]]] | None = None) -> None:
         self.templates = templates
         self.node_name = node_name
+        self.default_disk_mb = DEFAULT_DISK_MB     # the agent's setting: a spec without disk_mb gets it
+        self._disk: dict[str, int | None] = {}     # template -> its spec's default disk_mb
         self._cache: dict[str, Any] = {}
         self.layers = layers
         self._fetch = fetch                     # digest -> its bytes from the control plane's store
@@ -157,6 +159,7 @@ class TemplateCache:
     def refresh(self) -> list[TemplateInfo]:
         """Re-read the built templates (off the hot path: at start and with each heartbeat)."""
         cache, infos = {}, []
+        disk = {}
         stored = self.latest_refs()
         for name, ref in stored.items():
             t = self.stored(ref)
@@ -166,6 +169,7 @@ class TemplateCache:
                                       version=ref.version, digest=t.digests[0] if t.digests else None,
                                       key=ref.key))
         for st in self.templates.list():
+            disk[st.name] = getattr(st, "disk_mb", None)
             if st.name in stored:
                 continue
             if not getattr(st, "built", True):
@@ -176,8 +180,9 @@ class TemplateCache:
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
                                       layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
                                       isolation=getattr(st, "isolation", None),
+                                      disk_mb=getattr(st, "disk_mb", None),
                                       workdir=getattr(t, "workdir", None)))
-        self._cache = cache
+        self._cache, self._disk = cache, disk
         return infos
 
     def get(self, name: str) -> Any:
@@ -209,7 +214,11 @@ class TemplateCache:
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
                            envs={**_home(tpl), **dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
                            hostname=spec.id.replace("_", "-"), isolation=spec.isolation,
-                           user=getattr(tpl, "user", None))
+                           user=getattr(tpl, "user", None), disk_mb=self.disk_mb(spec))
+
+    def disk_mb(self, spec: NodeSandboxSpec) -> int:
+        """The spec's disk size: its own (the control plane resolved it), else its template's, else ours."""
+        return spec.disk_mb or self._disk.get(spec.template) or self.default_disk_mb
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self._for(spec)

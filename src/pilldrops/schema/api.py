@@ -13,6 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TIMEOUT_S = 86_400
+DEFAULT_DISK_MB = 10_240        # a sandbox's writable layer when neither the request nor its template says
+DEFAULT_MAX_DISK_MB = 102_400   # the largest a deployment allows unless `--max-disk-mb` says otherwise
+DISK_MB_CAP = 4_194_304         # 4 TiB: the schema's bound; a deployment's own maximum is lower (--max-disk-mb)
+MIN_DISK_MB = 16
 DEFAULT_TIMEOUT_S = 300
 MAX_BATCH = 1000
 DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
@@ -108,6 +112,10 @@ class CreateSandboxRequest(_Request):
     template: str = Field("base", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     vcpu: float = Field(1, gt=0, le=64, description="CPU quota in cores")
     memory_mb: int = Field(512, ge=16, le=262_144, description="memory limit in MiB, no swap")
+    disk_mb: int | None = Field(None, ge=MIN_DISK_MB, le=DISK_MB_CAP,
+                                description="size of the writable layer in MiB (writes past it fail with ENOSPC); "
+                                            "default: the template's, else the deployment's (10240); past the "
+                                            "deployment's maximum: 400 invalid_request")
     timeout: int = Field(DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S,
                          description="seconds until the sandbox is killed (max 86400)")
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -178,6 +186,10 @@ class SandboxInfo(_Response):
     vcpu: float
     memory_mb: int
     timeout: int
+    # Disk: the writable layer's limit, and the bytes it holds (the node's last report, every few seconds;
+    # None before the first report, once ended, or on a node from before disk quotas)
+    disk_mb: int | None = None
+    disk_used_bytes: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     node_id: str | None = None
     created_at: datetime
@@ -325,6 +337,7 @@ class TemplateInfo(_Response):
     nodes: list[str] = Field(default_factory=list)
     workdir: str | None = None          # where commands start (the spec's workdir)
     isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
+    disk_mb: int | None = None        # the template's default disk size in MiB (None: the deployment's)
     # the template store (issue 19): set for templates built once and shipped to the nodes
     version: int | None = None          # a rebuild is the next version; running sandboxes keep theirs
     digest: str | None = None           # the top layer's digest (sha256:...); ``layers`` then lists digests

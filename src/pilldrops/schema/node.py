@@ -120,6 +120,7 @@ class NodeSandboxSpec(_Model):
     timeout_s: float | None = Field(None, description="seconds from now; the node keeps the deadline on its "
                                                       "own clock (end_at is the control plane's view)")
     isolation: str = DEFAULT_ISOLATION
+    disk_mb: int | None = Field(None, description="the writable layer's size in MiB (None: the node's default)")
     template_ref: NodeTemplateRef | None = None   # a template-store version (None: one built on the node)
 
 
@@ -137,6 +138,7 @@ class NodeSandboxStatus(_Model):
     run_s: float | None = None
     seq: int | None = None
     checkpoint_bytes: int | None = None     # paused: the checkpoint's size on this node's disk
+    disk_used_bytes: int | None = None      # running: bytes in its writable layer (None: no disk quota)
     timeout_left: float | None = None       # paused: seconds its deadline had left when it was paused
 
 

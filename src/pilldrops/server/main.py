@@ -11,7 +11,7 @@ import httpx
 from fastapi import FastAPI
 
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason
+from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_ISOLATION, DEFAULT_MAX_DISK_MB, EndReason
 from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.artifacts import BlobStore
 from pilldrops.server.nodes.client import NodeClient
@@ -79,6 +79,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               default_isolation: str = DEFAULT_ISOLATION,
                               template_store: Path | None = None,
                               max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
+                              default_disk_mb: int = DEFAULT_DISK_MB, max_disk_mb: int = DEFAULT_MAX_DISK_MB,
                               public_host: str | None = None) -> ControlPlane:
     """``template_store``: the directory of the template store's layers (issue 19); None: no store (only
     templates the nodes build themselves)."""
@@ -90,6 +91,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     pools = PoolService(store, node_client, clock)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
+    sandboxes.lifecycle.default_disk_mb, sandboxes.lifecycle.max_disk_mb = default_disk_mb, max_disk_mb
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

@@ -161,14 +161,17 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                     timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
-                     envs: dict[str, str] | None = None, isolation: str | None = None,
-                     public_ports: builtins.list[int] | None = None, public: bool = False, api_key: str | None = None,
+                     disk_mb: int | None = None, timeout: int = DEFAULT_TIMEOUT_S,
+                     metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
+                     isolation: str | None = None, public_ports: builtins.list[int] | None = None,
+                     public: bool = False, api_key: str | None = None,
                      api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                      transport: Any = None, capacity_wait: float = 120.0) -> AsyncSandbox:
         """Create a sandbox and return it running.
 
-        ``vcpu`` is in cores, ``memory_mb`` in MiB, ``timeout`` in seconds until the sandbox is killed
+        ``vcpu`` is in cores, ``memory_mb`` in MiB, ``disk_mb`` is the size of its writable layer in MiB
+        (writes past it fail with ENOSPC inside; default: the template's, else the deployment's, 10240;
+        :attr:`info` ``.disk_used_bytes`` is what it holds), ``timeout`` in seconds until the sandbox is killed
         (max 86400; extend it with :meth:`set_timeout`), ``request_timeout`` in seconds per HTTP call.
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. ``isolation`` is ``"container"`` (crun, shared host kernel), ``"gvisor"`` (a user-space
@@ -184,8 +187,8 @@ class AsyncSandbox:
         """
         capacity_wait = check_capacity_wait(capacity_wait)
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata=metadata or {}, envs=envs or {}, isolation=isolation,
-                           public_ports=public_ports or [], public=public)
+                           disk_mb=disk_mb, timeout=timeout, metadata=metadata or {}, envs=envs or {},
+                           isolation=isolation, public_ports=public_ports or [], public=public)
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         resp = await client.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json", exclude_none=True),
@@ -195,7 +198,7 @@ class AsyncSandbox:
 
     @classmethod
     async def create_many(cls, count: int, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                          timeout: int = DEFAULT_TIMEOUT_S,
+                          disk_mb: int | None = None, timeout: int = DEFAULT_TIMEOUT_S,
                           metadata: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                           envs: dict[str, str] | None = None, isolation: str | None = None,
                           public_ports: builtins.list[int] | None = None, public: bool = False,
@@ -210,8 +213,8 @@ class AsyncSandbox:
         With ``return_exceptions=False`` (default) the result is all sandboxes, or, if any item failed,
         the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
         failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
-        in the list, and the sandboxes that were made are yours to kill. ``isolation``, ``public_ports`` and
-        ``public`` as in :meth:`create`.
+        in the list, and the sandboxes that were made are yours to kill. ``isolation``, ``disk_mb``,
+        ``public_ports`` and ``public`` as in :meth:`create`.
 
         ``metadata`` may be a function of the item's index (``lambda i: {"episode": str(i)}``) so that each
         sandbox is findable in history on its own.
@@ -219,8 +222,8 @@ class AsyncSandbox:
         capacity_wait = check_capacity_wait(capacity_wait)
         per_item = callable(metadata)
         body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata={} if per_item else (metadata or {}), envs=envs or {},
-                           isolation=isolation, public_ports=public_ports or [], public=public,
+                           disk_mb=disk_mb, timeout=timeout, metadata={} if per_item else (metadata or {}),
+                           envs=envs or {}, isolation=isolation, public_ports=public_ports or [], public=public,
                            capacity_wait=min(capacity_wait, 600.0))
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)

@@ -104,7 +104,7 @@ class SandboxContext:
         return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
                                access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s,
-                               isolation=row.isolation, template_ref=ref)
+                               isolation=row.isolation, template_ref=ref, disk_mb=row.disk_mb)
 
     async def quiet_kill(self, node: NodeRecord, sandbox_id: str, what: str = "") -> None:
         """Stop it on that node; a failure is logged (the node's next report is reconciled anyway)."""

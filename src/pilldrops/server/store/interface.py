@@ -68,6 +68,7 @@ class SandboxRecord(Protocol):
     template_version: int | None
     vcpu: float
     memory_mb: int
+    disk_mb: int | None
     timeout: int
     state: str
     node_id: str | None
@@ -152,6 +153,7 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    disk_mb: int | None = None        # set by the placement's choose too (the template's default, or the request's)
     template_version: int | None = None   # the template store's version it runs (None: a node-built template)
     public_ports: list[int] = field(default_factory=list)
     public: bool = False

@@ -96,6 +96,7 @@ class Sandbox(Base):
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
     template: Mapped[str] = mapped_column(String(128))
     isolation: Mapped[str] = mapped_column(String(16), default="container", server_default="container")
+    disk_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)
     template_version: Mapped[int | None] = mapped_column(Integer, nullable=True)   # of the template store
     vcpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)
