@@ -10,6 +10,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     ├─ InvalidRequest        400 invalid_request
     ├─ AuthenticationError   401 unauthenticated
     ├─ PermissionDenied      403 permission_denied
+    │   └─ EgressForbidden   403 egress_forbidden    (details: reason "disabled" | "outside_cap")
     ├─ NotFound              404 not_found
     │   ├─ SandboxNotFound   404 sandbox_not_found
     │   ├─ FileNotFound      404 file_not_found
@@ -75,6 +76,13 @@ class AuthenticationError(PillDropsError):
 class PermissionDenied(PillDropsError):
     code = "permission_denied"
     status = 403
+
+
+class EgressForbidden(PermissionDenied):
+    """The create asks for egress this deployment does not give (``--no-egress``, or outside its
+    ``--egress-allow`` cap)."""
+
+    code = "egress_forbidden"
 
 
 class NotFound(PillDropsError):
@@ -180,7 +188,7 @@ class CommandFailed(PillDropsError):
 
 
 _ALL: tuple[type[PillDropsError], ...] = (
-    InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
+    InvalidRequest, AuthenticationError, PermissionDenied, EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
     CapacityUnavailable, NotSupported,
 )

@@ -52,6 +52,12 @@ def _control_plane_options(f: Any) -> Any:
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
+        click.option("--no-egress", is_flag=True, envvar="PILLDROPS_NO_EGRESS",
+                     help="give sandboxes no network at all: a create asking for allow_internet_access or "
+                          "network.allow_out is refused (egress_forbidden)"),
+        click.option("--egress-allow", "egress_allow", multiple=True, metavar="CIDR",
+                     help="cap egress (repeatable): sandboxes can only ever reach inside these CIDRs, whatever "
+                          "their own policy; an allow_out outside them is refused (egress_forbidden)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -61,7 +67,15 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation")}
+            "default_isolation": kw.pop("default_isolation"), "egress": _egress(kw)}
+
+
+def _egress(kw: dict[str, Any]) -> Any:
+    from pilldrops.server.service.egress import EgressSettings
+    try:
+        return EgressSettings.of(kw.pop("no_egress"), kw.pop("egress_allow"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--egress-allow") from None
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:

@@ -40,6 +40,7 @@ class TemplateCache:
             infos.append(TemplateInfo(name=st.name, description=getattr(st, "description", ""),
                                       layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
                                       isolation=getattr(st, "isolation", None),
+                                      network=getattr(st, "network", None),
                                       workdir=getattr(t, "workdir", None)))
         self._cache = cache
         return infos

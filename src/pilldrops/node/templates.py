@@ -8,6 +8,10 @@ A spec (``src/pilldrops/templates/<name>.toml``)::
     workdir = "/home/user"
     isolation = "gvisor"           # optional: the default isolation of its sandboxes (container | gvisor |
                                    # microvm; a create's own `isolation` wins; not inherited, not hashed)
+    [network]                      # optional: the default egress of its sandboxes (a create's own fields
+    allow_internet_access = true   # win; not inherited, not hashed; build steps never have network)
+    allow_out = ["10.0.0.0/8"]
+    deny_out = ["10.1.0.0/16"]
     [env]
     LANG = "C.UTF-8"
     [[steps]]
@@ -45,7 +49,7 @@ from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
-from pilldrops.schema.api import ISOLATION_MODES
+from pilldrops.schema.api import ISOLATION_MODES, TemplateNetwork
 
 log = logging.getLogger("pilldrops.templates")
 BUILDERS = ("busybox", "debootstrap")
@@ -97,6 +101,7 @@ class TemplateSpec:
     steps: tuple[Step, ...]
     path: Path
     isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
+    network: dict[str, Any] | None = None   # default egress of its sandboxes ([network]; not hashed)
 
     @property
     def is_builder(self) -> bool:
@@ -127,10 +132,11 @@ class TemplateStatus:
     built: bool
     extra: dict[str, Any] = field(default_factory=dict)
     isolation: str | None = None
+    network: dict[str, Any] | None = None
 
 
 # -- spec parsing ---------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation"}
+_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation", "network"}
 
 
 def _str_map(v: Any, where: str) -> dict[str, str]:
@@ -162,6 +168,7 @@ def parse_spec(path: Path) -> TemplateSpec:
     isolation = data.get("isolation")
     if isolation is not None and isolation not in ISOLATION_MODES:
         raise TemplateSpecError(f"{path}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}")
+    network = _network(data.get("network"), path)
     steps = []
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
@@ -192,7 +199,19 @@ def parse_spec(path: Path) -> TemplateSpec:
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve(), isolation=isolation)
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation, network=network)
+
+
+def _network(raw: Any, path: Path) -> dict[str, Any] | None:
+    """The ``[network]`` table, validated like a create's fields (CIDRs normalised)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TemplateSpecError(f"{path}: [network] must be a table")
+    try:
+        return TemplateNetwork.model_validate(raw).model_dump()
+    except ValueError as e:
+        raise TemplateSpecError(f"{path}: [network]: {e}") from None
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -509,7 +528,7 @@ class TemplateStore:
             h = self.hash(name)
             out.append(TemplateStatus(name=name, description=s.description, base=s.base, hash=h,
                                       built=(self._final(name, h) / "manifest.json").exists(),
-                                      isolation=s.isolation))
+                                      isolation=s.isolation, network=s.network))
         return out
 
     def ensure(self, name: str, progress: Progress | None = None) -> Template:

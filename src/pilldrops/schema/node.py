@@ -11,7 +11,14 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason, IsolationSupport, SandboxState, TemplateInfo
+from pilldrops.schema.api import (
+    DEFAULT_ISOLATION,
+    EndReason,
+    IsolationSupport,
+    SandboxState,
+    TemplateInfo,
+    TemplateNetwork,
+)
 
 
 class _Model(BaseModel):
@@ -70,6 +77,13 @@ class NodeHeartbeat(_Model):
     pools: list[NodePoolStatus] = Field(default_factory=list)
 
 
+class NodeNetwork(TemplateNetwork):
+    """A sandbox's egress as the node enforces it: its policy, plus the deployment's cap (``--egress-allow``:
+    None means no cap; a sandbox never reaches outside the cap, whatever its own policy says)."""
+
+    cap: list[str] | None = None
+
+
 class NodeSandboxSpec(_Model):
     """What the control plane asks a node to start."""
 
@@ -84,6 +98,7 @@ class NodeSandboxSpec(_Model):
     timeout_s: float | None = Field(None, description="seconds from now; the node keeps the deadline on its "
                                                       "own clock (end_at is the control plane's view)")
     isolation: str = DEFAULT_ISOLATION
+    network: NodeNetwork | None = Field(None, description="egress (issue 14); None: loopback only")
 
 
 class NodeSandboxStatus(_Model):

@@ -15,6 +15,7 @@ from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
+from pilldrops.server.service.egress import EgressSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
@@ -62,7 +63,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                               lost_after: float = 300.0, unreachable_after: float | None = None,
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
-                              default_isolation: str = DEFAULT_ISOLATION) -> ControlPlane:
+                              default_isolation: str = DEFAULT_ISOLATION,
+                              egress: EgressSettings | None = None) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -71,6 +73,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     pools = PoolService(store, node_client, clock)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
+    sandboxes.ctx.egress = egress or EgressSettings()
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

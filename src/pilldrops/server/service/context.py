@@ -21,6 +21,7 @@ from pilldrops.schema.api import SandboxState
 from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus
 from pilldrops.server.domain.states import TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.service import egress
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.store.interface import NodeRecord, SandboxRecord, Store
@@ -58,6 +59,7 @@ class SandboxContext:
     clock: Clock
     billing: BillingService
     pools: PoolService | None = None
+    egress: egress.EgressSettings = field(default_factory=egress.EgressSettings)   # `up/serve --no-egress` ...
     node_cache: TTLCache[str, NodeRecord] = field(init=False)
     in_flight: set[str] = field(default_factory=set)      # pauses/resumes this process is carrying out
     creating: set[str] = field(default_factory=set)       # creates this process is carrying out (placed rows)
@@ -94,7 +96,8 @@ class SandboxContext:
         return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
                                access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s,
-                               isolation=row.isolation)
+                               isolation=row.isolation,
+                               network=egress.node_network(getattr(row, "network", None), self.egress))
 
     async def quiet_kill(self, node: NodeRecord, sandbox_id: str, what: str = "") -> None:
         """Stop it on that node; a failure is logged (the node's next report is reconciled anyway)."""

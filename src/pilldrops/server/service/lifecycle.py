@@ -30,7 +30,7 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
-from pilldrops.server.service import isolation, placement
+from pilldrops.server.service import egress, isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
 from pilldrops.server.store.interface import (
     Allocations,
@@ -62,7 +62,8 @@ class Lifecycle:
         node = await self.ctx.node(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.ctx.billing.usage_of(row)
         return SandboxInfo(
-            id=row.id, template=row.template, isolation=row.isolation, state=SandboxState(row.state), vcpu=row.vcpu,
+            id=row.id, template=row.template, isolation=row.isolation, **egress.view(row.network),
+            state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
@@ -116,6 +117,7 @@ class Lifecycle:
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
             new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now())
 

@@ -65,6 +65,7 @@ class SandboxRecord(Protocol):
     team_id: str
     template: str
     isolation: str
+    network: dict[str, Any] | None          # egress policy (issue 14); None: loopback only
     vcpu: float
     memory_mb: int
     timeout: int
@@ -131,6 +132,7 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    network: dict[str, Any] | None = None   # egress policy, set by the placement's choose too (issue 14)
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord

@@ -96,6 +96,7 @@ class Sandbox(Base):
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
     template: Mapped[str] = mapped_column(String(128))
     isolation: Mapped[str] = mapped_column(String(16), default="container", server_default="container")
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)   # egress policy (issue 14)
     vcpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)
     timeout: Mapped[int] = mapped_column(Integer)
