@@ -77,7 +77,8 @@ class Egress:
                                  detail="; ".join(overlaps))
         await netdev.nft(rules.base(self.cfg))
         uplinks = self.cfg.uplinks if self.cfg.uplinks is not None else tuple(await netdev.default_route_devices())
-        saved = self.dir / "uplinks.json"     # what the uplinks' forwarding was before us (restored by close)
+        saved = self.dir / "uplinks.saved"     # the uplinks' forwarding before us (close restores it); not .json:
+                                               # those are the slot records
         before = json.loads(saved.read_text()) if saved.exists() else {}
         for dev in uplinks:      # per interface: the host's global ip_forward switch stays as it is
             try:
@@ -208,7 +209,7 @@ class Egress:
             return
         if await netdev.nft_json(self.cfg.table) is not None:
             await netdev.nft(rules.remove_table(self.cfg), check=False)
-        saved = self.dir / "uplinks.json"
+        saved = self.dir / "uplinks.saved"
         try:
             before = json.loads(saved.read_text())
         except (OSError, ValueError):
