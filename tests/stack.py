@@ -34,6 +34,7 @@ class FakeTemplate:
     built: bool = True
     description: str = ""
     isolation: str | None = None
+    network: dict[str, Any] | None = None     # a template's [network] default (issue 14)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", self.env or {"PD_TEMPLATE": self.name})

@@ -94,6 +94,8 @@ class Egress:
         """Give the sandbox whose init is ``pid`` its veth, addresses, rules and resolv.conf; returns its
         slot (the recorded one when it has one: resume keeps its addresses). On failure nothing is left but
         the record of a sandbox that had one before (a paused one keeps its slot)."""
+        if netdev.same_netns_as_agent(pid):
+            raise RuntimeFailure(f"sandbox {sandbox_id} has no network namespace of its own (pid {pid})")
         async with self._lock:
             await self._ensure_base()
             had = sandbox_id in self._slots

@@ -57,6 +57,15 @@ def link_exists(name: str) -> bool:
     return (_SYS_NET / name).exists()
 
 
+def same_netns_as_agent(pid: int) -> bool:
+    """True when ``pid`` shares the agent's network namespace (or is gone): a veth must never be made
+    for it, since its "inside" would be the host."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return True
+
+
 def sysctl(path: str, value: str) -> None:
     """Write ``/proc/sys/net/<path>`` (this host's network namespace: the agent's own)."""
     with open(_PROC_NET / path, "w") as f:
@@ -153,18 +162,16 @@ def write_resolv_conf(rootfs: Path, nameserver: str) -> None:
         try:
             etc = _openat2(root, "etc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
-            os.mkdir("etc", 0o755, dir_fd=root)
+            os.mkdir("etc", 0o755, dir_fd=root)     # FileExistsError: a dangling link there (refused)
             etc = _openat2(root, "etc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
                 fd = os.open("resolv.conf", flags, 0o644, dir_fd=etc)
             except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.EISDIR):
+                if e.errno != errno.ELOOP:
                     raise
-                if e.errno == errno.EISDIR:
-                    raise
-                os.unlink("resolv.conf", dir_fd=etc)
+                os.unlink("resolv.conf", dir_fd=etc)        # a symlink: replaced (never followed)
                 fd = os.open("resolv.conf", flags, 0o644, dir_fd=etc)
             with os.fdopen(fd, "w") as f:
                 f.write(f"# written by PillDrops: DNS through the node's resolver\nnameserver {nameserver}\n")
