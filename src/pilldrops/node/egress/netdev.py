@@ -112,13 +112,13 @@ async def add_veth(ifname: str, pid: int, gateway: str, address: str, *, route_l
     namespace of ``pid`` with ``address`` and a default route via the gateway."""
     await run(["ip", "-batch", "-"],
               f"link add {ifname} type veth peer name eth0 netns {pid}\n"
-              f"addr add {gateway}/30 dev {ifname}\n")
+              f"addr add {gateway}/30 dev {ifname}\nlink set {ifname} up\n")
     try:
+        # before the inside end is configured nothing can cross; IPv6 is also dropped by the rules
         sysctl(f"ipv6/conf/{ifname}/disable_ipv6", "1")
         sysctl(f"ipv4/conf/{ifname}/forwarding", "1")
         if route_localnet:      # DNS DNAT'ed to a loopback resolver arrives on this link
             sysctl(f"ipv4/conf/{ifname}/route_localnet", "1")
-        await run(["ip", "link", "set", ifname, "up"])
         await run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"],
                   f"addr add {address}/30 dev eth0\nlink set eth0 up\nroute add default via {gateway}\n")
     except BaseException:
