@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         body = f"ok {self.server.server_address[0]}\n".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))

@@ -3,6 +3,7 @@ what is never reachable, and that nothing is left after kill, agent SIGKILL + re
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -157,19 +158,21 @@ def test_link_local_and_metadata_unreachable(server: Server) -> None:
     with Sandbox.create("tiny", allow_internet_access=True, network={"allow_out": ["169.254.0.0/16"]}) as sb:
         ip = sandbox_ip(sb)
         route = subprocess.run(["ip", "-4", "route", "get", "169.254.169.254", "from", str(ip), "iif",
-                                _host_link_of(server, ip)], capture_output=True, text=True).stdout
+                                _host_link_of(server, ip)], capture_output=True, text=True, check=True).stdout
         assert UPLINK in route, route              # without the rules it would be reached
         assert fetch(sb, "http://169.254.169.254:8080/", timeout=1) is None
         assert fetch(sb, f"http://{server.outside.ip}:8080/") is not None
 
 
 def _host_link_of(server: Server, ip: str | None) -> str:
-    out = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True).stdout)
+    """The node's end of the sandbox's veth: the link holding the address just below the sandbox's."""
+    assert ip is not None
+    gateway = str(ipaddress.IPv4Address(ip) - 1)
+    out = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout)
     for link in out:
-        if link["ifname"].startswith(f"pd{server.tag}"):
-            for a in link.get("addr_info", []):
-                if ip and a["local"].rsplit(".", 1)[0] == ip.rsplit(".", 1)[0] and int(a["local"].rsplit(".", 1)[1]) == int(ip.rsplit(".", 1)[1]) - 1:
-                    return str(link["ifname"])
+        if any(a["local"] == gateway for a in link.get("addr_info", [])):
+            assert link["ifname"].startswith(f"pd{server.tag}"), link["ifname"]
+            return str(link["ifname"])
     raise AssertionError(f"no host link for {ip}")
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pilldrops.schema.node import NodeNetwork
 from pilldrops.server.service.egress import EgressSettings
+from tests.stack import fake_egress as _fake
 from tests.stack import stack
 
 pytestmark = pytest.mark.anyio
@@ -19,37 +19,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class FakeEgress:
-    def __init__(self) -> None:
-        self.attached: dict[str, NodeNetwork] = {}
-        self.released: list[str] = []
-
-    def unavailable(self) -> str | None:
-        return None
-
-    async def attach(self, sandbox_id: str, pid: int, rootfs: Path | None, net: NodeNetwork) -> int:
-        self.attached[sandbox_id] = net
-        return 0
-
-    async def release(self, sandbox_id: str) -> None:
-        self.released.append(sandbox_id)
-
-    async def detach(self, sandbox_id: str) -> None: ...
-
-    def forget(self, sandbox_id: str) -> None: ...
-
-    async def recover(self, *a: Any) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-def _fake(st: Any) -> FakeEgress:
-    fake = FakeEgress()
-    st.agent.egress = fake
-    st.agent.transfer.egress = fake
-    return fake
 
 
 def error_of(resp: Any) -> dict:
