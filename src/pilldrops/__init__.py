@@ -21,6 +21,7 @@ from pilldrops.errors import (
     Conflict,
     EgressForbidden,
     FileNotFound,
+    GatewayTimeout,
     InsufficientCredits,
     InvalidRequest,
     InvalidState,
@@ -30,14 +31,18 @@ from pilldrops.errors import (
     PayloadTooLarge,
     PermissionDenied,
     PillDropsError,
+    PortNotOpen,
     RateLimited,
     RequestTimeout,
     SandboxNotFound,
     ServerError,
     TemplateNotFound,
     TransportError,
+    URLTokenExpired,
+    URLTokenInvalid,
+    URLTokenRequired,
 )
-from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxState, UsageSummary
+from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
 from pilldrops.sdk._base import RunResult
 from pilldrops.sdk._sync.sandbox import Sandbox
@@ -54,6 +59,7 @@ __all__ = [
     "EgressForbidden",
     "FileInfo",
     "FileNotFound",
+    "GatewayTimeout",
     "HistoryRecord",
     "InsufficientCredits",
     "InvalidRequest",
@@ -66,6 +72,8 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "PillDropsError",
+    "PortNotOpen",
+    "PortURL",
     "RateLimited",
     "RequestTimeout",
     "RunResult",
@@ -76,6 +84,9 @@ __all__ = [
     "ServerError",
     "TemplateNotFound",
     "TransportError",
+    "URLTokenExpired",
+    "URLTokenInvalid",
+    "URLTokenRequired",
     "UsageSummary",
     "__version__",
     "amap",

@@ -49,6 +49,9 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
         click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
+        click.option("--public-host", default=None, envvar="PILLDROPS_PUBLIC_HOST", metavar="[SCHEME://]DOMAIN[:PORT]",
+                     help="wildcard domain routed to this control plane: port URLs become "
+                          "{port}-{id}.DOMAIN (host-based) instead of /ports/{id}/{port}/ on the API's address"),
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
@@ -67,7 +70,8 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation"), "egress": _egress(kw)}
+            "default_isolation": kw.pop("default_isolation"), "public_host": kw.pop("public_host"),
+            "egress": _egress(kw)}
 
 
 def _egress(kw: dict[str, Any]) -> Any:

@@ -13,8 +13,9 @@ Mapping:
   policy (allow wins over deny, as E2B). Absent, ``allow_internet_access`` is off (PillDrops' default; E2B's
   server defaults to on). On a ``--no-egress`` deployment an ``allow_internet_access: true`` is ignored
   (older E2B SDKs send it on every create), an ``allowOut`` is refused (``egress_forbidden``);
-- unknown fields are ignored, as E2B does; ``autoPause``, the other ``network`` keys, ``mcp``,
-  ``volumeMounts`` have no effect (see the README's "Coming from E2B").
+- unknown fields are ignored, as E2B does; ``autoPause``, ``mcp``, ``volumeMounts`` have no effect, and of
+  ``network`` only ``allowOut`` / ``denyOut`` (above) and ``allowPublicTraffic`` (default true: the sandbox's
+  ports are public; false: they need a port URL's token) (see the README's "Coming from E2B").
 """
 
 from __future__ import annotations
@@ -195,9 +196,11 @@ class E2BApi:
         envs = data.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
             raise errors.InvalidRequest("metadata and envVars must be objects")
-        try:
+        network = data.get("network") if isinstance(data.get("network"), dict) else {}
+        try:   # user ports are public unless network.allowPublicTraffic is false, as on E2B
             req = CreateSandboxRequest(template=e2b_template(asked), metadata=metadata, envs=envs,
                                        timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
+                                       public=network.get("allowPublicTraffic", True) is not False,
                                        **self._egress(data))
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
