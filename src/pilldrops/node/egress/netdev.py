@@ -40,6 +40,9 @@ async def nft(script: str, *, check: bool = True) -> bool:
 
 
 async def nft_json(table: str) -> dict | None:  # type: ignore[type-arg]
+    """The table as nft's JSON, or None (no such table, or no nft on this host: then nothing was made)."""
+    if shutil.which("nft") is None:
+        return None
     r = await run(["nft", "-j", "list", "table", "inet", table], check=False)
     if r.returncode != 0:
         return None
