@@ -80,11 +80,6 @@ class TemplateNetwork(NetworkPolicy):
     allow_internet_access: bool = False
 
 
-def wants_egress(allow_internet_access: bool, network: NetworkPolicy | None) -> bool:
-    """A sandbox needs a network interface at all (else: loopback only, the cheap default)."""
-    return bool(allow_internet_access or (network is not None and network.allow_out))
-
-
 class _Response(BaseModel):
     # Responses ignore unknown fields so an older SDK keeps working against a newer server.
     model_config = ConfigDict(extra="ignore")
