@@ -21,6 +21,7 @@
  * ├─ NotSupported          501 not_supported
  * ├─ NodeUnavailable       502 node_unavailable    (retryable)
  * ├─ CapacityUnavailable   503 capacity_unavailable (retryable)
+ * ├─ TemplateBuildFailed   422 template_build_failed
  * ├─ TransportError        —   no response at all  (retryable)
  * │   └─ RequestTimeout    —   client-side deadline
  * ├─ AbortError            —   the caller's AbortSignal fired (name "AbortError", cause: the signal's reason)
@@ -157,6 +158,11 @@ export class CapacityUnavailable extends PillDropsError {
   static override readonly status = 503
   static override readonly retryable = true
 }
+/** A template build ran and failed (a step's exit status, a bad spec, a layer that did not verify). */
+export class TemplateBuildFailed extends PillDropsError {
+  static override readonly code = 'template_build_failed'
+  static override readonly status = 422
+}
 /** No HTTP response was received (connection refused, reset, DNS, ...). */
 export class TransportError extends PillDropsError {
   static override readonly code: string = 'transport_error'
@@ -190,8 +196,8 @@ type ErrorClass = new (message?: string, options?: { details?: unknown; requestI
 const ALL: (ErrorClass & typeof PillDropsError)[] = [
   InvalidRequest, AuthenticationError, PermissionDenied, EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
-  NodeUnavailable, CapacityUnavailable, NotSupported, URLTokenRequired, URLTokenInvalid, URLTokenExpired,
-  PortNotOpen, GatewayTimeout,
+  NodeUnavailable, CapacityUnavailable, NotSupported, TemplateBuildFailed, URLTokenRequired, URLTokenInvalid,
+  URLTokenExpired, PortNotOpen, GatewayTimeout,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

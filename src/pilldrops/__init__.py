@@ -36,6 +36,7 @@ from pilldrops.errors import (
     RequestTimeout,
     SandboxNotFound,
     ServerError,
+    TemplateBuildFailed,
     TemplateNotFound,
     TransportError,
     URLTokenExpired,
@@ -44,15 +45,20 @@ from pilldrops.errors import (
 )
 from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._async.template import AsyncTemplate
 from pilldrops.sdk._base import RunResult
+from pilldrops.sdk._build import BuiltTemplate
 from pilldrops.sdk._sync.sandbox import Sandbox
+from pilldrops.sdk._sync.template import Template
 from pilldrops.sdk.fanout import MapItem, MapResult, amap, map
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",
+    "AsyncTemplate",
     "AuthenticationError",
+    "BuiltTemplate",
     "CapacityUnavailable",
     "CommandFailed",
     "Conflict",
@@ -82,6 +88,8 @@ __all__ = [
     "SandboxNotFound",
     "SandboxState",
     "ServerError",
+    "Template",
+    "TemplateBuildFailed",
     "TemplateNotFound",
     "TransportError",
     "URLTokenExpired",

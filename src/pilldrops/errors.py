@@ -190,6 +190,14 @@ class CapacityUnavailable(PillDropsError):
     retryable = True
 
 
+class TemplateBuildFailed(PillDropsError):
+    """A template build ran and failed (a step's exit status, a bad spec, a layer that did not verify); the
+    message names the step and its last output line."""
+
+    code = "template_build_failed"
+    status = 422
+
+
 class TransportError(PillDropsError):
     """No HTTP response was received (connection refused, reset, DNS, ...)."""
 
@@ -217,7 +225,7 @@ _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, URLTokenRequired, URLTokenInvalid, URLTokenExpired, PermissionDenied,
     EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported, GatewayTimeout, PortNotOpen,
+    CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

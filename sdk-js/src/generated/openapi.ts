@@ -390,6 +390,44 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/templates/builds": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Build Template
+         * @description Build once into the template store; the answer streams the build (NDJSON: ``status``/``log``
+         *     events, then ``done`` with the template, or ``error``).
+         */
+        post: operations["build_template_v1_templates_builds_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/templates/contexts/{digest}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /** Put Context */
+        put: operations["put_context_v1_templates_contexts__digest__put"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/usage": {
         parameters: {
             query?: never;
@@ -525,6 +563,13 @@ export interface components {
             /** Index */
             index: number;
             sandbox?: components["schemas"]["SandboxInfo"] | null;
+        };
+        /** ContextUploaded */
+        ContextUploaded: {
+            /** Digest */
+            digest: string;
+            /** Size */
+            size: number;
         };
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
@@ -1219,8 +1264,31 @@ export interface components {
              */
             timeout: number;
         };
+        /**
+         * TemplateBuildRequest
+         * @description ``POST /v1/templates/builds``: build a spec document (the TOML spec's table, as JSON) once, on a node
+         *     the scheduler picks, into the template store. ``context`` names a build context uploaded before with
+         *     ``PUT /v1/templates/contexts/{digest}`` (the files ``copy`` steps read, relative to its root).
+         */
+        TemplateBuildRequest: {
+            /** Context */
+            context?: string | null;
+            /**
+             * Force
+             * @default false
+             */
+            force: boolean;
+            /** Spec */
+            spec: {
+                [key: string]: unknown;
+            };
+        };
         /** TemplateInfo */
         TemplateInfo: {
+            /** Build Seconds */
+            build_seconds?: number | null;
+            /** Builder */
+            builder?: string | null;
             /** Built At */
             built_at?: string | null;
             /**
@@ -1228,8 +1296,12 @@ export interface components {
              * @default
              */
             description: string;
+            /** Digest */
+            digest?: string | null;
             /** Isolation */
             isolation?: string | null;
+            /** Key */
+            key?: string | null;
             /** Layers */
             layers?: string[];
             /** Name */
@@ -1242,6 +1314,8 @@ export interface components {
              * @default 0
              */
             size_bytes: number;
+            /** Version */
+            version?: number | null;
             /** Workdir */
             workdir?: string | null;
         };
@@ -2162,6 +2236,68 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["TemplateList"];
+                };
+            };
+        };
+    };
+    build_template_v1_templates_builds_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["TemplateBuildRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    put_context_v1_templates_contexts__digest__put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                digest: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextUploaded"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };

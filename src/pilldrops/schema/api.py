@@ -383,6 +383,12 @@ class TemplateInfo(_Response):
     workdir: str | None = None          # where commands start (the spec's workdir)
     isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
     network: TemplateNetwork | None = None   # the template's default egress ([network]; None: none)
+    # the template store (issue 19): set for templates built once and shipped to the nodes
+    version: int | None = None          # a rebuild is the next version; running sandboxes keep theirs
+    digest: str | None = None           # the top layer's digest (sha256:...); ``layers`` then lists digests
+    key: str | None = None              # the cache key: spec document + parent + context, hashed
+    build_seconds: float | None = None
+    builder: str | None = None          # the node that built it
 
 
 class IsolationSupport(_Response):
@@ -395,6 +401,22 @@ class IsolationSupport(_Response):
 
 class TemplateList(_Response):
     items: list[TemplateInfo]
+
+
+class TemplateBuildRequest(BaseModel):
+    """``POST /v1/templates/builds``: build a spec document (the TOML spec's table, as JSON) once, on a node
+    the scheduler picks, into the template store. ``context`` names a build context uploaded before with
+    ``PUT /v1/templates/contexts/{digest}`` (the files ``copy`` steps read, relative to its root)."""
+
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any]
+    context: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
+    force: bool = False
+
+
+class ContextUploaded(_Response):
+    digest: str
+    size: int
 
 
 class WhoAmI(_Response):

@@ -115,13 +115,16 @@ class Lifecycle:
             created_at=now, end_at=now + timedelta(seconds=req.timeout), public_ports=list(req.public_ports),
             public=req.public)
         specs = await ctx.pools.specs() if ctx.pools else []
+        ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
+        new.template_version = ref.version if ref is not None else None
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
-            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
+                                              ref.isolation if ref is not None else None)
             new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
-            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now())
+            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
@@ -134,7 +137,7 @@ class Lifecycle:
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             return await self.create(team_id, req, idempotency_key)    # that attempt failed: a fresh one
-        spec = ctx.node_spec(row, float(req.timeout))
+        spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
         try:
