@@ -7,6 +7,7 @@
  * ├─ InvalidRequest        400 invalid_request
  * ├─ AuthenticationError   401 unauthenticated
  * ├─ PermissionDenied      403 permission_denied
+ * │   └─ EgressForbidden   403 egress_forbidden   (the deployment gives no / less egress)
  * ├─ NotFound              404 not_found
  * │   ├─ SandboxNotFound   404 sandbox_not_found
  * │   ├─ FileNotFound      404 file_not_found
@@ -87,8 +88,12 @@ export class URLTokenExpired extends AuthenticationError {
   static override readonly code = 'url_token_expired'
 }
 export class PermissionDenied extends PillDropsError {
-  static override readonly code = 'permission_denied'
+  static override readonly code: string = 'permission_denied'
   static override readonly status = 403
+}
+/** The create asks for egress the deployment does not give (`--no-egress`, or outside its `--egress-allow`). */
+export class EgressForbidden extends PermissionDenied {
+  static override readonly code = 'egress_forbidden'
 }
 export class NotFound extends PillDropsError {
   static override readonly code: string = 'not_found'
@@ -194,7 +199,7 @@ export class CommandFailed extends PillDropsError {
 type ErrorClass = new (message?: string, options?: { details?: unknown; requestId?: string | null }) => PillDropsError
 
 const ALL: (ErrorClass & typeof PillDropsError)[] = [
-  InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
+  InvalidRequest, AuthenticationError, PermissionDenied, EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
   NodeUnavailable, CapacityUnavailable, NotSupported, TemplateBuildFailed, URLTokenRequired, URLTokenInvalid,
   URLTokenExpired, PortNotOpen, GatewayTimeout, DiskQuotaExceeded,

@@ -118,6 +118,37 @@ export interface SpecArgs {
   publicPorts?: number[]
   /** Every port is served by URL without a token (default false). */
   public?: boolean
+  /**
+   * Egress to the internet (NAT through the node, DNS through its resolver). Default: the template's
+   * `[network]`, else none (loopback only). Sent only when given.
+   */
+  allowInternetAccess?: boolean
+  /**
+   * `allowOut`: IPv4 CIDRs or addresses always reachable (even without `allowInternetAccess`); `denyOut`: never
+   * reachable unless also in `allowOut` (allow wins). The node itself, other sandboxes and 169.254.0.0/16 are
+   * never reachable. Sent only when given.
+   */
+  network?: NetworkPolicy
+}
+
+/** Where a sandbox may connect to (besides its own loopback). */
+export interface NetworkPolicy {
+  allowOut?: string[]
+  denyOut?: string[]
+}
+
+const CIDR = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})(\/(\d{1,2}))?$/
+
+function cidrList(v: unknown, what: string): string[] {
+  if (v === undefined) return []
+  if (!Array.isArray(v) || v.length > 64) throw new InvalidRequest(`${what} must be a list of at most 64 IPv4 CIDRs`)
+  for (const c of v) {
+    const m = typeof c === 'string' ? CIDR.exec(c.trim()) : null
+    if (!m || m.slice(1, 5).some((o) => Number(o) > 255) || (m[6] !== undefined && Number(m[6]) > 32)) {
+      throw new InvalidRequest(`${what}: ${JSON.stringify(c)} is not an IPv4 address or CIDR`)
+    }
+  }
+  return v as string[]
 }
 
 /** The isolation modes a sandbox can ask for. */
@@ -145,6 +176,14 @@ export function createBody(spec: SpecArgs): Record<string, unknown> {
       throw new InvalidRequest(`unknown isolation mode ${JSON.stringify(spec.isolation)}; valid modes: ${ISOLATION_MODES.join(', ')}`)
     }
     body.isolation = spec.isolation
+  }
+  if (spec.allowInternetAccess !== undefined) {
+    if (typeof spec.allowInternetAccess !== 'boolean') throw new InvalidRequest('allowInternetAccess must be a boolean')
+    body.allow_internet_access = spec.allowInternetAccess
+  }
+  if (spec.network !== undefined) {
+    body.network = { allow_out: cidrList(spec.network.allowOut, 'network.allowOut'),
+      deny_out: cidrList(spec.network.denyOut, 'network.denyOut') }
   }
   if (spec.publicPorts !== undefined) {
     if (!Array.isArray(spec.publicPorts)) throw new InvalidRequest('publicPorts must be an array of ports')

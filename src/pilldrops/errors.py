@@ -13,6 +13,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   ├─ URLTokenInvalid   401 url_token_invalid   (forged, or another sandbox's or port's)
     │   └─ URLTokenExpired   401 url_token_expired
     ├─ PermissionDenied      403 permission_denied
+    │   └─ EgressForbidden   403 egress_forbidden    (details: reason "disabled" | "outside_cap")
     ├─ NotFound              404 not_found
     │   ├─ SandboxNotFound   404 sandbox_not_found
     │   ├─ FileNotFound      404 file_not_found
@@ -93,6 +94,13 @@ class URLTokenExpired(AuthenticationError):
 class PermissionDenied(PillDropsError):
     code = "permission_denied"
     status = 403
+
+
+class EgressForbidden(PermissionDenied):
+    """The create asks for egress this deployment does not give (``--no-egress``, or outside its
+    ``--egress-allow`` cap)."""
+
+    code = "egress_forbidden"
 
 
 class NotFound(PillDropsError):
@@ -222,7 +230,7 @@ class CommandFailed(PillDropsError):
 
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, URLTokenRequired, URLTokenInvalid, URLTokenExpired, PermissionDenied,
-    NotFound, SandboxNotFound, FileNotFound,
+    EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
     CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen, DiskQuotaExceeded,
 )

@@ -29,7 +29,10 @@ def free_port() -> int:
 def clean_env(config_home: Path, **extra: str) -> dict[str, str]:
     """This process's environment for a PillDrops process of its own: its own config dir, and none of the
     caller's PillDrops/E2B credentials or node token leaking in."""
-    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), **extra}
+    # sandbox egress (issue 14) never touches this machine's own uplinks or resolver in tests: no uplink to
+    # turn forwarding on for and no DNS, unless a test (tests/network) names its own
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), "PILLDROPS_EGRESS_UPLINKS": "",
+           "PILLDROPS_EGRESS_DNS": "none", "PILLDROPS_EGRESS_POOL": f"10.213.{os.getpid() % 256}.0/24", **extra}
     for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
         env.pop(k, None)
     return env

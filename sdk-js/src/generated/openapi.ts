@@ -478,6 +478,12 @@ export interface components {
          */
         BatchCreateRequest: {
             /**
+             * Allow Internet Access
+             * @description egress to the internet (NAT through the node); unset: the template's [network] default, else off
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
              * Capacity Wait
              * @description seconds each item may wait for capacity
              * @default 60
@@ -516,6 +522,8 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /** @description allow_out / deny_out CIDRs; unset: the template's */
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /**
              * Public
              * @description every port is served by URL without a token
@@ -571,6 +579,12 @@ export interface components {
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
             /**
+             * Allow Internet Access
+             * @description egress to the internet (NAT through the node); unset: the template's [network] default, else off
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
              * Disk Mb
              * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
              */
@@ -594,6 +608,8 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /** @description allow_out / deny_out CIDRs; unset: the template's */
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /**
              * Public
              * @description every port is served by URL without a token
@@ -686,6 +702,11 @@ export interface components {
          * @description One sandbox in the usage history (running ones with their cost so far).
          */
         HistoryRecord: {
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
             /** Cost Usd */
             cost_usd: number;
             end_reason?: components["schemas"]["EndReason"] | null;
@@ -706,6 +727,7 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /** Pauses */
             pauses?: components["schemas"]["PauseInterval"][];
             /** Started At */
@@ -832,6 +854,24 @@ export interface components {
             revoked_at?: string | null;
             /** Team Id */
             team_id: string;
+        };
+        /**
+         * NetworkPolicy
+         * @description Where a sandbox may connect to besides its own loopback. ``allow_out`` is reachable even when
+         *     ``allow_internet_access`` is off; ``deny_out`` is cut out of the internet; allow wins over deny (as E2B).
+         *     Never reachable whatever the policy: the node itself, other sandboxes, 169.254.0.0/16.
+         */
+        NetworkPolicy: {
+            /**
+             * Allow Out
+             * @description IPv4 CIDRs or addresses always reachable
+             */
+            allow_out?: string[];
+            /**
+             * Deny Out
+             * @description IPv4 CIDRs or addresses never reachable (unless also in allow_out)
+             */
+            deny_out?: string[];
         };
         /**
          * NodeInfo
@@ -1112,6 +1152,11 @@ export interface components {
         SandboxInfo: {
             /** Access Token */
             access_token?: string | null;
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
             /** Checkpoint Bytes */
             checkpoint_bytes?: number | null;
             /**
@@ -1155,6 +1200,7 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /** Node Id */
             node_id?: string | null;
             /** Paused At */
@@ -1276,6 +1322,7 @@ export interface components {
             layers?: string[];
             /** Name */
             name: string;
+            network?: components["schemas"]["TemplateNetwork"] | null;
             /** Nodes */
             nodes?: string[];
             /**
@@ -1292,6 +1339,27 @@ export interface components {
         TemplateList: {
             /** Items */
             items: components["schemas"]["TemplateInfo"][];
+        };
+        /**
+         * TemplateNetwork
+         * @description A template's ``[network]`` table: the default egress of its sandboxes (a create's own fields win).
+         */
+        TemplateNetwork: {
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
+             * Allow Out
+             * @description IPv4 CIDRs or addresses always reachable
+             */
+            allow_out?: string[];
+            /**
+             * Deny Out
+             * @description IPv4 CIDRs or addresses never reachable (unless also in allow_out)
+             */
+            deny_out?: string[];
         };
         /** UsageSummary */
         UsageSummary: {

@@ -68,6 +68,12 @@ def _control_plane_options(f: Any) -> Any:
         click.option("--max-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_MAX_DISK_MB,
                      show_default=True, envvar="PILLDROPS_MAX_DISK_MB",
                      help="the largest disk_mb a create may ask for (past it: 400 invalid_request)"),
+        click.option("--no-egress", is_flag=True, envvar="PILLDROPS_NO_EGRESS",
+                     help="give sandboxes no network at all: a create asking for allow_internet_access or "
+                          "network.allow_out is refused (egress_forbidden)"),
+        click.option("--egress-allow", "egress_allow", multiple=True, metavar="CIDR",
+                     help="cap egress (repeatable): sandboxes can only ever reach inside these CIDRs, whatever "
+                          "their own policy; an allow_out outside them is refused (egress_forbidden)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -78,7 +84,16 @@ def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
             "default_isolation": kw.pop("default_isolation"), "default_disk_mb": kw.pop("default_disk_mb"),
-            "max_disk_mb": kw.pop("max_disk_mb"), "public_host": kw.pop("public_host")}
+            "max_disk_mb": kw.pop("max_disk_mb"), "public_host": kw.pop("public_host"),
+            "egress": _egress(kw)}
+
+
+def _egress(kw: dict[str, Any]) -> Any:
+    from pilldrops.server.service.egress import EgressSettings
+    try:
+        return EgressSettings.of(kw.pop("no_egress"), kw.pop("egress_allow"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--egress-allow") from None
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:

@@ -60,16 +60,27 @@ def sandbox() -> None:
 @click.option("--public-port", "public_ports", multiple=True, type=click.IntRange(1, 65535), metavar="PORT",
               help="Serve this port by URL without a token (repeatable).")
 @click.option("--public", is_flag=True, help="Serve every port by URL without a token.")
+@click.option("--allow-internet/--no-internet", "allow_internet", default=None,
+              help="Egress to the internet (NAT through the node) [default: the template's, else none].")
+@click.option("--allow-out", multiple=True, metavar="CIDR", help="Always reachable, even without "
+              "--allow-internet (repeatable; an IP or a CIDR).")
+@click.option("--deny-out", multiple=True, metavar="CIDR", help="Never reachable unless also in --allow-out "
+              "(repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
 @pass_state
 def create(state: CliState, template: str, vcpu: float, memory_mb: int, disk_mb: int | None, timeout: int,
            metadata: tuple[str, ...], env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...],
-           public: bool, as_json: bool) -> None:
-    """Create a sandbox (left running) and print its id."""
-    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, disk_mb=disk_mb, timeout=timeout, isolation=isolation,
+           public: bool, allow_internet: bool | None, allow_out: tuple[str, ...], deny_out: tuple[str, ...],
+           as_json: bool) -> None:
+    """Create a sandbox (left running) and print its id. It has loopback only unless its template's
+    [network] or --allow-internet / --allow-out give it egress."""
+    network = {"allow_out": list(allow_out), "deny_out": list(deny_out)} if allow_out or deny_out else None
+    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, disk_mb=disk_mb, timeout=timeout,
+                        isolation=isolation,
                         public_ports=list(public_ports), public=public,
                         metadata=_output.parse_pairs(metadata, "--metadata"),
-                        envs=_output.parse_pairs(env, "--env"), **state.sdk_options())
+                        envs=_output.parse_pairs(env, "--env"), allow_internet_access=allow_internet,
+                        network=network, **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(sb.info))
     else:

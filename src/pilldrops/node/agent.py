@@ -6,7 +6,9 @@ watch them. Each duty beyond that has a module of its own:
 - ``checkpoints``: pause, resume, moves between nodes (export/fetch of images), dropping images;
 - ``control_plane``: register, heartbeat, end reports and the outbox;
 - ``template_cache``: the built templates and what a sandbox spec becomes with them;
-- ``pools``: warm pools.
+- ``pools``: warm pools;
+- ``egress``: the network of sandboxes that asked for one (veth, NAT, per-sandbox rules; attached after
+  the runtime made the sandbox, so a warm-pool member gets it at claim time).
 
 It journals intent before creating and confirms after, enforces deadlines itself (the control plane may be
 down) and notices sandboxes whose init died (``oom`` when the memory cgroup killed it, ``exited``
@@ -31,6 +33,7 @@ from pilldrops import errors
 from pilldrops.node.checkpoints import Checkpoints
 from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
+from pilldrops.node.egress import Egress, EgressConfig
 from pilldrops.node.journal import Journal
 from pilldrops.node.layers import LayerCache
 from pilldrops.node.pools import WarmPools
@@ -95,7 +98,8 @@ class Stats:
 
 class NodeAgent:
     def __init__(self, settings: Settings, runtime: Runtime, templates: Templates, state_dir: Path,
-                 *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow) -> None:
+                 *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow,
+                 egress: Egress | None = None) -> None:
         if not settings.node_token:
             raise ValueError("a node agent needs a non-empty node token")
         self.settings = settings
@@ -127,9 +131,11 @@ class NodeAgent:
                      self.instance, support_of(runtime)),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
+        self.egress = egress or Egress(EgressConfig.from_env(self.instance), state_dir)
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
-                                    create_slots=self._create_slots, record_end=self._record_end, now=now)
+                                    create_slots=self._create_slots, record_end=self._record_end, now=now,
+                                    egress=self.egress)
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
 
@@ -180,10 +186,16 @@ class NodeAgent:
                     for sid in list(self.live):
                         tg.start_soon(functools.partial(self._end, sid, EndReason.shutdown, report=False))
                 await self._flush_outbox()     # reported here, in order, not by tasks about to be cancelled
+        with anyio.CancelScope(shield=True):
+            await self.egress.close()          # the agent's nft table, once no sandbox holds a slot
         await self._http.aclose()
 
     async def _recover(self) -> None:
         await self.recovery.run()
+        running = {sb.id: (sb.target.handle.pid, _rootfs(sb.target.handle))
+                   for sb in self.sandboxes.in_states(*_LIVE) if sb.target is not None and sb.target.handle.pid}
+        paused = {sb.id for sb in self.sandboxes.in_states(NodeState.paused, NodeState.resuming)}
+        await self.egress.recover(running, paused)
 
     # ---- operations the control plane asks for ------------------------------------------------------
 
@@ -193,6 +205,7 @@ class NodeAgent:
             return existing.status()           # a retried create: the same sandbox
         await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
+        self._check_egress(spec)
         if existing is not None:
             raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
                                       current=existing.state.value, target="running")
@@ -227,8 +240,25 @@ class NodeAgent:
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
         return await self._adopt_new(sb, handle, claimed=False)
 
+    def _check_egress(self, spec: NodeSandboxSpec) -> None:
+        if spec.network is None:
+            return
+        if spec.isolation != "container":
+            raise errors.NotSupported(f"egress is not supported for {spec.isolation} sandboxes (only container): "
+                                      "create it without allow_internet_access/network.allow_out",
+                                      details={"isolation": spec.isolation, "feature": "egress"})
+        why = self.egress.unavailable()
+        if why:
+            raise errors.NotSupported(f"egress is not available on node {self.settings.name}: {why}",
+                                      details={"feature": "egress"})
+
     async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
         try:
+            if sb.spec.network is not None and handle.pid is not None:
+                try:
+                    await self.egress.attach(sb.id, handle.pid, _rootfs(handle), sb.spec.network)
+                except RuntimeFailure as exc:
+                    raise errors.ServerError(f"sandbox network failed to start: {exc}") from exc
             sb.target = self._target(sb.spec, handle)
             sb.started_at, sb.started_mono = self.now(), time.monotonic()
             self.sandboxes.move(sb, NodeState.running)
@@ -238,6 +268,7 @@ class NodeAgent:
                 self.sandboxes.move(sb, NodeState.ending)
             with anyio.CancelScope(shield=True):
                 await self._destroy_quietly(handle)
+                await self.egress.release(sb.id)
             self.journal.remove(sb.id)
             if self.sandboxes.is_current(sb, NodeState.creating, NodeState.ending):
                 self.sandboxes.move(sb, NodeState.gone)
@@ -415,6 +446,7 @@ class NodeAgent:
         assert sb.target is not None
         self.sandboxes.move(sb, NodeState.ending)
         await self._destroy_quietly(sb.target.handle)
+        await self.egress.release(sandbox_id)
         self.journal.remove(sandbox_id)
         self.sandboxes.move(sb, NodeState.gone)
         status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono)
@@ -529,6 +561,11 @@ class NodeAgent:
 
     async def wait_registered(self) -> None:
         await self.control_plane.registered.wait()
+
+
+def _rootfs(handle: Handle) -> Path | None:
+    """The sandbox's root on the host (crun's overlay), where its resolv.conf is written."""
+    return Path(handle.bundle) / "rootfs" if handle.bundle else None
 
 
 def instance_id(state_dir: Path) -> str:

@@ -181,6 +181,7 @@ class TemplateCache:
                                       layers=[str(p) for p in t.layers], size_bytes=t.size, built_at=built,
                                       isolation=getattr(st, "isolation", None),
                                       disk_mb=getattr(st, "disk_mb", None),
+                                      network=getattr(st, "network", None),
                                       workdir=getattr(t, "workdir", None)))
         self._cache, self._disk = cache, disk
         return infos

@@ -6,6 +6,7 @@ Units are in the names (``memory_mb``); ``timeout`` is in seconds everywhere.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
@@ -32,6 +33,55 @@ MAX_PUBLIC_PORTS = 64
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Egress (issue 14): a sandbox reaches nothing outside its own loopback unless its create asks for it.
+MAX_EGRESS_RULES = 64
+
+
+def check_cidrs(v: list[str], what: str) -> list[str]:
+    """IPv4 CIDRs or addresses, normalised (``10.1.2.3`` -> ``10.1.2.3/32``, host bits cleared); at most
+    ``MAX_EGRESS_RULES``. IPv6 is refused: sandboxes get no IPv6 route."""
+    if len(v) > MAX_EGRESS_RULES:
+        raise ValueError(f"at most {MAX_EGRESS_RULES} {what} entries")
+    out: list[str] = []
+    for item in v:
+        try:
+            net = ipaddress.ip_network(str(item).strip(), strict=False)
+        except ValueError:
+            raise ValueError(f"{what}: {item!r} is not an IP address or CIDR") from None
+        if net.version != 4:
+            raise ValueError(f"{what}: {item!r} is IPv6; sandbox egress is IPv4 only")
+        if str(net) not in out:
+            out.append(str(net))
+    return out
+
+
+class NetworkPolicy(BaseModel):
+    """Where a sandbox may connect to besides its own loopback. ``allow_out`` is reachable even when
+    ``allow_internet_access`` is off; ``deny_out`` is cut out of the internet; allow wins over deny (as E2B).
+    Never reachable whatever the policy: the node itself, other sandboxes, 169.254.0.0/16."""
+
+    model_config = ConfigDict(extra="forbid")
+    allow_out: list[str] = Field(default_factory=list, description="IPv4 CIDRs or addresses always reachable")
+    deny_out: list[str] = Field(default_factory=list, description="IPv4 CIDRs or addresses never reachable "
+                                                                  "(unless also in allow_out)")
+
+    @field_validator("allow_out")
+    @classmethod
+    def _allow(cls, v: list[str]) -> list[str]:
+        return check_cidrs(v, "network.allow_out")
+
+    @field_validator("deny_out")
+    @classmethod
+    def _deny(cls, v: list[str]) -> list[str]:
+        return check_cidrs(v, "network.deny_out")
+
+
+class TemplateNetwork(NetworkPolicy):
+    """A template's ``[network]`` table: the default egress of its sandboxes (a create's own fields win)."""
+
+    allow_internet_access: bool = False
 
 
 class _Response(BaseModel):
@@ -122,6 +172,9 @@ class CreateSandboxRequest(_Request):
     envs: dict[str, str] = Field(default_factory=dict)
     isolation: str | None = Field(None, description="container | gvisor | microvm; default: the template's, "
                                                     "else the deployment's (container)")
+    allow_internet_access: bool = Field(False, description="egress to the internet (NAT through the node); "
+                                                           "unset: the template's [network] default, else off")
+    network: NetworkPolicy | None = Field(None, description="allow_out / deny_out CIDRs; unset: the template's")
     public_ports: list[int] = Field(default_factory=list, max_length=MAX_PUBLIC_PORTS,
                                     description="ports served by URL without a token (see POST .../urls)")
     public: bool = Field(False, description="every port is served by URL without a token")
@@ -168,7 +221,9 @@ class BatchCreateRequest(CreateSandboxRequest):
     def item_request(self, i: int) -> CreateSandboxRequest:
         """Item ``i`` as a single create (its own metadata merged over the shared one)."""
         extra = self.item_metadata[i] if self.item_metadata is not None else {}
-        return CreateSandboxRequest(**{**self.model_dump(exclude={"count", "capacity_wait", "item_metadata"}),
+        # exclude_unset: a field the batch left unset stays unset per item (the template's network default)
+        return CreateSandboxRequest(**{**self.model_dump(exclude={"count", "capacity_wait", "item_metadata"},
+                                                         exclude_unset=True),
                                        "metadata": {**self.metadata, **extra}})
 
 
@@ -182,6 +237,8 @@ class SandboxInfo(_Response):
     id: str
     template: str
     isolation: str = DEFAULT_ISOLATION
+    allow_internet_access: bool = False
+    network: NetworkPolicy | None = None
     state: SandboxState
     vcpu: float
     memory_mb: int
@@ -338,6 +395,7 @@ class TemplateInfo(_Response):
     workdir: str | None = None          # where commands start (the spec's workdir)
     isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
     disk_mb: int | None = None        # the template's default disk size in MiB (None: the deployment's)
+    network: TemplateNetwork | None = None   # the template's default egress ([network]; None: none)
     # the template store (issue 19): set for templates built once and shipped to the nodes
     version: int | None = None          # a rebuild is the next version; running sandboxes keep theirs
     digest: str | None = None           # the top layer's digest (sha256:...); ``layers`` then lists digests
@@ -424,6 +482,8 @@ class HistoryRecord(_Response):
     id: str
     template: str
     isolation: str = DEFAULT_ISOLATION
+    allow_internet_access: bool = False
+    network: NetworkPolicy | None = None
     vcpu: float
     memory_mb: int
     vcpu_s: float

@@ -12,7 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason, IsolationSupport, SandboxState, TemplateInfo
+from pilldrops.schema.api import (
+    DEFAULT_ISOLATION,
+    EndReason,
+    IsolationSupport,
+    SandboxState,
+    TemplateInfo,
+    TemplateNetwork,
+)
 
 
 class _Model(BaseModel):
@@ -71,6 +78,13 @@ class NodeHeartbeat(_Model):
     pools: list[NodePoolStatus] = Field(default_factory=list)
 
 
+class NodeNetwork(TemplateNetwork):
+    """A sandbox's egress as the node enforces it: its policy, plus the deployment's cap (``--egress-allow``:
+    None means no cap; a sandbox never reaches outside the cap, whatever its own policy says)."""
+
+    cap: list[str] | None = None
+
+
 class NodeLayerRef(_Model):
     digest: str = Field(..., pattern=r"^sha256:[0-9a-f]{64}$")
     size: int = Field(..., ge=0)
@@ -121,6 +135,7 @@ class NodeSandboxSpec(_Model):
                                                       "own clock (end_at is the control plane's view)")
     isolation: str = DEFAULT_ISOLATION
     disk_mb: int | None = Field(None, description="the writable layer's size in MiB (None: the node's default)")
+    network: NodeNetwork | None = Field(None, description="egress (issue 14); None: loopback only")
     template_ref: NodeTemplateRef | None = None   # a template-store version (None: one built on the node)
 
 

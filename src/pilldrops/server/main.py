@@ -17,6 +17,7 @@ from pilldrops.server.artifacts import BlobStore
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
+from pilldrops.server.service.egress import EgressSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
@@ -80,7 +81,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               template_store: Path | None = None,
                               max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
                               default_disk_mb: int = DEFAULT_DISK_MB, max_disk_mb: int = DEFAULT_MAX_DISK_MB,
-                              public_host: str | None = None) -> ControlPlane:
+                              public_host: str | None = None,
+                              egress: EgressSettings | None = None) -> ControlPlane:
     """``template_store``: the directory of the template store's layers (issue 19); None: no store (only
     templates the nodes build themselves)."""
     clock = clock or Clock()
@@ -92,6 +94,7 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
     sandboxes.lifecycle.default_disk_mb, sandboxes.lifecycle.max_disk_mb = default_disk_mb, max_disk_mb
+    sandboxes.ctx.egress = egress or EgressSettings()
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

@@ -32,7 +32,7 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
-from pilldrops.server.service import isolation, placement
+from pilldrops.server.service import egress, isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
 from pilldrops.server.store.interface import (
     Allocations,
@@ -66,7 +66,8 @@ class Lifecycle:
         node = await self.ctx.node(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.ctx.billing.usage_of(row)
         return SandboxInfo(
-            id=row.id, template=row.template, isolation=row.isolation, state=SandboxState(row.state), vcpu=row.vcpu,
+            id=row.id, template=row.template, isolation=row.isolation, **egress.view(row.network),
+            state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
             disk_mb=row.disk_mb, disk_used_bytes=self._disk_used(row),
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
@@ -144,6 +145,7 @@ class Lifecycle:
             tpl_disk = isolation.template_disk_mb(nodes, req.template) if req.disk_mb is None else None
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 

@@ -65,6 +65,7 @@ class SandboxRecord(Protocol):
     team_id: str
     template: str
     isolation: str
+    network: dict[str, Any] | None          # egress policy (issue 14); None: loopback only
     template_version: int | None
     vcpu: float
     memory_mb: int
@@ -154,6 +155,7 @@ class NewSandbox:
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
     disk_mb: int | None = None        # set by the placement's choose too (the template's default, or the request's)
+    network: dict[str, Any] | None = None   # egress policy, set by the placement's choose too (issue 14)
     template_version: int | None = None   # the template store's version it runs (None: a node-built template)
     public_ports: list[int] = field(default_factory=list)
     public: bool = False

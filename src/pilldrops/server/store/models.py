@@ -97,6 +97,7 @@ class Sandbox(Base):
     template: Mapped[str] = mapped_column(String(128))
     isolation: Mapped[str] = mapped_column(String(16), default="container", server_default="container")
     disk_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)   # egress policy (issue 14)
     template_version: Mapped[int | None] = mapped_column(Integer, nullable=True)   # of the template store
     vcpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)

@@ -311,7 +311,7 @@ class Store:
                 await _write_lock(s)
                 nodes = list((await s.scalars(select(Node).order_by(Node.id).with_for_update())).all())
                 node = choose(nodes, await _allocations(s))
-                row.node_id, row.isolation, row.disk_mb = node.id, new.isolation, new.disk_mb
+                row.node_id, row.isolation, row.disk_mb, row.network = node.id, new.isolation, new.disk_mb, new.network
                 s.add(row)
                 await s.flush()
                 for k, v in (row.metadata_ or {}).items():

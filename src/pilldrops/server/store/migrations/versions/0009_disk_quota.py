@@ -1,14 +1,13 @@
 """disk quota per sandbox (issue 16 part 2): the writable layer's size each sandbox was created with
 
 Revision ID: 0009
-Revises: 0011 (port URLs, already on main when this merged it; 0008, the network migration, is not on
-main yet: the integrator renumbers and chains these when it lands)
+Revises: 0008
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0011"
+down_revision = "0008"
 
 
 def upgrade() -> None:

@@ -2,13 +2,13 @@
 the version each sandbox runs
 
 Revision ID: 0010
-Revises: 0007   (the integrator renumbers: this chains to whatever migration lands before it)
+Revises: 0009
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0010"
-down_revision = "0007"
+down_revision = "0009"
 
 
 def upgrade() -> None:
