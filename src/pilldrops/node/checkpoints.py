@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +22,7 @@ import httpx
 
 from pilldrops import errors
 from pilldrops.node.dataplane import Target
+from pilldrops.node.isolation.rmtree import remove_tree_quietly
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
@@ -42,7 +42,7 @@ class RecordEnd(Protocol):
 
 def drop_image(path: str | Path | None) -> None:
     if path:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
 
 
 def image_size(image: Path) -> int:
@@ -115,7 +115,7 @@ class Checkpoints:
         await target.end_commands()
         run_s, _ = usage_point(sb.started_mono)
         left = max(0.0, (sb.end_at - self.now()).total_seconds())   # the same instant as run_s
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
         path.mkdir(parents=True)
         sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
         self.journal.write(sb.journal_entry())                      # phase "pausing"
@@ -209,7 +209,7 @@ class Checkpoints:
         """Copy a checkpoint from the node that paused it (same node token), as a tar stream with xattrs
         (the writable layer's overlay whiteouts and opaque dirs)."""
         path = self.dir / sandbox_id
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
         path.mkdir(parents=True)
         ok = False
         try:

@@ -19,6 +19,7 @@ INIT_PATH_IN_SANDBOX = "/.pd/init"
 RUN_DIR_IN_SANDBOX = "/.pd/run"      # pd-init's control socket lives here (bind-mounted rw from the host)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD = 100_000
+MIN_QUOTA = 1000                     # the kernel's CFS floor (1 ms); the API refuses vcpu below 0.01
 SHM_SIZE = "65536k"
 NOFILE = 65536
 
@@ -168,7 +169,7 @@ def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_paren
             "cgroupsPath": f"/{cgroup_parent.strip('/')}/{spec.id}",
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "cpu": {"quota": round(spec.vcpu * CPU_PERIOD), "period": CPU_PERIOD},
+                "cpu": {"quota": max(MIN_QUOTA, round(spec.vcpu * CPU_PERIOD)), "period": CPU_PERIOD},
                 "memory": {"limit": memory, "swap": memory},
                 "pids": {"limit": int(spec.pids_limit)},
             },

@@ -52,6 +52,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -373,6 +374,9 @@ int main(void) {
     sigaddset(&set, SIGUSR1);
     sigaddset(&set, SIGUSR2);
     sigprocmask(SIG_BLOCK, &set, NULL);
+    /* Not dumpable: the sandbox's own root (same uid, no CAP_SYS_PTRACE) can then not ptrace this init
+     * and take over its listening control socket (issue 16 item 2). Commands get it back at execve. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Drop the stdio crun handed over (host files, e.g. crun's error log): an fd on a host file the
      * sandbox cannot see would make a CRIU checkpoint fail (issue 6). */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
