@@ -102,6 +102,9 @@ class Checkpoints:
                 raise
             assert sb.image is not None
             sb.image.size = size
+            # it held its resources until the image was written: running time counts up to now, so the
+            # control plane's paused interval (from its answer on) joins it without a gap (issue 16 item 10)
+            sb.image.run_s = max(sb.image.run_s, usage_point(sb.started_mono)[0])
             sb.target, sb.started_mono = None, None
             self.sandboxes.move(sb, NodeState.paused)
             self.journal.write(sb.journal_entry())
@@ -152,7 +155,9 @@ class Checkpoints:
     # ---- resume ---------------------------------------------------------------------------------------
 
     async def resume(self, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
-        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``."""
+        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``.
+        Running time counts from this request on (the control plane's paused interval ends when it asked)."""
+        begun = time.monotonic()
         sb = self.sandboxes.get(sandbox_id)
         # a move (source_url) always takes the source's copy: one left here from an earlier pause is stale
         if sb is not None and sb.state is NodeState.paused and body.source_url:
@@ -198,7 +203,7 @@ class Checkpoints:
         target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir)
         sb.spec, sb.target, sb.image = spec, target, None
         sb.started_at = sb.started_at or self.now()
-        sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)
+        sb.started_mono = begun - max(image.run_s, body.run_s)
         self.sandboxes.move(sb, NodeState.running)
         self.journal.write(sb.journal_entry())
         drop_image(image.path)
