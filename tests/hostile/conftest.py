@@ -143,17 +143,31 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    if "up" not in request.fixturenames:
+    """Every test that starts sandboxes leaves none of their containers, mounts, cgroups or processes. The
+    baseline is the session's (taken after the warm-up): one snapshot per test, at its end (a snapshot
+    scans every process of this shared machine). Tests that start no sandbox use ``bare_api``."""
+    if "up" not in request.fixturenames or "bare_api" in request.fixturenames:
         yield
         return
-    srv: Up = request.getfixturevalue("up")
-    before = srv.snapshot()
+    before = request.getfixturevalue("baseline")
     yield
     leakcheck.assert_no_leaks(before, settle=8)
 
 
+@pytest.fixture(scope="session")
+def baseline(up: Up) -> dict[str, object]:
+    return up.snapshot()
+
+
 @pytest.fixture
-def api(up: Up) -> Iterator[httpx.Client]:
+def api(up: Up, baseline: dict[str, object]) -> Iterator[httpx.Client]:
+    with up.client() as c:
+        yield c
+
+
+@pytest.fixture
+def bare_api(up: Up) -> Iterator[httpx.Client]:
+    """``api`` for tests that start no sandbox (no leak check)."""
     with up.client() as c:
         yield c
 

@@ -43,7 +43,7 @@ async def test_the_control_channel_cannot_be_replaced_from_inside(rcase: Runtime
     _container_only(rcase)
     h = await runtime.create(rcase.spec("h-ctl"))
     assert (await sh(runtime, h, "true"))[0] == 0          # the first command: the socket is locked in now
-    code, out, _ = await sh(runtime, h, (
+    _, out, _ = await sh(runtime, h, (
         "rm -f /.pd/run/ctl; echo rm=$?; mv /.pd/run/ctl /.pd/run/x; echo mv=$?; "
         "touch /.pd/run/new; echo touch=$?; ls -a /.pd/run | tr '\\n' ' '; echo; "
         "cat /proc/1/status | grep -i '^Name'"))
