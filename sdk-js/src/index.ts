@@ -7,8 +7,9 @@
  * const r = await sb.run('python -c "print(1 + 1)"')
  * ```
  */
-export { Sandbox, BATCH_CHUNK } from './sandbox.js'
-export type { CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, UsageOptions }
+export { Sandbox, BATCH_CHUNK, LIVE_STATES } from './sandbox.js'
+export type { CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, SandboxListOptions,
+  UsageOptions }
   from './sandbox.js'
 export { Files, DEFAULT_MAX_READ_BYTES } from './files.js'
 export type { ReadOptions } from './files.js'

@@ -80,6 +80,14 @@ export interface ListOptions extends ConnectionOptions {
   signal?: AbortSignal
 }
 
+/** States of a sandbox that has not ended: what {@link Sandbox.list} returns by default. */
+export const LIVE_STATES = ['starting', 'running', 'pausing', 'paused', 'resuming'] as const
+
+export interface SandboxListOptions extends ListOptions {
+  /** Ended sandboxes too (stopped, failed, lost); default: only live ones. Ignored when `state` is given. */
+  includeEnded?: boolean
+}
+
 export interface HistoryOptions extends ListOptions {
   /** Sandboxes created at or after this time (a `Date`, or ISO 8601; no zone means UTC). */
   since?: TimeArg
@@ -321,8 +329,11 @@ export class Sandbox {
     return toSandboxInfo(info)
   }
 
-  /** The caller's sandboxes, newest first, following every page; `state` is one state or several. */
-  static async list(opts: ListOptions = {}): Promise<SandboxInfo[]> {
+  /**
+   * The caller's live sandboxes (not yet ended: starting, running, paused, …), newest first, following every
+   * page; `includeEnded` lists ended ones too; `state` (one state or several) picks the states instead.
+   */
+  static async list(opts: SandboxListOptions = {}): Promise<SandboxInfo[]> {
     const pageSize = opts.pageSize ?? 100
     checkLimit(opts.limit)
     checkLimit(pageSize, 'pageSize')
@@ -332,7 +343,8 @@ export class Sandbox {
     for (;;) {
       const size = opts.limit === undefined ? pageSize : Math.min(pageSize, opts.limit - items.length)
       const page: WireSandboxList = await c.json<WireSandboxList>('GET', '/v1/sandboxes', { expect: SHAPES.sandboxList,
-        idempotent: true, params: listParams(opts.state, opts.metadata, size, cursor), signal: opts.signal,
+        idempotent: true, params: listParams(opts.state ?? (opts.includeEnded ? undefined : [...LIVE_STATES]),
+          opts.metadata, size, cursor), signal: opts.signal,
       })
       items.push(...page.items.map(toSandboxInfo))
       if (opts.limit !== undefined && items.length >= opts.limit) return items.slice(0, opts.limit)

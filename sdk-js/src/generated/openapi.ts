@@ -911,6 +911,11 @@ export interface components {
              */
             message: string | null;
             /**
+             * Oom Killed
+             * @default null
+             */
+            oom_killed: boolean | null;
+            /**
              * Paused
              * @default null
              */

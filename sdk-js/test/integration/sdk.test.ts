@@ -224,10 +224,10 @@ describe('configuration', () => {
   test('the config file that `pilldrops up` wrote is found without any environment variable', async () => {
     const env: Record<string, string> = { PATH: process.env.PATH!, XDG_CONFIG_HOME: process.env.PD_CONFIG_HOME! }
     const code = `import('${new URL('../../src/index.js', import.meta.url).href}').then(async ({ Sandbox }) => {
-      const sbs = await Sandbox.list(); console.log(JSON.stringify(sbs.map((s) => s.id)))
+      const sbs = await Sandbox.list({ includeEnded: true }); console.log(JSON.stringify(sbs.map((s) => s.id)))
     })`
     const out = execFileSync(process.execPath, ['-e', code], { env }).toString()
-    const mine = (await Sandbox.list()).map((s) => s.id)
+    const mine = (await Sandbox.list({ includeEnded: true })).map((s) => s.id)
     assert.ok(mine.length > 0)
     assert.deepEqual(JSON.parse(out), mine)
     const bad = { ...env, PILLDROPS_API_KEY: 'pd_bad' }

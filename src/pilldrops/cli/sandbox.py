@@ -10,13 +10,13 @@ import click
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
 from pilldrops.schema.api import DEFAULT_TIMEOUT_S, ISOLATION_MODES, SandboxInfo, SandboxState
+from pilldrops.schema.api import LIVE_STATES as schema_live_states
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
 
 #: States a sandbox can be killed in: what ``list`` shows by default and ``kill --all`` kills.
-LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxState.pausing.value,
-               SandboxState.paused.value, SandboxState.resuming.value]
+LIVE_STATES = [s.value for s in schema_live_states]
 #: ``--state`` values; a wrong one is a usage error listing these.
 STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
 KILL_WORKERS = 16
@@ -76,9 +76,8 @@ def list_(state: CliState, states: tuple[str, ...], all_: bool, metadata: tuple[
     """List sandboxes, newest first: live ones unless --all or --state."""
     if all_ and states:
         raise click.UsageError("--all and --state are exclusive: --state already picks the states")
-    wanted = list(states) or (None if all_ else LIVE_STATES)
-    items = Sandbox.list(state=wanted, metadata=_output.parse_pairs(metadata, "--metadata"), limit=limit,
-                         **state.sdk_options())
+    items = Sandbox.list(state=list(states) or None, include_ended=all_, limit=limit,
+                         metadata=_output.parse_pairs(metadata, "--metadata"), **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(items))
         return

@@ -131,14 +131,20 @@ class DataPlane:
         if req.cwd is not None:
             _check_path(req.cwd)
         started = time.monotonic()
+        ooms = self._oom_kills(t)
         # The runtime enforces the timeout and the output cap itself, so neither depends on how fast
         # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
                                 timeout=req.timeout, output_cap=req.max_output_bytes)
-        return self._stream(t, proc, started)
+        return self._stream(t, proc, started, ooms)
 
-    async def _stream(self, t: Target, proc: ExecProcess, started: float) -> AsyncIterator[bytes]:
+    def _oom_kills(self, t: Target) -> int | None:
+        fn = getattr(self.runtime, "oom_kills", None)
+        return fn(t.handle) if fn is not None else None
+
+    async def _stream(self, t: Target, proc: ExecProcess, started: float,
+                      ooms: int | None = None) -> AsyncIterator[bytes]:
         finished = False
         try:
             yield _line(RunEvent(type="start", pid=proc.pid))
@@ -147,9 +153,13 @@ class DataPlane:
             code = await proc.wait()
             finished = True
             t.active.discard(proc)
+            # SIGKILLed while the memory cgroup's kill count grew: the limit killed it (or its child)
+            oom = (code == 128 + 9 and not proc.timed_out and not t.pausing and ooms is not None
+                   and (self._oom_kills(t) or 0) > ooms)
             yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
                                  duration=round(time.monotonic() - started, 6), truncated=proc.truncated,
-                                 timed_out=proc.timed_out, paused=True if t.pausing else None))
+                                 timed_out=proc.timed_out, paused=True if t.pausing else None,
+                                 oom_killed=True if oom else None))
         finally:
             t.active.discard(proc)
             if not finished:      # the client went away or the stream failed: never leave the command

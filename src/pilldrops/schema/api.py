@@ -47,6 +47,11 @@ class SandboxState(str, Enum):
     lost = "lost"
 
 
+#: States of a sandbox that has not ended: what listings show unless asked for ended ones too.
+LIVE_STATES: tuple[SandboxState, ...] = (SandboxState.starting, SandboxState.running, SandboxState.pausing,
+                                         SandboxState.paused, SandboxState.resuming)
+
+
 class EndReason(str, Enum):
     killed = "killed"
     timeout = "timeout"
@@ -244,6 +249,7 @@ class RunEvent(_Response):
     truncated: bool | None = None
     timed_out: bool | None = None
     paused: bool | None = None      # the sandbox was paused while the command ran: it was ended (exit 137)
+    oom_killed: bool | None = None  # the sandbox's memory limit killed it (exit 137): memory_mb was exceeded
     code: str | None = None
     message: str | None = None
 

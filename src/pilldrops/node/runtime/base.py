@@ -98,6 +98,9 @@ class Runtime(Protocol):
     async def list_ids(self) -> list[str]:
         """Ids of every sandbox this runtime instance currently holds (for reaping and leak checks)."""
 
+    # optional: ``oom_kills(handle) -> int | None``, how many processes the sandbox's memory limit has killed
+    # so far (None: this runtime cannot tell cheaply); a run that exits 137 while it grew was OOM-killed
+
     # -- pause / resume (issue 6) ---------------------------------------------------------------------
     def checkpoint_unsupported(self) -> str | None:
         """None when ``checkpoint``/``restore`` work on this host, else why not (shown to users)."""

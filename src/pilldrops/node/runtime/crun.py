@@ -454,6 +454,10 @@ class CrunRuntime:
             return RuntimeState(status="running", pid=pid, oom_killed=oom)
         return RuntimeState(status="stopped", pid=None, oom_killed=oom)
 
+    def oom_kills(self, handle: Handle) -> int | None:
+        """Processes the sandbox's memory cgroup has OOM-killed so far (one small cgroup file read)."""
+        return cgroups.oom_kill_count(self._cgroup(handle.id))
+
     async def destroy(self, handle: Handle) -> None:
         self._defaults.pop(handle.id, None)
         self._proto.pop(handle.id, None)

@@ -28,6 +28,7 @@ from pilldrops.errors import (
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
+    LIVE_STATES,
     BatchCreateRequest,
     BatchCreateResponse,
     CreateSandboxRequest,
@@ -265,15 +266,19 @@ class Sandbox:
                    metadata: dict[str, str] | None = None, api_key: str | None = None,
                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                    transport: Any = None, page_size: int = 100,
-                   limit: int | None = None) -> builtins.list[SandboxInfo]:
-        """The caller's sandboxes, newest first, following every page (at most ``limit`` if given).
+                   limit: int | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
+        """The caller's live sandboxes (not yet ended: starting, running, paused, ...), newest first, following
+        every page (at most ``limit`` if given). ``include_ended`` lists ended ones too (for usage and cost,
+        :meth:`history`).
 
-        ``state`` filters by one state or any of several; ``metadata`` keeps sandboxes having every pair.
+        ``state`` filters by one state or any of several instead; ``metadata`` keeps sandboxes having every pair.
         """
         check_limit(limit)
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         states: Any = [state] if isinstance(state, (str, SandboxState)) else state
+        if states is None and not include_ended:
+            states = builtins.list(LIVE_STATES)
         items: builtins.list[SandboxInfo] = []
         cursor: str | None = None
         while True:
