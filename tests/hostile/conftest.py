@@ -52,7 +52,7 @@ class Up:
     data_dir: Path
     config_home: Path
     log: Path
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes]          # the live `up` (a test that restarts it replaces it)
     isolations: tuple[str, ...] = ("container",)
 
     def snapshot(self) -> dict[str, object]:
@@ -136,7 +136,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     try:
         yield srv
     finally:
-        code = stop_up(proc)
+        code = stop_up(srv.proc)      # (a test may have restarted it: srv.proc is the live one)
         assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
         leakcheck.assert_no_leaks(before, settle=5)
 
@@ -151,7 +151,12 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     before = request.getfixturevalue("baseline")
     yield
-    leakcheck.assert_no_leaks(before, settle=8)
+    try:
+        leakcheck.assert_no_leaks(before, settle=8)
+    except AssertionError:
+        before["items"] = leakcheck.snapshot(before["roots"], before["match"],  # type: ignore[arg-type]
+                                             before["runsc_roots"])["items"]   # type: ignore[arg-type]
+        raise                   # (re-based: the next test is checked for its own leaks, not this one's)
 
 
 @pytest.fixture(scope="session")
