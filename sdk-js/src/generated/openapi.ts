@@ -352,6 +352,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{sandbox_id}/urls": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Port Url
+         * @description A URL (signed, expiring; none needed for a public port) that reaches ``port`` inside the sandbox,
+         *     HTTP and WebSocket, through this control plane.
+         */
+        post: operations["port_url_v1_sandboxes__sandbox_id__urls_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/templates": {
         parameters: {
             query?: never;
@@ -362,6 +383,44 @@ export interface paths {
         /** Templates */
         get: operations["templates_v1_templates_get"];
         put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/templates/builds": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Build Template
+         * @description Build once into the template store; the answer streams the build (NDJSON: ``status``/``log``
+         *     events, then ``done`` with the template, or ``error``).
+         */
+        post: operations["build_template_v1_templates_builds_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/templates/contexts/{digest}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /** Put Context */
+        put: operations["put_context_v1_templates_contexts__digest__put"];
         post?: never;
         delete?: never;
         options?: never;
@@ -453,6 +512,17 @@ export interface components {
                 [key: string]: string;
             };
             /**
+             * Public
+             * @description every port is served by URL without a token
+             * @default false
+             */
+            public: boolean;
+            /**
+             * Public Ports
+             * @description ports served by URL without a token (see POST .../urls)
+             */
+            public_ports?: number[];
+            /**
              * Template
              * @default base
              */
@@ -486,6 +556,13 @@ export interface components {
             index: number;
             sandbox?: components["schemas"]["SandboxInfo"] | null;
         };
+        /** ContextUploaded */
+        ContextUploaded: {
+            /** Digest */
+            digest: string;
+            /** Size */
+            size: number;
+        };
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
             /** Envs */
@@ -507,6 +584,17 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /**
+             * Public
+             * @description every port is served by URL without a token
+             * @default false
+             */
+            public: boolean;
+            /**
+             * Public Ports
+             * @description ports served by URL without a token (see POST .../urls)
+             */
+            public_ports?: number[];
             /**
              * Template
              * @default base
@@ -871,6 +959,40 @@ export interface components {
              */
             vcpu: number;
         };
+        /** PortURL */
+        PortURL: {
+            /** Expires At */
+            expires_at?: string | null;
+            /** Port */
+            port: number;
+            /**
+             * Public
+             * @default false
+             */
+            public: boolean;
+            /** Url */
+            url: string;
+        };
+        /**
+         * PortURLRequest
+         * @description A URL that reaches ``port`` inside the sandbox through the control plane (HTTP and WebSocket).
+         */
+        PortURLRequest: {
+            /**
+             * Expires In
+             * @description seconds the URL's token stays valid (a public port's URL has none)
+             * @default 3600
+             */
+            expires_in: number;
+            /**
+             * Path
+             * @description path (and query) inside the sandbox
+             * @default /
+             */
+            path: string;
+            /** Port */
+            port: number;
+        };
         /** Rates */
         Rates: {
             /** Gb S Usd */
@@ -1023,6 +1145,13 @@ export interface components {
             node_id?: string | null;
             /** Paused At */
             paused_at?: string | null;
+            /**
+             * Public
+             * @default false
+             */
+            public: boolean;
+            /** Public Ports */
+            public_ports?: number[];
             /** Started At */
             started_at?: string | null;
             state: components["schemas"]["SandboxState"];
@@ -1089,8 +1218,31 @@ export interface components {
              */
             timeout: number;
         };
+        /**
+         * TemplateBuildRequest
+         * @description ``POST /v1/templates/builds``: build a spec document (the TOML spec's table, as JSON) once, on a node
+         *     the scheduler picks, into the template store. ``context`` names a build context uploaded before with
+         *     ``PUT /v1/templates/contexts/{digest}`` (the files ``copy`` steps read, relative to its root).
+         */
+        TemplateBuildRequest: {
+            /** Context */
+            context?: string | null;
+            /**
+             * Force
+             * @default false
+             */
+            force: boolean;
+            /** Spec */
+            spec: {
+                [key: string]: unknown;
+            };
+        };
         /** TemplateInfo */
         TemplateInfo: {
+            /** Build Seconds */
+            build_seconds?: number | null;
+            /** Builder */
+            builder?: string | null;
             /** Built At */
             built_at?: string | null;
             /**
@@ -1098,8 +1250,12 @@ export interface components {
              * @default
              */
             description: string;
+            /** Digest */
+            digest?: string | null;
             /** Isolation */
             isolation?: string | null;
+            /** Key */
+            key?: string | null;
             /** Layers */
             layers?: string[];
             /** Name */
@@ -1111,6 +1267,8 @@ export interface components {
              * @default 0
              */
             size_bytes: number;
+            /** Version */
+            version?: number | null;
             /** Workdir */
             workdir?: string | null;
         };
@@ -1959,6 +2117,41 @@ export interface operations {
             };
         };
     };
+    port_url_v1_sandboxes__sandbox_id__urls_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sandbox_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["PortURLRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PortURL"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
     templates_v1_templates_get: {
         parameters: {
             query?: never;
@@ -1975,6 +2168,68 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["TemplateList"];
+                };
+            };
+        };
+    };
+    build_template_v1_templates_builds_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["TemplateBuildRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    put_context_v1_templates_contexts__digest__put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                digest: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextUploaded"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };

@@ -49,6 +49,9 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
         click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
+        click.option("--public-host", default=None, envvar="PILLDROPS_PUBLIC_HOST", metavar="[SCHEME://]DOMAIN[:PORT]",
+                     help="wildcard domain routed to this control plane: port URLs become "
+                          "{port}-{id}.DOMAIN (host-based) instead of /ports/{id}/{port}/ on the API's address"),
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
@@ -61,7 +64,7 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation")}
+            "default_isolation": kw.pop("default_isolation"), "public_host": kw.pop("public_host")}
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -80,6 +83,16 @@ def _templates_dir_option(f: Any) -> Any:
     return click.option("--templates-dir", "templates_dirs", multiple=True, type=click.Path(path_type=Path),
                         help="extra directory of template specs (*.toml); ~/.config/pilldrops/templates is "
                              "always read")(f)
+
+
+def _template_store_options(f: Any) -> Any:
+    f = click.option("--template-context-max-mb", type=int, default=256, show_default=True,
+                     help="largest build context a `template build` may upload (MiB)")(f)
+    return click.option("--template-store", type=click.Path(path_type=Path), default=None,
+                        envvar="PILLDROPS_TEMPLATE_STORE",
+                        help="directory of the template store: the layers of templates built once and "
+                             "fetched by every node [default: DATA_DIR/template-store]; every control-plane "
+                             "process of a fleet must name the same (shared) directory")(f)
 
 
 _HELD: list[int] = []     # data-dir lock fds, held until the process exits
@@ -112,10 +125,11 @@ def _console() -> Any:
 def _one_line_build_errors() -> Iterator[None]:
     """A failed template build is one clear line (what failed, its last output line, the log file), not a
     traceback."""
+    from pilldrops.dockerfile import DockerfileError
     from pilldrops.node.templates import TemplateBuildError, TemplateSpecError
     try:
         yield
-    except (TemplateBuildError, TemplateSpecError) as exc:
+    except (TemplateBuildError, TemplateSpecError, DockerfileError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -128,25 +142,30 @@ def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path
 def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...]) -> None:
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    console = _console()
     for name in names:
         try:
             store.get(name)
             continue
         except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
             pass
-        t0 = time.monotonic()
-        if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
-            console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
-        with console.status(f"[bold]building template {name}[/] (once)") as status:
-            def progress(line: str, _name: str = name) -> None:
-                status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "  # noqa: B023 - called at once, in the loop
-                              f"[dim]{line[:90]}[/]")
-                if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
-                    console.print(f"  {line[:160]}")      # each step, so a log shows where a build is
-            tpl = store.ensure(name, progress=progress)
-        console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
-                      f"({tpl.size / 2**20:.0f} MiB)")
+        _with_progress(name, lambda progress, _name=name: store.ensure(_name, progress=progress))
+
+
+def _with_progress(name: str, build: Any) -> Any:
+    """Run ``build(progress)`` under a live status line (each step printed when stderr is not a terminal)."""
+    console = _console()
+    t0 = time.monotonic()
+    if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
+        console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
+    with console.status(f"[bold]building template {name}[/] (once)") as status:
+        def progress(line: str) -> None:
+            status.update(f"[bold]building template {name}[/] {time.monotonic() - t0:5.0f}s [dim]{line[:90]}[/]")
+            if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
+                console.print(f"  {line[:160]}", markup=False, emoji=False, highlight=False)  # each step
+        tpl = build(progress)
+    console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
+                  f"({tpl.size / 2**20:.0f} MiB)")
+    return tpl
 
 
 def _config_path() -> Path:
@@ -195,10 +214,12 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--credits", "credits_usd", type=float, default=None, metavar="USD",
               help="give teams this many USD of credits and refuse creates at zero [default: no credit "
                    "limit on your own machine]")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
        keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
-       templates_dirs: tuple[Path, ...], credits_usd: float | None, verbose: bool, **billing: Any) -> None:
+       templates_dirs: tuple[Path, ...], credits_usd: float | None, template_store: Path | None,
+       template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground.
 
     It is one person's machine: there is no credit limit unless --credits USD is given."""
@@ -211,6 +232,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     cpu, mem = default_capacity()
     anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
@@ -288,15 +311,18 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 @_control_plane_options
 @click.option("--free-credits", "--initial-credits", "free_credits", type=float, default=5.0, show_default=True,
               metavar="USD", help="USD of credits a new team starts with")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
-          verbose: bool, **billing: Any) -> None:
+          template_store: Path | None, template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
     _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
               liveness)
 
@@ -386,23 +412,44 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
         tg.cancel_scope.cancel()
 
 
-# ---- template build ---------------------------------------------------------------------------------
+def spec_chain(name: str, templates_dirs: tuple[Path, ...]) -> list[tuple[dict[str, Any], Path]]:
+    """The spec documents of ``name`` and of its parents that are spec files here (packaged, the user's,
+    ``--templates-dir``), child first, each with its folder (the root its copy sources are relative to)."""
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs, spec_document
+    with _one_line_build_errors():
+        specs = TemplateStore(Path("/nonexistent"), spec_dirs=default_spec_dirs(templates_dirs)).specs()
+    out: list[tuple[dict[str, Any], Path]] = []
+    seen: set[str] = set()
+    while name in specs and name not in seen:
+        seen.add(name)
+        spec = specs[name]
+        out.append((spec_document(spec), spec.path.parent))
+        if spec.is_builder:          # built from debootstrap/busybox: the end of the chain
+            break
+        name = spec.base
+    return out
 
-@click.command("build")
-@click.argument("name")
-@_data_dir_option
-@click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
-@_templates_dir_option
-def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...]) -> None:
-    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine.
 
-    Specs are TOML files: the packaged ones, ~/.config/pilldrops/templates/*.toml and --templates-dir.
-    A running node announces a newly built template within about a second."""
+# ---- template build on this machine (``template build --local``; the command is in cli/templates.py) ----
+
+def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...],
+                document: dict[str, Any] | None = None, context: Path | None = None) -> None:
+    """Build a template into a cached read-only layer on this machine (root): a spec by name, or a spec
+    document (a Dockerfile's) with its context dir."""
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    if force:
+    if document is not None:
+        if not hasattr(store, "build_document"):
+            raise click.ClickException("a local build of a Dockerfile is not supported by this version; build it "
+                                       "through the control plane (without --local)")
+        t0 = time.monotonic()
+        with _one_line_build_errors(), _console().status(f"building {name}") as status:
+            tpl = store.build_document(document, context or Path("."),
+                                       progress=lambda line: status.update(f"building {name}: {line[:90]}"))
+        _console().print(f"[green]✓[/] {name} built in {time.monotonic() - t0:.0f}s")
+    elif force:
         t0 = time.monotonic()
         with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),

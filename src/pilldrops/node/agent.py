@@ -33,6 +33,7 @@ from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
 from pilldrops.node.isolation import procs
 from pilldrops.node.journal import Journal
+from pilldrops.node.layers import LayerCache
 from pilldrops.node.pools import WarmPools
 from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
@@ -40,9 +41,17 @@ from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
 from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
 from pilldrops.node.states import NodeState
+from pilldrops.node.template_builds import RemoteBuilds
 from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
-from pilldrops.schema.node import NodePoolSpec, NodeResume, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import (
+    NodeBuildRequest,
+    NodePoolSpec,
+    NodeResume,
+    NodeSandboxSpec,
+    NodeSandboxStatus,
+    NodeTemplateRef,
+)
 
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
@@ -51,6 +60,13 @@ STOPPED_INIT_ERROR = ("its init was stopped by a signal from outside the sandbox
                       "could run nothing more; it was ended")
 _LIVE = (NodeState.running, NodeState.pausing, NodeState.ending)
 __all__ = ["PIDS_LIMIT", "NodeAgent", "Settings", "default_capacity", "instance_id", "usage_point"]
+
+
+def _json(resp: httpx.Response) -> object:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
 
 
 def utcnow() -> datetime:
@@ -99,7 +115,10 @@ class NodeAgent:
         self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
-        self.template_cache = TemplateCache(templates, settings.name)
+        self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
+                                            fetch=lambda digest: self._blob("layers", digest))
+        self.builds = (RemoteBuilds(templates, self.template_cache, self._blob, self._upload_layer,
+                                    state_dir / "builds") if hasattr(templates, "_build_into") else None)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
                                template_version=self.template_cache.version)
@@ -173,6 +192,7 @@ class NodeAgent:
         existing = self.sandboxes.get(spec.id)
         if existing is not None and existing.state in _LIVE:
             return existing.status()           # a retried create: the same sandbox
+        await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
         if existing is not None:
             raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
@@ -180,7 +200,7 @@ class NodeAgent:
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
         member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
-                  if spec.isolation == "container" else None)
+                  if spec.isolation == "container" and self.template_cache.pooled_version(spec) else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)
@@ -291,6 +311,7 @@ class NodeAgent:
         why = checkpoint_unsupported(self.runtime, body.spec.isolation)
         if why:
             raise errors.NotSupported(f"this node cannot resume {body.spec.isolation} sandboxes: {why}")
+        await self._ensure_template(body.spec)
         return await self.transfer.resume(sandbox_id, body)
 
     def runtime_id_of(self, sandbox_id: str) -> str:
@@ -305,7 +326,70 @@ class NodeAgent:
     # ---- templates -----------------------------------------------------------------------------------
 
     def refresh_templates(self) -> list[TemplateInfo]:
+        in_use = [sb.spec.template_ref for sb in self.sandboxes if sb.spec.template_ref is not None]
+        members = [str(p) for pool in self.pools.pools.values() for m in pool.ready
+                   if isinstance(m.version, tuple) for p in m.version[0]]     # the layers warm members stand on
+        try:
+            self.template_cache.gc(in_use, members)
+        except OSError:
+            log.exception("template layer gc failed")
         return self.template_cache.refresh()
+
+    async def _ensure_template(self, spec: NodeSandboxSpec) -> None:
+        """A template-store version's layers on this node before anything uses them (fetched if missing)."""
+        ref = spec.template_ref
+        if ref is None or self.template_cache.holds(ref):
+            if ref is not None:
+                self.template_cache.adopt_built(ref)
+            return
+        t0 = time.monotonic()
+        await self.template_cache.ensure(ref)
+        log.info("fetched template %s v%d in %.2fs", ref.name, ref.version, time.monotonic() - t0)
+        self._wake_heartbeat.set()          # the control plane learns at once that this node holds it
+
+    async def hold_template(self, ref: NodeTemplateRef) -> None:
+        await self.template_cache.ensure(ref)
+        self._wake_heartbeat.set()
+
+    async def build_template(self, req: NodeBuildRequest) -> AsyncIterator[bytes]:
+        if self.builds is None:
+            raise errors.NotSupported(f"node {self.settings.name} cannot build templates")
+        return await self.builds.run(req)
+
+    def _cp_url(self, path: str) -> str:
+        if not self.settings.control_plane_url:
+            raise errors.NotSupported("this node has no control plane (no template store)")
+        return f"{self.settings.control_plane_url}/internal/v1/templates/{path}"
+
+    async def _blob(self, kind: str, digest: str) -> AsyncIterator[bytes]:
+        """A template-store blob's bytes from the control plane (the caller verifies the digest)."""
+        url = self._cp_url(f"{kind}/{digest}")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=5.0)) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise errors.from_wire(resp.status_code, _json(resp))
+                    async for chunk in resp.aiter_bytes():
+                        yield chunk
+            except httpx.HTTPError as exc:
+                raise errors.NodeUnavailable(f"fetching {kind[:-1]} {digest} from the control plane failed: "
+                                             f"{exc!r}") from exc
+        return chunks()
+
+    async def _upload_layer(self, digest: str, path: Path) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            async with await anyio.open_file(path, "rb") as f:
+                while chunk := await f.read(1 << 20):
+                    yield chunk
+        try:
+            resp = await self._http.put(self._cp_url(f"layers/{digest}"), content=body(),
+                                        timeout=httpx.Timeout(None, connect=5.0))
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"uploading layer {digest} failed: {exc!r}") from exc
+        if resp.status_code >= 400:
+            raise errors.from_wire(resp.status_code, _json(resp))
 
     # ---- ending --------------------------------------------------------------------------------------
 

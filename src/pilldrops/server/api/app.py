@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import Path as FPath
 from fastapi.responses import StreamingResponse
 
 from pilldrops import errors
@@ -18,6 +19,7 @@ from pilldrops.e2b.routing import E2BRouting
 from pilldrops.schema.api import (
     BatchCreateRequest,
     BatchCreateResponse,
+    ContextUploaded,
     CreateSandboxRequest,
     HistoryPage,
     KeyCreated,
@@ -28,11 +30,14 @@ from pilldrops.schema.api import (
     PoolInfo,
     PoolList,
     PoolSetRequest,
+    PortURL,
+    PortURLRequest,
     Rates,
     SandboxInfo,
     SandboxList,
     SandboxState,
     SetTimeoutRequest,
+    TemplateBuildRequest,
     TemplateList,
     UsageSummary,
     WhoAmI,
@@ -46,6 +51,8 @@ from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.service.stats import history_stats
+from pilldrops.server.service.templates import TemplateService
+from pilldrops.server.service.urls import URLService
 
 
 @dataclass
@@ -55,6 +62,8 @@ class Services:
     nodes: NodeService
     billing: BillingService
     pools: PoolService
+    templates: TemplateService | None = None     # the template store (issue 19)
+    urls: URLService | None = None      # port URLs (made in create_app when not given)
 
 
 class _Relay(StreamingResponse):
@@ -93,6 +102,8 @@ def _states(states: list[str] | None) -> list[str]:
 def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="PillDrops control plane", version=VERSION,
                   description="Disposable sandboxes for RL rollouts. See docs/api.md.")
+    if services.urls is None and services.sandboxes is not None:
+        services.urls = URLService(services.sandboxes.store, services.sandboxes.clock)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
     install_error_handlers(app)
@@ -155,6 +166,13 @@ def create_app(services: Services) -> FastAPI:
     @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def kill(sandbox_id: str, p: Caller) -> SandboxInfo:
         return await sbx.info(await sbx.kill(p.team_id, sandbox_id))
+
+    @api.post("/sandboxes/{sandbox_id}/urls", response_model=PortURL, status_code=201)
+    async def port_url(sandbox_id: str, body: PortURLRequest, p: Caller, request: Request) -> PortURL:
+        """A URL (signed, expiring; none needed for a public port) that reaches ``port`` inside the sandbox,
+        HTTP and WebSocket, through this control plane."""
+        assert services.urls is not None
+        return await services.urls.create(await sbx.get_row(p.team_id, sandbox_id), body, str(request.base_url))
 
     @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
     async def pause(sandbox_id: str, p: Caller) -> SandboxInfo:
@@ -271,7 +289,30 @@ def create_app(services: Services) -> FastAPI:
 
     @api.get("/templates", response_model=TemplateList)
     async def templates(p: Caller) -> TemplateList:
-        return TemplateList(items=await services.nodes.templates())
+        node_built = await services.nodes.templates()
+        if services.templates is None:
+            return TemplateList(items=node_built)
+        return TemplateList(items=await services.templates.list(node_built))
+
+    def template_store() -> TemplateService:
+        if services.templates is None:
+            raise errors.NotSupported("this control plane has no template store")
+        return services.templates
+
+    Digest = Annotated[str, FPath(pattern=r"^sha256:[0-9a-f]{64}$")]
+
+    @api.put("/templates/contexts/{digest}", response_model=ContextUploaded)
+    async def put_context(digest: Digest, request: Request, p: Caller) -> ContextUploaded:
+        p.require_admin()
+        size = await template_store().put_context(digest, request.stream())
+        return ContextUploaded(digest=digest, size=size)
+
+    @api.post("/templates/builds", response_class=StreamingResponse)
+    async def build_template(body: TemplateBuildRequest, p: Caller) -> StreamingResponse:
+        """Build once into the template store; the answer streams the build (NDJSON: ``status``/``log``
+        events, then ``done`` with the template, or ``error``)."""
+        p.require_admin()
+        return StreamingResponse(await template_store().build(body), media_type="application/x-ndjson")
 
     app.include_router(api)
 
@@ -291,6 +332,14 @@ def create_app(services: Services) -> FastAPI:
     async def event(node_id: str, body: NodeEvent) -> dict[str, bool]:
         await sbx.apply_node_status(node_id, body.sandbox)
         return {"ok": True}
+
+    @internal.get("/templates/{kind}/{digest}", response_class=StreamingResponse)
+    async def get_blob(kind: Annotated[str, FPath(pattern="^(layers|contexts)$")], digest: Digest) -> StreamingResponse:
+        return StreamingResponse(await template_store().read(kind, digest), media_type="application/x-tar")
+
+    @internal.put("/templates/layers/{digest}")
+    async def put_layer(digest: Digest, request: Request) -> dict[str, int]:
+        return {"size": await template_store().put_layer(digest, request.stream())}
 
     app.include_router(internal)
     app.include_router(dashboard.router())      # the web dashboard at / (static; signs in with an API key)

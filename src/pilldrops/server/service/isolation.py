@@ -47,5 +47,8 @@ def template_default(nodes: list[Any], template: str) -> str | None:
     return None
 
 
-def resolve(requested: str | None, nodes: list[Any], template: str, deployment_default: str) -> str:
-    return requested or template_default(nodes, template) or deployment_default or DEFAULT_ISOLATION
+def resolve(requested: str | None, nodes: list[Any], template: str, deployment_default: str,
+            stored: str | None = None) -> str:
+    """``stored``: the template store's version names its default (issue 19), before what nodes report."""
+    return (requested or stored or template_default(nodes, template) or deployment_default
+            or DEFAULT_ISOLATION)

@@ -71,6 +71,7 @@ class Lifecycle:
             vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
             cost_usd=round(cost, 12), paused_at=row.paused_at, checkpoint_bytes=row.checkpoint_bytes,
             timeout_left=round(row.timeout_left, 3) if row.timeout_left is not None else None,
+            public_ports=list(row.public_ports or []), public=bool(row.public),
         )
 
     async def list(self, team_id: str, *, states: list[str], labels: dict[str, str], limit: int,
@@ -111,14 +112,18 @@ class Lifecycle:
             id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
             timeout=req.timeout, state=S.starting.value, metadata=dict(req.metadata), envs=dict(req.envs),
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
-            created_at=now, end_at=now + timedelta(seconds=req.timeout))
+            created_at=now, end_at=now + timedelta(seconds=req.timeout), public_ports=list(req.public_ports),
+            public=req.public)
         specs = await ctx.pools.specs() if ctx.pools else []
+        ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
+        new.template_version = ref.version if ref is not None else None
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
-            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
+                                              ref.isolation if ref is not None else None)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
-            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now())
+            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
@@ -131,7 +136,7 @@ class Lifecycle:
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             return await self.create(team_id, req, idempotency_key)    # that attempt failed: a fresh one
-        spec = ctx.node_spec(row, float(req.timeout))
+        spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
         try:

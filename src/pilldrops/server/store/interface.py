@@ -65,6 +65,7 @@ class SandboxRecord(Protocol):
     team_id: str
     template: str
     isolation: str
+    template_version: int | None
     vcpu: float
     memory_mb: int
     timeout: int
@@ -93,6 +94,26 @@ class SandboxRecord(Protocol):
     pause_count: int | None
     checkpoint_bytes: int | None
     timeout_left: float | None
+    public_ports: list[int] | None
+    public: bool
+
+
+class TemplateVersionRecord(Protocol):
+    name: str
+    version: int
+    key: str
+    layers: list[Any]          # [{"digest", "size"}], top first
+    env: dict[str, str]
+    workdir: str
+    user: str | None
+    home: str | None
+    size_bytes: int
+    description: str
+    isolation: str | None
+    parent: str | None
+    builder: str | None
+    build_seconds: float
+    built_at: datetime
 
 
 class PauseRecord(Protocol):
@@ -131,6 +152,9 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    template_version: int | None = None   # the template store's version it runs (None: a node-built template)
+    public_ports: list[int] = field(default_factory=list)
+    public: bool = False
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
@@ -200,6 +224,15 @@ class Store(Protocol):
     async def paused_before(self, cutoff: datetime, limit: int = 500) -> list[Any]: ...
     async def usage_totals(self, team_id: str, since: datetime | None, until: datetime | None
                            ) -> tuple[int, float, float, float, float]: ...
+
+    # the template store
+    async def add_template_version(self, **values: Any) -> TemplateVersionRecord: ...
+    async def template_versions(self, name: str | None = None) -> list[Any]: ...
+    async def template_version(self, name: str, version: int | None = None) -> TemplateVersionRecord | None: ...
+    async def template_versions_in_use(self) -> set[tuple[str, int]]: ...
+    async def delete_template_version(self, name: str, version: int) -> None: ...
+    # secrets the deployment's control-plane processes share
+    async def shared_secret(self, name: str, new_value: str, now: datetime) -> str: ...
 
     # warm pools
     async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None: ...

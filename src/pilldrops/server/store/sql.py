@@ -35,7 +35,9 @@ from pilldrops.server.store.models import (
     Sandbox,
     SandboxLabel,
     SandboxPause,
+    ServerSecret,
     Team,
+    TemplateVersion,
     UsageEntry,
 )
 
@@ -301,7 +303,9 @@ class Store:
         row = Sandbox(id=new.id, team_id=new.team_id, template=new.template, vcpu=new.vcpu,
                       memory_mb=new.memory_mb, timeout=new.timeout, state=new.state, metadata_=dict(new.metadata),
                       envs=dict(new.envs), access_token=new.access_token, idempotency_key=new.idempotency_key,
-                      request_hash=new.request_hash, created_at=new.created_at, end_at=new.end_at)
+                      request_hash=new.request_hash, created_at=new.created_at, end_at=new.end_at,
+                      template_version=new.template_version,
+                      public_ports=list(new.public_ports) or None, public=new.public)
         try:
             async with self.session.begin() as s:
                 await _write_lock(s)
@@ -335,6 +339,24 @@ class Store:
             node = choose(nodes, allocs)
             sb.node_id = node.id
         return node
+
+    # ---- shared secrets ------------------------------------------------------------------------------
+
+    async def shared_secret(self, name: str, new_value: str, now: datetime) -> str:
+        """The secret ``name``; the first caller's ``new_value`` is stored (a racing process reads it back)."""
+        async with self.session() as s:
+            row = await s.get(ServerSecret, name)
+        if row is not None:
+            return row.value
+        try:
+            async with self.session.begin() as s:
+                s.add(ServerSecret(name=name, value=new_value, created_at=now))
+            return new_value
+        except IntegrityError:
+            async with self.session() as s:
+                row = await s.get(ServerSecret, name)
+            assert row is not None
+            return row.value
 
     # ---- sandboxes -----------------------------------------------------------------------------------
 
@@ -473,6 +495,47 @@ class Store:
                 for row in (await s.scalars(select(Sandbox).where(Sandbox.id.in_(wanted[i:i + 500])))).all():
                     out[row.id] = row
         return out
+
+    # ---- the template store (issue 19) ---------------------------------------------------------------
+
+    async def add_template_version(self, **values: Any) -> TemplateVersion:
+        """Record a build as the next version of its name (one more than the highest, in one transaction)."""
+        async with self.session.begin() as s:
+            await _write_lock(s)
+            top = (await s.execute(select(func.max(TemplateVersion.version))
+                                   .where(TemplateVersion.name == values["name"]))).scalar()
+            row = TemplateVersion(version=int(top or 0) + 1, **values)
+            s.add(row)
+        return row
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        """Every version (of ``name``, or of all), newest first per name."""
+        async with self.session() as s:
+            q = select(TemplateVersion).order_by(TemplateVersion.name, TemplateVersion.version.desc())
+            if name is not None:
+                q = q.where(TemplateVersion.name == name)
+            return list((await s.scalars(q)).all())
+
+    async def template_version(self, name: str, version: int | None = None) -> TemplateVersion | None:
+        """That version, or (``None``) the current one: the highest."""
+        async with self.session() as s:
+            q = select(TemplateVersion).where(TemplateVersion.name == name)
+            q = (q.where(TemplateVersion.version == version) if version is not None
+                 else q.order_by(TemplateVersion.version.desc()).limit(1))
+            return (await s.scalars(q)).first()
+
+    async def template_versions_in_use(self) -> set[tuple[str, int]]:
+        """(name, version) of every sandbox not yet ended (running, paused, starting...)."""
+        async with self.session() as s:
+            q = (select(Sandbox.template, Sandbox.template_version).distinct()
+                 .where(Sandbox.ended_at.is_(None), Sandbox.template_version.is_not(None)))
+            return {(t, int(v)) for t, v in (await s.execute(q)).all()}
+
+    async def delete_template_version(self, name: str, version: int) -> None:
+        async with self.session.begin() as s:
+            row = await s.get(TemplateVersion, (name, version))
+            if row is not None:
+                await s.delete(row)
 
     # ---- warm pools ----------------------------------------------------------------------------------
 
