@@ -548,7 +548,7 @@ export interface components {
             timeout: number;
             /**
              * Vcpu
-             * @description CPU quota in cores
+             * @description CPU quota in cores (at least 0.01)
              * @default 1
              */
             vcpu: number;
@@ -634,7 +634,7 @@ export interface components {
             timeout: number;
             /**
              * Vcpu
-             * @description CPU quota in cores
+             * @description CPU quota in cores (at least 0.01)
              * @default 1
              */
             vcpu: number;

@@ -34,6 +34,7 @@ from pilldrops.node.checkpoints import Checkpoints
 from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
 from pilldrops.node.egress import Egress, EgressConfig
+from pilldrops.node.isolation import procs
 from pilldrops.node.journal import Journal
 from pilldrops.node.layers import LayerCache
 from pilldrops.node.pools import WarmPools
@@ -58,6 +59,8 @@ from pilldrops.schema.node import (
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
 MONITOR_TICK_S = 2.0
+STOPPED_INIT_ERROR = ("its init was stopped by a signal from outside the sandbox (SIGSTOP on the node) and "
+                      "could run nothing more; it was ended")
 _LIVE = (NodeState.running, NodeState.pausing, NodeState.ending)
 __all__ = ["PIDS_LIMIT", "NodeAgent", "Settings", "default_capacity", "instance_id", "usage_point"]
 
@@ -115,6 +118,7 @@ class NodeAgent:
                                                headers={"Authorization": f"Bearer {settings.node_token}"})
         self._tg: anyio.abc.TaskGroup | None = None
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
+        self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
@@ -433,7 +437,8 @@ class NodeAgent:
 
     # ---- ending --------------------------------------------------------------------------------------
 
-    async def _end(self, sandbox_id: str, reason: EndReason, *, report: bool = True) -> NodeSandboxStatus:
+    async def _end(self, sandbox_id: str, reason: EndReason, *, report: bool = True,
+                   error: str | None = None) -> NodeSandboxStatus:
         sb = self.sandboxes.get(sandbox_id)
         if sb is not None and sb.state in (NodeState.running, NodeState.pausing):
             async with sb.op:                # a pause in progress finishes first
@@ -449,13 +454,15 @@ class NodeAgent:
         await self.egress.release(sandbox_id)
         self.journal.remove(sandbox_id)
         self.sandboxes.move(sb, NodeState.gone)
-        status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono)
+        status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono,
+                                  error=error)
         if report and self._tg is not None:
             self._tg.start_soon(self._report, status)   # never hold up teardown behind the control plane
         return status
 
     def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
-                    started_mono: float | None = None, run_s: float | None = None) -> NodeSandboxStatus:
+                    started_mono: float | None = None, run_s: float | None = None,
+                    error: str | None = None) -> NodeSandboxStatus:
         """The final status, with the final usage point (kept in the outbox until the control plane has it);
         ``run_s`` instead of ``started_mono`` for a sandbox that ended while paused."""
         state = SandboxState.failed if reason == EndReason.failed_start else SandboxState.stopped
@@ -465,7 +472,7 @@ class NodeAgent:
         else:
             seq = int(run_s * 1000) if run_s is not None else None
         status = NodeSandboxStatus(id=sandbox_id, state=state, end_reason=reason, started_at=started_at,
-                                   ended_at=self.now(), run_s=run_s, seq=seq)
+                                   ended_at=self.now(), run_s=run_s, seq=seq, error=error)
         self.outbox[sandbox_id] = status
         self.stats.ended[reason.value] = self.stats.ended.get(reason.value, 0) + 1
         return status
@@ -478,14 +485,14 @@ class NodeAgent:
 
     # ---- background loops ----------------------------------------------------------------------------
 
-    def _schedule_end(self, sb: Sandbox, reason: EndReason) -> None:
+    def _schedule_end(self, sb: Sandbox, reason: EndReason, error: str | None = None) -> None:
         if sb.id not in self._end_scheduled and sb.state is NodeState.running and self._tg is not None:
             self._end_scheduled.add(sb.id)
-            self._tg.start_soon(self._scheduled_end, sb.id, reason)
+            self._tg.start_soon(self._scheduled_end, sb.id, reason, error)
 
-    async def _scheduled_end(self, sandbox_id: str, reason: EndReason) -> None:
+    async def _scheduled_end(self, sandbox_id: str, reason: EndReason, error: str | None = None) -> None:
         try:
-            await self._end(sandbox_id, reason)
+            await self._end(sandbox_id, reason, error=error)
         finally:
             self._end_scheduled.discard(sandbox_id)
 
@@ -511,6 +518,21 @@ class NodeAgent:
                     continue
                 if state.status != "running" and self.sandboxes.is_current(sb, NodeState.running):
                     self._schedule_end(sb, EndReason.oom if state.oom_killed else EndReason.exited)
+                elif self._init_stopped(sb):
+                    self._schedule_end(sb, EndReason.exited, STOPPED_INIT_ERROR)
+
+    def _init_stopped(self, sb: Sandbox) -> bool:
+        """Its init (pd-init, gVisor's Sentry, the microVM's QEMU) has been stopped by a signal from outside
+        the sandbox (state ``T``) for two monitor ticks: nothing can run in it any more, so it ends with
+        that reason instead of staying ``running`` (issue 16 item 7)."""
+        handle = sb.target.handle if sb.target is not None else None
+        pid, start = (handle.pid, handle.pid_start_time) if handle is not None else (None, None)
+        fields = procs.stat_fields(pid) if pid and start is not None else None
+        if not fields or fields[0] != "T" or procs.start_time(pid) != start:     # (a reused pid is not it)
+            self._stopped_ticks.pop(sb.id, None)
+            return False
+        self._stopped_ticks[sb.id] = self._stopped_ticks.get(sb.id, 0) + 1
+        return self._stopped_ticks[sb.id] >= 2
 
     async def _template_watch(self) -> None:
         """A template built while we run is announced at once (not at the next regular heartbeat)."""

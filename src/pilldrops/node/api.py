@@ -41,16 +41,22 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
             raise errors.AuthenticationError("invalid node token")
 
     def target(sandbox_id: str, token: str | None) -> Target:
-        live = agent.get(sandbox_id)
-        if not token or not same(token, live.spec.access_token):
-            raise errors.AuthenticationError("missing or invalid X-Access-Token for this sandbox")
-        return live.target
+        """The sandbox for a data-plane request. An unknown id and a known one with a missing or wrong
+        token answer the same 404 (issue 16 item 9): the data plane is no oracle of which ids exist."""
+        known = agent.sandboxes.get(sandbox_id)
+        if known is None or not token or not same(token, known.spec.access_token):
+            raise errors.SandboxNotFound(f"no sandbox {sandbox_id} here for this access token "
+                                         "(it ended, or X-Access-Token is missing or not its)")
+        return agent.get(sandbox_id).target     # the token is its: now its state may speak (paused, ...)
 
     Token = Annotated[str | None, Header(alias="x-access-token")]
     Path_ = Annotated[str, Query(alias="path", min_length=1, max_length=4096)]
 
     @app.get("/healthz", include_in_schema=False)
-    async def healthz() -> dict[str, object]:
+    async def healthz(request: Request) -> dict[str, object]:
+        """Liveness for anyone; the node's id and counts only with the node token (issue 16 item 9)."""
+        if not same(bearer(request) or "", node_token):
+            return {"ok": True}
         st = agent.stats
         return {"ok": True, "node_id": agent.node_id, "sandboxes": len(agent.live), "created": st.created,
                 "claimed_from_pools": st.claimed, "failed_starts": st.failed, "ended": st.ended,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +23,7 @@ import httpx
 from pilldrops import errors
 from pilldrops.node.dataplane import Target
 from pilldrops.node.egress import Egress
+from pilldrops.node.isolation.rmtree import remove_tree_quietly
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
@@ -43,7 +43,7 @@ class RecordEnd(Protocol):
 
 def drop_image(path: str | Path | None) -> None:
     if path:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
 
 
 def image_size(image: Path) -> int:
@@ -104,6 +104,9 @@ class Checkpoints:
                 raise
             assert sb.image is not None
             sb.image.size = size
+            # it held its resources until the image was written: running time counts up to now, so the
+            # control plane's paused interval (from its answer on) joins it without a gap (issue 16 item 10)
+            sb.image.run_s = max(sb.image.run_s, usage_point(sb.started_mono)[0])
             sb.target, sb.started_mono = None, None
             self.sandboxes.move(sb, NodeState.paused)
             self.journal.write(sb.journal_entry())
@@ -117,7 +120,7 @@ class Checkpoints:
         await target.end_commands()
         run_s, _ = usage_point(sb.started_mono)
         left = max(0.0, (sb.end_at - self.now()).total_seconds())   # the same instant as run_s
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
         path.mkdir(parents=True)
         sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
         self.journal.write(sb.journal_entry())                      # phase "pausing"
@@ -169,7 +172,9 @@ class Checkpoints:
     # ---- resume ---------------------------------------------------------------------------------------
 
     async def resume(self, sandbox_id: str, body: NodeResume) -> NodeSandboxStatus:
-        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``."""
+        """Restore a paused sandbox here, from this node's checkpoint or one fetched from ``source_url``.
+        Running time counts from this request on (the control plane's paused interval ends when it asked)."""
+        begun = time.monotonic()
         sb = self.sandboxes.get(sandbox_id)
         # a move (source_url) always takes the source's copy: one left here from an earlier pause is stale
         if sb is not None and sb.state is NodeState.paused and body.source_url:
@@ -218,7 +223,7 @@ class Checkpoints:
                         user=rt_spec.user)
         sb.spec, sb.target, sb.image = spec, target, None
         sb.started_at = sb.started_at or self.now()
-        sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)
+        sb.started_mono = begun - max(image.run_s, body.run_s)
         self.sandboxes.move(sb, NodeState.running)
         self.journal.write(sb.journal_entry())
         drop_image(image.path)
@@ -230,7 +235,7 @@ class Checkpoints:
         (the writable layer's overlay whiteouts and opaque dirs) and holes (a sandbox's sparse disk.img is sent
         as the blocks it holds: the sender packs with --sparse)."""
         path = self.dir / sandbox_id
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree_quietly(path)
         path.mkdir(parents=True)
         ok = False
         try:

@@ -20,6 +20,9 @@ DISK_MB_CAP = 4_194_304         # 4 TiB: the schema's bound; a deployment's own 
 MIN_DISK_MB = 16
 DEFAULT_TIMEOUT_S = 300
 MAX_BATCH = 1000
+# The smallest CPU quota: the kernel's CFS floor is 1 ms per 100 ms period (0.01 core); below it crun fails
+# the create and a quota rounding to 0 would mean no limit at all (and nothing billed).
+MIN_VCPU = 0.01
 DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
 # Isolation per sandbox (issue 11): crun container (shared host kernel), gVisor (user-space kernel, runsc),
 # QEMU microVM (own guest kernel). The one list of valid names; a request naming another is a 400.
@@ -160,7 +163,7 @@ def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dic
 
 class CreateSandboxRequest(_Request):
     template: str = Field("base", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
-    vcpu: float = Field(1, gt=0, le=64, description="CPU quota in cores")
+    vcpu: float = Field(1, ge=MIN_VCPU, le=64, description=f"CPU quota in cores (at least {MIN_VCPU})")
     memory_mb: int = Field(512, ge=16, le=262_144, description="memory limit in MiB, no swap")
     disk_mb: int | None = Field(None, ge=MIN_DISK_MB, le=DISK_MB_CAP,
                                 description="size of the writable layer in MiB (writes past it fail with ENOSPC); "
@@ -443,7 +446,7 @@ class PoolSetRequest(_Request):
     (0 removes the pool)."""
 
     template: str = Field(..., min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
-    vcpu: float = Field(1, gt=0, le=64)
+    vcpu: float = Field(1, ge=MIN_VCPU, le=64)
     memory_mb: int = Field(512, ge=16, le=262_144)
     size: int = Field(..., ge=0, le=10_000)
 

@@ -67,8 +67,22 @@ def mount_overlay(target: Path, lowers: list[Path] | tuple[Path, ...], upper: Pa
     for p in lowers:
         if b":" in _b(p) or b"," in _b(p):
             raise ValueError(f"layer path not usable in overlay options: {p}")
-    opts = b"lowerdir=" + b":".join(_b(p) for p in lowers) + b",upperdir=" + _b(upper) + b",workdir=" + _b(work)
-    mount(b"overlay", target, b"overlay", 0, opts)
+    # Each directory by an fd of ours (``/proc/self/fd/N``): the options a sandbox reads back in its
+    # ``mount`` / /proc/self/mountinfo then name fd numbers, never the node's data dir (issue 16 item 9).
+    fds: list[int] = []
+    try:
+        for p in (*lowers, upper, work):
+            fds.append(os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        names = [f"/proc/self/fd/{fd}".encode() for fd in fds]
+        opts = b"lowerdir=" + b":".join(names[:-2]) + b",upperdir=" + names[-2] + b",workdir=" + names[-1]
+        mount(b"overlay", target, b"overlay", 0, opts)
+    except MountError:
+        raise
+    except OSError as e:
+        raise MountError(e.errno, f"overlay on {target}: {e}") from e
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def mounts_under(prefix: str | Path) -> list[str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import socket
 import struct
 import threading
@@ -49,6 +50,7 @@ from pilldrops.node.runtime.base import StreamName
 HDR = struct.Struct("<BI")
 PROTO = 2
 STDIN_CHUNK = 16 * 1024          # pd-init's per-frame input limit
+ABANDON_AFTER_S = 2.0            # after a timeout: how long the init has to end the command before the host does
 MAX_FRAME = 64 * 1024            # pd-init never sends more than its 32 KiB out buffer in one frame
 PROTOCOL_EXIT = 126              # exit code reported when the socket broke the protocol
 HELLO = HDR.pack(ord("H"), 4) + struct.pack("<I", PROTO)
@@ -173,6 +175,7 @@ class SupervisorExec(OutputRelay):
         super().__init__(output_cap)
         self.pty = pty is not None
         self.protocol_error: str | None = None
+        self.init_unresponsive = False         # the init never ended it after its timeout (see _abandon)
         self._init_pid = init_pid
         self._ns_pid: int | None = None
         self._pid: int | None = None
@@ -341,6 +344,25 @@ class SupervisorExec(OutputRelay):
         if not self._finished:
             self.timed_out = True
             self._kill_sync()
+            hard = threading.Timer(ABANDON_AFTER_S, self._abandon)
+            hard.daemon = True
+            hard.start()
+
+    def _abandon(self) -> None:
+        """The init did not end the command within ``ABANDON_AFTER_S`` of its timeout (it is stopped, say:
+        SIGSTOP from the host): kill the command from the host when its pid is known, and hang up, so the
+        run ends now with its timeout, whatever the init does (issue 16 item 7)."""
+        if self._finished:
+            return
+        self.init_unresponsive = True
+        pid = self.pid
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)       # the reader gets EOF: exit 137, timed out
 
     def _kill_sync(self) -> None:
         self._killed = True

@@ -49,8 +49,10 @@ import anyio
 
 from pilldrops.node.isolation import cgroups, criu, diskquota, procs
 from pilldrops.node.isolation.execproc import PipeExec
+from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
+from pilldrops.node.isolation.rmtree import remove_tree
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init, source_hash
@@ -118,6 +120,18 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
+RESOLV_CONF = "# PillDrops sandbox: no network egress, so no name server (the host's is not shown)\n"
+
+
+def _write_net_files(etc: Path, hostname: str) -> None:
+    """The sandbox's own resolv.conf and hosts in its (empty) writable layer: a template built on this host
+    carries the host's (debootstrap copies them), and a sandbox without egress must not learn the host's
+    name server or names (issue 16 item 9)."""
+    (etc / "resolv.conf").write_text(RESOLV_CONF)
+    (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                               f"127.0.1.1\t{hostname}\n")
+
+
 def _copy_tree(src: Path, dst: Path) -> None:
     """Copy an overlay layer with everything overlay needs: whiteouts (char 0/0), xattrs, owners, times."""
     subprocess.run(["cp", "-a", "--reflink=auto", str(src), str(dst)], check=True, capture_output=True)
@@ -128,7 +142,7 @@ def _move_tree(src: Path, dst: Path) -> None:
         os.rename(src, dst)
     except OSError:
         _copy_tree(src, dst)
-        shutil.rmtree(src)
+        remove_tree(src)
 
 
 def _failure_detail(err_file: Path, log: Path, lines: int = 12) -> str:
@@ -244,6 +258,7 @@ class CrunRuntime:
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
             (upper / "etc").mkdir()
             (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
+            _write_net_files(upper / "etc", spec.hostname)
             config = self._mount_and_configure(spec, d)
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
@@ -261,6 +276,8 @@ class CrunRuntime:
             deadline = time.monotonic() + self.CTL_WAIT
             while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
                 await anyio.sleep(0.001)
+            if (d / "pd" / "ctl").exists():
+                lock_dir(d / "pd")     # the sandbox cannot replace the socket (else: at the first probe)
             self._defaults[spec.id] = self._defaults_from(config)
             if self._init_current:
                 self._proto[spec.id] = (pid, start, PROTO)
@@ -383,6 +400,7 @@ class CrunRuntime:
         else:
             return 0
         assert handle.pid is not None
+        lock_dir(d / "pd")             # a socket that showed up after create's wait: lock it in now
         self._proto[handle.id] = (handle.pid, handle.pid_start_time, proto)
         return proto
 
@@ -517,10 +535,12 @@ class CrunRuntime:
                     _move_tree(d / "upper", save_to / "upper")
             except (OSError, subprocess.CalledProcessError) as e:
                 problem = f"cannot move the writable layer to {save_to}: {e}"
-        shutil.rmtree(d, ignore_errors=True)
-        if d.exists():
+        unlock_dir(d / "pd")
+        try:
+            remove_tree(d)             # iterative: a sandbox's tree may be any depth (issue 16 item 4)
+        except OSError:
             umount_all_under(d)
-            shutil.rmtree(d)
+            remove_tree(d)
         return left, problem
 
     async def list_ids(self) -> list[str]:
@@ -556,14 +576,19 @@ class CrunRuntime:
         """Ask pd-init to close (SIGUSR1) or reopen (SIGUSR2) its control socket; wait until ``pd/ctl``
         is gone / there. False if that did not happen in time (an old pd-init ignores both signals)."""
         ctl = d / "pd" / "ctl"
-        if not await self._signal_init(d.name, pid, sig):
-            return False
-        deadline = time.monotonic() + wait
-        while os.path.lexists(ctl) != want:
-            if time.monotonic() > deadline:
+        unlock_dir(d / "pd")           # pd-init unlinks / binds the socket there
+        try:
+            if not await self._signal_init(d.name, pid, sig):
                 return False
-            await anyio.sleep(0.001)
-        return True
+            deadline = time.monotonic() + wait
+            while os.path.lexists(ctl) != want:
+                if time.monotonic() > deadline:
+                    return False
+                await anyio.sleep(0.001)
+            return True
+        finally:
+            if os.path.lexists(ctl):
+                lock_dir(d / "pd")
 
     async def checkpoint(self, handle: Handle, image_dir: Path) -> int:
         why = self.checkpoint_unsupported()

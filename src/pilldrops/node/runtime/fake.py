@@ -35,6 +35,7 @@ from pathlib import Path
 import anyio
 
 from pilldrops.node.isolation.execproc import PipeExec
+from pilldrops.node.isolation.rmtree import remove_tree_quietly
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 
 _HOST_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TMPDIR")
@@ -185,7 +186,7 @@ class FakeRuntime:
         for proc in self._execs.pop(handle.id, []):
             await proc.kill()
         if box is not None:
-            await anyio.to_thread.run_sync(shutil.rmtree, box.dir, True)
+            await anyio.to_thread.run_sync(remove_tree_quietly, box.dir)
 
     async def list_ids(self) -> list[str]:
         return sorted(f.stem for f in self._meta.glob("*.json"))
@@ -238,4 +239,4 @@ class FakeRuntime:
         for sid in list(self._boxes):
             await self.destroy(Handle(id=sid))
         if self._own_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+            remove_tree_quietly(self.root)

@@ -16,9 +16,10 @@ from typing import Any
 from pilldrops.node.runtime.base import SandboxSpec
 
 INIT_PATH_IN_SANDBOX = "/.pd/init"
-RUN_DIR_IN_SANDBOX = "/.pd/run"      # pd-init's control socket lives here (bind-mounted rw from the host)
+RUN_DIR_IN_SANDBOX = "/.pd/run"      # pd-init's control socket (bind-mounted rw; immutable once bound: fsflags)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 CPU_PERIOD = 100_000
+MIN_QUOTA = 1000                     # the kernel's CFS floor (1 ms); the API refuses vcpu below 0.01
 SHM_SIZE = "65536k"
 NOFILE = 65536
 
@@ -124,7 +125,8 @@ def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_paren
     ``nofile`` is RLIMIT_NOFILE (soft = hard); the caller caps it at its own hard limit when it lacks
     CAP_SYS_RESOURCE (crun's setrlimit fails with EPERM otherwise). ``run_dir`` (a host directory) is
     bind-mounted read-write at ``RUN_DIR_IN_SANDBOX``: pd-init then listens on ``ctl`` there and the agent
-    runs commands through it (the fast exec path); without it pd-init is only an init.
+    runs commands through it (the fast exec path); without it pd-init is only an init. Once the socket is
+    there the runtime makes the directory immutable (``isolation.fsflags``): the sandbox cannot replace it.
     """
     if spec.vcpu <= 0 or spec.memory_mb <= 0 or spec.pids_limit <= 0:
         raise ValueError(f"limits must be positive: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
@@ -168,7 +170,7 @@ def build_spec(spec: SandboxSpec, *, rootfs: Path, init_path: Path, cgroup_paren
             "cgroupsPath": f"/{cgroup_parent.strip('/')}/{spec.id}",
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
-                "cpu": {"quota": round(spec.vcpu * CPU_PERIOD), "period": CPU_PERIOD},
+                "cpu": {"quota": max(MIN_QUOTA, round(spec.vcpu * CPU_PERIOD)), "period": CPU_PERIOD},
                 "memory": {"limit": memory, "swap": memory},
                 "pids": {"limit": int(spec.pids_limit)},
             },

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from pilldrops.node.isolation import cgroups
+from pilldrops.node.isolation.rmtree import remove_tree_quietly
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.microvm import guest, snapshot, vm
@@ -427,7 +428,7 @@ class QemuRuntime:
                     shutil.move(str(d / name), str(dst))
                 except OSError as e:
                     problems.append(f"cannot move {name} to {dst}: {e}")
-        shutil.rmtree(d, ignore_errors=True)
+        remove_tree_quietly(d)
         if d.exists():
             problems.append(f"{d} is left")
         return "; ".join(problems)

@@ -138,10 +138,10 @@ def create_app(services: Services) -> FastAPI:
         return await sbx.info(row, with_token=True)
 
     @api.post("/sandboxes/batch", response_model=BatchCreateResponse)
-    async def create_batch(body: BatchCreateRequest, p: Caller,
+    async def create_batch(request: Request, body: BatchCreateRequest, p: Caller,
                            idempotency_key: Annotated[str | None, Header(max_length=200)] = None
                            ) -> BatchCreateResponse:
-        return await sbx.create_batch(p.team_id, body, idempotency_key)
+        return await sbx.create_batch(p.team_id, body, idempotency_key, disconnected=request.is_disconnected)
 
     @api.get("/sandboxes", response_model=SandboxList)
     async def list_sandboxes(request: Request, p: Caller, state: Annotated[list[str] | None, Query()] = None,

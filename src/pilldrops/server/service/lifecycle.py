@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 import anyio
@@ -191,15 +192,48 @@ class Lifecycle:
                 await ctx.quiet_kill(node, row.id, "(killed while starting) ")
         return (updated or await ctx.get_row(team_id, row.id)), True
 
-    async def create_batch(self, team_id: str, req: BatchCreateRequest,
-                           idempotency_key: str | None = None) -> BatchCreateResponse:
+    async def create_batch(self, team_id: str, req: BatchCreateRequest, idempotency_key: str | None = None,
+                           disconnected: Callable[[], Awaitable[bool]] | None = None) -> BatchCreateResponse:
         """``count`` creates of one spec, each on its own: a full fleet makes an item wait (up to
         ``capacity_wait``) rather than fail, other errors fail only that item. Item ``i`` uses the
-        idempotency key ``<key>:<i>``, so a retried batch replays the same sandboxes."""
+        idempotency key ``<key>:<i>``, so a retried batch replays the same sandboxes.
+
+        At most ``ADMISSION`` items of one batch are being created at a time. ``disconnected`` (the
+        client's connection, polled): once it says the client left, no further item starts (the waiting
+        ones fail with ``client_gone``) and every sandbox the batch made is killed, its idempotency key
+        released: nobody holds them, so nobody is billed for them (issue 16 item 6)."""
         items: list[BatchItem] = [BatchItem(index=i) for i in range(req.count)]
         await self.ctx.billing.check_can_create(team_id)       # a team without credits: one clear 402
+        slots = anyio.Semaphore(ADMISSION)
+        gone = anyio.Event()
+        waiting: set[anyio.CancelScope] = set()
+
+        async def wait_unless_gone(aw: Callable[[], Awaitable[object]]) -> bool:
+            """Run ``aw`` (a wait: a slot, a back-off) unless the client leaves first; False if it left."""
+            with anyio.CancelScope() as scope:
+                waiting.add(scope)
+                try:
+                    if gone.is_set():
+                        return False
+                    await aw()
+                finally:
+                    waiting.discard(scope)
+            return not scope.cancelled_caught and not gone.is_set()
+
+        def left(i: int) -> None:
+            items[i] = BatchItem(index=i, error=ErrorInfo(code="client_gone", message=(
+                "the client of this batch disconnected before this item was created: not created")))
 
         async def one(i: int) -> None:
+            if not await wait_unless_gone(slots.acquire):
+                left(i)
+                return
+            try:
+                await attempt(i)
+            finally:
+                slots.release()
+
+        async def attempt(i: int) -> None:
             key = f"{idempotency_key}:{i}" if idempotency_key else None
             waited, delay = 0.0, 0.05
             while True:
@@ -211,7 +245,9 @@ class Lifecycle:
                     if waited >= req.capacity_wait:
                         items[i] = BatchItem(index=i, error=_error_info(exc))
                         return
-                    await anyio.sleep(delay)
+                    if not await wait_unless_gone(lambda d=delay: anyio.sleep(d)):
+                        left(i)
+                        return
                     waited += delay
                     delay = min(delay * 2, 2.0)
                 except errors.PillDropsError as exc:
@@ -222,11 +258,40 @@ class Lifecycle:
                     items[i] = BatchItem(index=i, error=ErrorInfo(code="internal", message=repr(exc)))
                     return
 
-        async with anyio.create_task_group() as tg:
-            for i in range(req.count):
-                tg.start_soon(one, i)
+        async def watch(done: anyio.Event) -> None:
+            while not done.is_set():
+                with anyio.move_on_after(0.2):
+                    await done.wait()
+                if not done.is_set() and disconnected is not None and await disconnected():
+                    gone.set()
+                    for scope in list(waiting):
+                        scope.cancel()
+                    return
+
+        done = anyio.Event()
+        async with anyio.create_task_group() as outer:
+            if disconnected is not None:
+                outer.start_soon(watch, done)
+            async with anyio.create_task_group() as tg:
+                for i in range(req.count):
+                    tg.start_soon(one, i)
+            done.set()
+        if gone.is_set():
+            await self._drop_batch(team_id, items)
         created = sum(1 for it in items if it.sandbox is not None)
         return BatchCreateResponse(items=items, created=created, failed=req.count - created)
+
+    async def _drop_batch(self, team_id: str, items: list[BatchItem]) -> None:
+        """Kill what a batch whose client left made (keys released first: a retry makes fresh ones)."""
+        made = [it.sandbox.id for it in items if it.sandbox is not None]
+        log.warning("batch client left: killing the %d sandboxes made for it", len(made))
+        with anyio.CancelScope(shield=True):
+            for sid in made:
+                try:
+                    await self.ctx.store.update_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
+                    await self.kill(team_id, sid)
+                except errors.PillDropsError as exc:
+                    log.warning("could not kill %s of a left batch: %s", sid, exc)
 
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
@@ -284,6 +349,10 @@ class Lifecycle:
             updated = await ctx.store.update_sandbox(row.id, from_states=legal_from(S.stopped), not_paused=True,
                                                      **ended)
         if updated is None:             # paused (maybe just now): the interval closes, storage billed with it
-            updated = await ctx.billing.end_interval(row.id, from_states=legal_from(S.stopped), until=now,
+            # a pause recorded after `now` was read (it raced this kill) ends at the kill's end, never
+            # before its own start: history never has paused_at after ended_at (issue 16 item 5)
+            until = max(ctx.clock.now(), now)
+            ended["ended_at"] = until
+            updated = await ctx.billing.end_interval(row.id, from_states=legal_from(S.stopped), until=until,
                                                      resumed=False, **ended)
         return updated or (await ctx.get_row(team_id, sandbox_id) if final else row)

@@ -79,6 +79,15 @@ class PauseResume:
             if not outcome_unknown(exc):
                 with anyio.CancelScope(shield=True):   # the node's contract: a failed checkpoint leaves it running
                     await ctx.store.update_sandbox(row.id, from_states=[S.pausing.value], state=S.running.value)
+                if isinstance(exc, errors.SandboxNotFound | errors.InvalidState):
+                    # the node has it no more (a kill or its end raced this pause): the sandbox exists,
+                    # so the answer is the state it is in, never a 404 (issue 16 item 5)
+                    current = await ctx.get_row(team_id, sandbox_id)
+                    raise errors.InvalidState(
+                        f"sandbox {sandbox_id} is {current.state}: it ended while being paused"
+                        if current.state in {s.value for s in ENDED} | {S.stopping.value} else
+                        f"sandbox {sandbox_id} could not be paused: {exc.message}",
+                        current=current.state, target=S.paused.value) from exc
             # else the node may have done it: it stays `pausing` until the node's reports settle it
             raise
         if st.state in ENDED:                 # it ended on its own first (deadline, exit)
@@ -137,8 +146,11 @@ class PauseResume:
             # else its own node may have restored it (and used up the image): `resuming` until settled
             raise
         now = ctx.clock.now()
+        # the paused interval ends when the resume was asked for: the node counts running time from then
+        # (restore included), so start + running + paused seconds is the sandbox's real end (issue 16 item 10)
+        until = min(now, max(row.op_started_at or now, row.paused_at or now))
         resumed = await ctx.billing.end_interval(
-            row.id, from_states=[S.resuming.value], until=now, resumed=True, state=S.running.value,
+            row.id, from_states=[S.resuming.value], until=until, resumed=True, state=S.running.value,
             end_at=st.end_at or now + timedelta(seconds=body.timeout_s), timeout_left=None)
         with anyio.CancelScope(shield=True):
             if body.source_url and old is not None:      # moved: the old node forgets its copy

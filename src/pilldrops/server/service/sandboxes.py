@@ -12,6 +12,7 @@ and signatures are the service's contract.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from pilldrops._internal.clock import Clock
@@ -90,9 +91,9 @@ class SandboxService:
                      idempotency_key: str | None = None) -> tuple[SandboxRecord, bool]:
         return await self.lifecycle.create(team_id, req, idempotency_key)
 
-    async def create_batch(self, team_id: str, req: BatchCreateRequest,
-                           idempotency_key: str | None = None) -> BatchCreateResponse:
-        return await self.lifecycle.create_batch(team_id, req, idempotency_key)
+    async def create_batch(self, team_id: str, req: BatchCreateRequest, idempotency_key: str | None = None,
+                           disconnected: Callable[[], Awaitable[bool]] | None = None) -> BatchCreateResponse:
+        return await self.lifecycle.create_batch(team_id, req, idempotency_key, disconnected)
 
     async def set_timeout(self, team_id: str, sandbox_id: str, timeout: int) -> SandboxRecord:
         return await self.lifecycle.set_timeout(team_id, sandbox_id, timeout)

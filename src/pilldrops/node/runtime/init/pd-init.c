@@ -527,6 +527,9 @@ int main(void) {
     /* Orphans come to us and are reaped here even where we are not PID 1 (a microVM guest, under
      * pd-vmagent): a shepherd killed on a timeout leaves its killed descendants' zombies to us. */
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    /* Not dumpable: the sandbox's own root (same uid, no CAP_SYS_PTRACE) can then not ptrace this init
+     * and take over its listening control socket (issue 16 item 2). Commands get it back at execve. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Drop the stdio crun handed over (host files, e.g. crun's error log): an fd on a host file the
      * sandbox cannot see would make a CRIU checkpoint fail (issue 6). */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);

@@ -1,0 +1,233 @@
+"""The standing hostile suite (issue 16 part 4): what an attacker inside a sandbox, or a careless client
+outside one, tries, as tests.
+
+Two kinds of fixture:
+
+- ``up``: one real `pilldrops up` for the session (own data dir, config dir, ports and node name
+  ``hst<pid>``; crun, and gVisor when runsc works here; the ``tiny`` template; 16 GiB of offered memory so
+  that over-capacity cases are cheap), with ``api`` (team A's client) and ``other`` (a second team's key).
+  Every test using it is leak-checked (no container, mount, cgroup or process of it left), and so is the
+  end of the session (SIGINT, exit 0, nothing left).
+- ``rcase`` / ``runtime``: the runtime contract's ``RuntimeCase`` (tests/contract/conftest.py) for the
+  runtime-level cases, parametrized over the runtimes cheap enough here: crun always, gVisor when runsc
+  works; the microVM (QEMU under TCG on this machine kind: a boot of seconds) only with
+  ``PILLDROPS_HOSTILE_MICROVM=1``.
+
+``ISOLATIONS`` is the API-level twin: the isolation modes the session's node can run (container always).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from pilldrops.node.runtime.base import Handle, Runtime
+from tests.contract.conftest import RUNTIMES, RuntimeCase
+from tests.e2e.fleet import clean_env, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import leakcheck  # tests/leakcheck.py
+
+NAME = f"hst{os.getpid()}"
+MATCH = f"pilldrops-{NAME}"
+CAPACITY_MEMORY_MB = 16_384
+
+
+@dataclass
+class Up:
+    api_url: str
+    node_url: str
+    api_key: str
+    data_dir: Path
+    config_home: Path
+    log: Path
+    proc: subprocess.Popen[bytes]          # the live `up` (a test that restarts it replaces it)
+    isolations: tuple[str, ...] = ("container",)
+
+    def snapshot(self) -> dict[str, object]:
+        node = self.data_dir / "node"
+        return leakcheck.snapshot([node / "crun"], match=MATCH, runsc_roots=[node / "runtimes" / "gvisor" / "runsc"])
+
+    def client(self, key: str | None = None, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {key or self.api_key}"},
+                            timeout=kw.pop("timeout", 60), **kw)  # type: ignore[arg-type]
+
+
+def start_up(data_dir: Path, config_home: Path, log: Path, name: str = NAME, *extra: str
+             ) -> tuple[subprocess.Popen[bytes], str, str]:
+    port, node_port = free_port(), free_port()
+    mark = len(log.read_text()) if log.exists() else 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+         "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", name,
+         "--capacity-memory-mb", str(CAPACITY_MEMORY_MB), *extra],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=clean_env(config_home, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pilldrops up exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if "is up at" in log.read_text()[mark:]:
+            return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
+
+
+def stop_up(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout=timeout)
+
+
+def why_not_root() -> str | None:
+    from tests.e2e.conftest import _why_not_runnable
+    return _why_not_runnable()
+
+
+def second_team_key(data_dir: Path, name: str) -> str:
+    """A key of a new team, made on the store directly (as `pilldrops teams create` does)."""
+    from pilldrops._internal.clock import Clock
+    from pilldrops.server.service.auth import AuthService
+    from pilldrops.server.store.sql import Store, sqlite_url
+
+    async def make() -> str:
+        store = await Store.open(sqlite_url(data_dir / "pilldrops.db"))
+        try:
+            auth = AuthService(store, Clock())
+            team = await auth.create_team(f"{name}-{time.monotonic_ns()}")
+            return (await auth.create_key(team.id, "b")).secret
+        finally:
+            await store.close()
+
+    return anyio.run(make)
+
+
+@pytest.fixture(scope="session")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    why = why_not_root()
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp(MATCH, numbered=False)
+    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
+    node = data_dir / "node"
+    before = leakcheck.snapshot([node / "crun"], match=MATCH, runsc_roots=[node / "runtimes" / "gvisor" / "runsc"])
+    proc, url, node_url = start_up(data_dir, config_home, log)
+    key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
+    srv = Up(url, node_url, key, data_dir, config_home, log, proc)
+    with srv.client() as c:     # warm-up: the cgroup parents exist before the first per-test snapshot
+        (info,) = c.get("/v1/nodes").raise_for_status().json()["items"]
+        modes = ["container"] + (["gvisor"] if info["isolation"]["gvisor"]["available"] else [])
+        for mode in modes:
+            sid = c.post("/v1/sandboxes", json={"template": "tiny", "isolation": mode}).raise_for_status().json()["id"]
+            c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        srv.isolations = tuple(modes)
+    try:
+        yield srv
+    finally:
+        code = stop_up(srv.proc)      # (a test may have restarted it: srv.proc is the live one)
+        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
+        leakcheck.assert_no_leaks(before, settle=5)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that starts sandboxes leaves none of their containers, mounts, cgroups or processes. The
+    baseline is the session's (taken after the warm-up): one snapshot per test, at its end (a snapshot
+    scans every process of this shared machine). Tests that start no sandbox use ``bare_api``."""
+    if "up" not in request.fixturenames or "bare_api" in request.fixturenames:
+        yield
+        return
+    before = request.getfixturevalue("baseline")
+    yield
+    try:
+        leakcheck.assert_no_leaks(before, settle=8)
+    except AssertionError:
+        before["items"] = leakcheck.snapshot(before["roots"], before["match"],  # type: ignore[arg-type]
+                                             before["runsc_roots"])["items"]   # type: ignore[arg-type]
+        raise                   # (re-based: the next test is checked for its own leaks, not this one's)
+
+
+@pytest.fixture(scope="session")
+def baseline(up: Up) -> dict[str, object]:
+    return up.snapshot()
+
+
+@pytest.fixture
+def api(up: Up, baseline: dict[str, object]) -> Iterator[httpx.Client]:
+    with up.client() as c:
+        yield c
+
+
+@pytest.fixture
+def bare_api(up: Up) -> Iterator[httpx.Client]:
+    """``api`` for tests that start no sandbox (no leak check)."""
+    with up.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def other_key(up: Up) -> str:
+    return second_team_key(up.data_dir, "other")
+
+
+@pytest.fixture(params=["container", "gvisor"])
+def isolation(request: pytest.FixtureRequest, up: Up) -> str:
+    """An isolation mode the session's node runs (gVisor skipped, with the reason, where runsc does not)."""
+    if request.param not in up.isolations:
+        pytest.skip(f"{request.param} is not available on this node")
+    return request.param
+
+
+# ---- the runtime-level cases: the contract's RuntimeCase ----------------------------------------------
+
+HOSTILE_RUNTIMES = ["crun", "gvisor"] + (["microvm"] if os.environ.get("PILLDROPS_HOSTILE_MICROVM") == "1" else [])
+
+
+@pytest.fixture(scope="session", params=HOSTILE_RUNTIMES)
+def rcase(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeCase]:
+    cls = RUNTIMES[request.param]
+    why = cls.unavailable()
+    if why:
+        pytest.skip(f"{cls.name}: {why}")
+    c = cls(tmp_path_factory.mktemp(f"pilldrops-hrt{os.getpid()}-{cls.name}", numbered=False))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def rt_leaks(rcase: RuntimeCase) -> Iterator[None]:
+    before = rcase.snapshot()
+    yield
+    rcase.assert_no_leaks(before)
+
+
+@pytest.fixture
+async def runtime(rcase: RuntimeCase, rt_leaks: None) -> AsyncIterator[Runtime]:
+    rt = await rcase.make()
+    try:
+        yield rt
+    finally:
+        for sid in await rt.list_ids():
+            await rt.destroy(Handle(id=sid))
+        for inst in rcase.instances:
+            await inst.close()  # type: ignore[attr-defined]
+        rcase.instances.clear()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
