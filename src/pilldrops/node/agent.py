@@ -317,6 +317,8 @@ class NodeAgent:
                                                                     end_reason=reason, ended_at=self.now())
         assert sb.target is not None
         self.sandboxes.move(sb, NodeState.ending)
+        sb.end_reason, sb.ended_mono = reason.value, time.monotonic()
+        self.journal.write(sb.journal_entry())     # an agent killed during the teardown bills up to here
         await self._destroy_quietly(sb.target.handle)
         self.journal.remove(sandbox_id)
         self.sandboxes.move(sb, NodeState.gone)

@@ -63,6 +63,10 @@ class Entry:
     run_s: float | None = None            # paused: running seconds so far (usage continues from here)
     checkpoint: str | None = None         # pausing/paused/resuming: the checkpoint's directory
     checkpoint_bytes: int | None = None
+    # running, being torn down: why, and CLOCK_MONOTONIC when its teardown began (a restarted agent finishes
+    # the teardown and bills it up to then, not up to its own restart)
+    end_reason: str | None = None
+    ended_mono: float | None = None
     version: int = FORMAT_VERSION
 
     def runtime_handle(self) -> Handle:

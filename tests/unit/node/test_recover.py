@@ -63,3 +63,41 @@ async def test_recover_adopts_reaps_and_reports(tmp_path: Path) -> None:
     assert status.end_reason == EndReason.killed and await runtime.list_ids() == []
     with anyio.fail_after(1):
         await runtime.close()
+
+
+class _Killed(BaseException):
+    """The agent process dies here (SIGKILL): nothing after this point runs."""
+
+
+async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_start(tmp_path: Path) -> None:
+    """Found by bench/chaos.py: the agent SIGKILLed while it was killing a sandbox (the container gone, its
+    journal entry not yet) came back, found the container not running and reported it ``exited`` with the
+    running seconds up to its own restart (4.6 s billed for a 0.7 s sandbox). The teardown is journaled with
+    its reason and start first: the restarted agent finishes it and bills up to when it began."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_k"))
+    real_destroy = runtime.destroy
+    seen: dict[str, Entry] = {}
+
+    async def destroy_then_die(handle):  # type: ignore[no-untyped-def]
+        seen["entry"] = next(e for e in first.journal.entries() if e.id == "sb_k")
+        await real_destroy(handle)       # the container goes; the agent does not live to drop its entry
+        raise _Killed
+
+    runtime.destroy = destroy_then_die  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        await first.kill("sb_k")
+    entry = seen["entry"]
+    assert entry.end_reason == "killed" and entry.ended_mono is not None and entry.started_mono is not None
+    billed_until = entry.ended_mono - entry.started_mono
+    await anyio.sleep(0.3)                             # the agent is down for a while
+    runtime.destroy = real_destroy  # type: ignore[method-assign]
+    second = agent(tmp_path, runtime)
+    await second._recover()
+    st = second.outbox["sb_k"]
+    assert (st.state, st.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert st.run_s == pytest.approx(billed_until, abs=1e-6)       # not the 0.3 s of downtime on top
+    assert await runtime.list_ids() == [] and second.journal.entries() == [] and not second.live
+    with anyio.fail_after(1):
+        await runtime.close()
