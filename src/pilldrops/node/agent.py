@@ -92,6 +92,7 @@ class NodeAgent:
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0),
                                                headers={"Authorization": f"Bearer {settings.node_token}"})
         self._tg: anyio.abc.TaskGroup | None = None
+        self.recovered = False     # until the journal is re-derived, the registry is empty: the API refuses
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
@@ -162,6 +163,7 @@ class NodeAgent:
 
     async def _recover(self) -> None:
         await self.recovery.run()
+        self.recovered = True
 
     # ---- operations the control plane asks for ------------------------------------------------------
 

@@ -101,3 +101,43 @@ async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_st
     assert await runtime.list_ids() == [] and second.journal.entries() == [] and not second.live
     with anyio.fail_after(1):
         await runtime.close()
+
+
+async def test_a_restarted_agent_refuses_requests_until_it_has_readopted(tmp_path: Path) -> None:
+    """Found by bench/chaos.py: `pilldrops node` serves its port while recovery is still re-adopting; a kill
+    arriving then got 404 (the registry was still empty), so the control plane recorded the sandbox ended
+    and billed 0 s of its 8 s, while it ran on until reaped as an orphan. Until recovery is done every
+    request gets 502 ``node_unavailable`` (retried by the control plane's caller and the SDK)."""
+    import httpx
+
+    from pilldrops.node.api import create_node_app
+
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_a"))
+    second = agent(tmp_path, runtime)                 # restarted: recovery blocked on the runtime
+    gate = anyio.Event()
+    real_state = runtime.state
+
+    async def slow_state(handle):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        return await real_state(handle)
+
+    runtime.state = slow_state  # type: ignore[method-assign]
+    app = create_node_app(second, "tok")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n",
+                                 headers={"Authorization": "Bearer tok"}) as c, anyio.create_task_group() as tg:
+        tg.start_soon(second._recover)
+        await anyio.sleep(0.05)
+        r = await c.delete("/node/v1/sandboxes/sb_a")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "node_unavailable", r.text
+        assert await runtime.list_ids() == ["sb_a"]
+        gate.set()
+        with anyio.fail_after(5):
+            while not second.recovered:
+                await anyio.sleep(0.01)
+        r = await c.delete("/node/v1/sandboxes/sb_a")
+        assert r.status_code == 200 and r.json()["end_reason"] == "killed" and r.json()["run_s"] > 0
+    assert await runtime.list_ids() == []
+    with anyio.fail_after(1):
+        await runtime.close()
