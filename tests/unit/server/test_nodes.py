@@ -200,3 +200,39 @@ async def test_create_abandoned_by_a_dead_control_plane_is_retried_fresh(tmp_pat
         assert await st.runtime.list_ids() == [fresh["id"]]
         again = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-3"})
         assert again.status_code == 200 and again.json()["id"] == fresh["id"]
+
+
+async def test_create_finished_by_the_node_after_its_control_plane_died_bills_from_the_nodes_start(
+        tmp_path, store_url) -> None:
+    """Found by bench/chaos.py: the node made a sandbox whose control plane died mid-create; the restarted
+    control plane turned the ``starting`` row running from the node's report, started at "now - run_s",
+    which is late by however long the report took to arrive and be processed (1.4-2.6 s under load), and its
+    end (capped at start + running seconds) cut those seconds from the bill. The node's start time wins."""
+    import hashlib
+    import secrets
+    from datetime import timedelta
+
+    from pilldrops.schema.api import CreateSandboxRequest
+    from pilldrops.schema.node import NodeSandboxStatus
+    from pilldrops.server.store.interface import NewSandbox
+
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        svc = st.cp.services.sandboxes
+        now = svc.ctx.clock.now()
+        req = CreateSandboxRequest.model_validate({"template": "tiny", "timeout": 60})
+        new = NewSandbox(id="sb_finishedbynode0001", team_id=st.team_id, template="tiny", vcpu=req.vcpu,
+                         memory_mb=req.memory_mb, timeout=60, state="starting", access_token=secrets.token_urlsafe(8),
+                         created_at=now - timedelta(seconds=10), end_at=now + timedelta(seconds=50),
+                         idempotency_key="k", request_hash=hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        node, _ = await st.cp.store.place_and_insert(new, lambda nodes, allocs: nodes[0])
+        started = now - timedelta(seconds=8)      # when the node started it
+        report = NodeSandboxStatus(id=new.id, state="running", started_at=started, run_s=6.0, seq=6000)
+        await svc.reconciler.apply_node_status(node.id, report)        # composed 2 s before it was processed
+        row = await st.cp.store.get_sandbox(new.id)
+        assert row.state == "running" and row.started_at == started, (row.started_at, started)
+        # its end: 9 s of running when the node reports it killed; billed 9 s, not 7
+        final = NodeSandboxStatus(id=new.id, state="stopped", end_reason="killed", run_s=9.0, seq=9000)
+        svc.ctx.clock.now = lambda: started + timedelta(seconds=9.2)    # type: ignore[method-assign]
+        await svc.reconciler.apply_node_status(node.id, final)
+        rec = (await c.get(f"/v1/sandboxes/{new.id}")).json()
+        assert rec["state"] == "stopped" and abs(rec["vcpu_s"] - 9.0) < 0.01, rec

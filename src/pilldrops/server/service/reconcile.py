@@ -86,8 +86,12 @@ class Reconciler:
             return                           # ended rows stay as recorded; see stop_orphans
         if row.state == S.starting.value and st.state == S.running:
             # the control plane died (or timed out) while the node was creating it: it runs, so it is
-            # running since the node says, and billed from then
+            # running since the node says, and billed from then. Now minus its running seconds is late by
+            # however long the report took to reach us and be processed (seconds, under load): the node's
+            # own start time wins when earlier, never before the record was made
             started = ctx.clock.now() - timedelta(seconds=max(st.run_s or 0.0, 0.0))
+            if st.started_at is not None:
+                started = min(started, st.started_at)
             await ctx.store.update_sandbox(st.id, from_states=[S.starting.value], state=S.running.value,
                                            started_at=max(started, row.created_at), end_at=st.end_at or row.end_at)
         await ctx.billing.commit(st)         # before the end is visible, so an ended sandbox shows its cost
