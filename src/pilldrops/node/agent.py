@@ -104,7 +104,8 @@ class NodeAgent:
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
                      self.instance, support_of(runtime)),
-            self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
+            self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates,
+            delivered=self.journal.remove_ended)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
@@ -322,7 +323,10 @@ class NodeAgent:
         sb.end_reason, sb.ended_mono = reason.value, time.monotonic()
         self.journal.write(sb.journal_entry())     # an agent killed during the teardown bills up to here
         await self._destroy_quietly(sb.target.handle)
-        self.journal.remove(sandbox_id)
+        if not self.settings.control_plane_url:
+            self.journal.remove(sandbox_id)
+        # else the entry stays until the control plane has the end (``ControlPlaneClient``'s ``delivered``):
+        # an agent that dies first reports it again after its restart, final usage included
         self.sandboxes.move(sb, NodeState.gone)
         status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono)
         if report and self._tg is not None:

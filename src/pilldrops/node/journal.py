@@ -112,6 +112,15 @@ class Journal:
     def remove(self, sandbox_id: str) -> None:
         self._path(sandbox_id).unlink(missing_ok=True)
 
+    def remove_ended(self, sandbox_id: str) -> None:
+        """Drop the entry of a sandbox whose teardown was journaled (``end_reason``) once its end is reported."""
+        try:
+            record = json.loads(self._path(sandbox_id).read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and record.get("end_reason") is not None:
+            self.remove(sandbox_id)
+
     def entries(self) -> list[Entry]:
         out = []
         self.skipped = set()

@@ -5,7 +5,8 @@
 - A paused one survives as its image; a restore the crash interrupted is undone and it is paused again.
 - Half-made ones (``creating``), ones whose init died meanwhile and runtime containers nobody journaled
   are destroyed; every end found is recorded for the control plane. A teardown the crash interrupted
-  (journaled with its reason and the moment it began) is finished and billed up to that moment.
+  (journaled with its reason and the moment it began) is finished and billed up to that moment; so is one
+  the agent finished but whose end the control plane never got (the entry stays until it is delivered).
 - Records of a newer format than this agent reads are left alone, and so are their containers.
 """
 
@@ -62,8 +63,7 @@ class Recovery:
             await self._recover_paused(entry, spec)
             return
         if entry.end_reason is not None:     # its teardown had begun: finish it, billed up to when it began
-            await self._destroy_quietly(handle)
-            self.journal.remove(entry.id)
+            await self._destroy_quietly(handle)   # (the entry stays until the control plane has the end)
             run_s = (max(0.0, entry.ended_mono - entry.started_mono)
                      if entry.started_mono is not None and entry.ended_mono is not None else None)
             self._record_end(spec.id, EndReason(entry.end_reason), run_s=run_s)

@@ -98,7 +98,36 @@ async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_st
     st = second.outbox["sb_k"]
     assert (st.state, st.end_reason) == (SandboxState.stopped, EndReason.killed)
     assert st.run_s == pytest.approx(billed_until, abs=1e-6)       # not the 0.3 s of downtime on top
-    assert await runtime.list_ids() == [] and second.journal.entries() == [] and not second.live
+    assert await runtime.list_ids() == [] and not second.live
+    assert [e.id for e in second.journal.entries()] == ["sb_k"]     # kept until the control plane has it
+    second.journal.remove_ended("sb_k")
+    assert second.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_an_end_the_control_plane_never_got_survives_an_agent_restart(tmp_path: Path) -> None:
+    """Found by bench/chaos.py (``up`` SIGKILLed): the agent tore a sandbox down for the control plane's kill
+    and died before the control plane recorded the answer; the end lived only in the agent's memory, so the
+    retried kill got 404 and the sandbox was recorded stopped with 0 s billed of its 17 s. The journal entry
+    now stays until the end is delivered: the restarted agent reports it again and answers the retried kill
+    with the final usage."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    settings = Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
+                        node_token="tok", control_plane_url="http://cp.invalid")
+    first = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    await first.create(spec("sb_e"))
+    await anyio.sleep(0.2)
+    final = await first.kill("sb_e")                       # its answer never reaches the control plane
+    assert final.run_s is not None and final.run_s >= 0.2 and await runtime.list_ids() == []
+    second = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    await second._recover()
+    again = await second.kill("sb_e")                      # the control plane's retry
+    assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert again.run_s == pytest.approx(final.run_s, abs=0.05)
+    assert "sb_e" in second.outbox                         # and it rides on the next register/heartbeat
+    second.control_plane._delivered("sb_e")                # which succeeded
+    assert second.journal.entries() == []
     with anyio.fail_after(1):
         await runtime.close()
 

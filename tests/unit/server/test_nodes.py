@@ -236,3 +236,76 @@ async def test_create_finished_by_the_node_after_its_control_plane_died_bills_fr
         await svc.reconciler.apply_node_status(node.id, final)
         rec = (await c.get(f"/v1/sandboxes/{new.id}")).json()
         assert rec["state"] == "stopped" and abs(rec["vcpu_s"] - 9.0) < 0.01, rec
+
+
+async def test_create_the_restarted_node_reaped_half_made_is_retried_fresh(tmp_path, store_url) -> None:
+    """Found by bench/chaos.py (``up`` SIGKILLed mid-create): the restarted agent reaped the half-made sandbox
+    and reported ``failed_start``; the row failed but kept its idempotency key, so the client's retry got
+    that failed sandbox back as its create's answer (201/200, state failed) and its upload failed. The key is
+    released, as for any failed start: the retry makes a fresh sandbox."""
+    import hashlib
+    import secrets
+    from datetime import timedelta
+
+    from pilldrops.schema.api import CreateSandboxRequest
+    from pilldrops.schema.node import NodeSandboxStatus
+    from pilldrops.server.store.interface import NewSandbox
+
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        svc = st.cp.services.sandboxes
+        now = svc.ctx.clock.now()
+        body = {"template": "tiny", "timeout": 60}
+        req = CreateSandboxRequest.model_validate(body)
+        new = NewSandbox(id="sb_reapedhalfmade0001", team_id=st.team_id, template="tiny", vcpu=req.vcpu,
+                         memory_mb=req.memory_mb, timeout=60, state="starting", access_token=secrets.token_urlsafe(8),
+                         created_at=now, end_at=now + timedelta(seconds=60), idempotency_key="episode-9",
+                         request_hash=hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        node, _ = await st.cp.store.place_and_insert(new, lambda nodes, allocs: nodes[0])
+        await svc.reconciler.apply_node_status(node.id, NodeSandboxStatus(
+            id=new.id, state="failed", end_reason="failed_start"))
+        dead = (await c.get(f"/v1/sandboxes/{new.id}")).json()
+        assert dead["state"] == "failed" and dead["cost_usd"] == 0
+        r = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-9"})
+        assert r.status_code == 201 and r.json()["id"] != new.id and r.json()["state"] == "running", r.text
+
+
+async def test_node_calls_survive_a_keepalive_connection_the_node_closed() -> None:
+    """Found by bench/soak.py: 1 of 10,000 creates failed (failed_start, "node ... did not answer:
+    ReadError('')"): the control plane reused a pooled connection the node's server (5 s keep-alive, the
+    same as httpx's default expiry) had just closed. Idle connections now expire sooner, and a create or
+    kill that meets a closed connection is sent once more on a fresh one."""
+    import httpx
+
+    from pilldrops import errors
+    from pilldrops.schema.node import NodeSandboxSpec
+    from pilldrops.server.nodes.client import KEEPALIVE_EXPIRY_S, NodeClient
+
+    assert KEEPALIVE_EXPIRY_S < 5                      # below uvicorn's timeout_keep_alive
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        if len(calls) in (1, 3):
+            raise httpx.ReadError("")
+        if request.method == "POST":
+            return httpx.Response(200, json={"id": "sb_x", "state": "running"})
+        return httpx.Response(200, json={"id": "sb_x", "state": "stopped", "end_reason": "killed"})
+
+    nc = NodeClient("tok", transport=httpx.MockTransport(handler))
+    spec = NodeSandboxSpec(id="sb_x", template="tiny", vcpu=1, memory_mb=64, access_token="t",
+                           end_at=datetime.now().astimezone())
+    assert (await nc.create("http://n", spec)).state == "running"
+    assert (await nc.kill("http://n", "sb_x")).end_reason == "killed"
+    assert calls == ["POST", "POST", "DELETE", "DELETE"]
+    calls.clear()
+
+    def down(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        raise httpx.ReadError("")
+
+    nc2 = NodeClient("tok", transport=httpx.MockTransport(down))
+    with pytest.raises(errors.NodeUnavailable):
+        await nc2.create("http://n", spec)
+    assert calls == ["POST", "POST"]                     # once more only
+    await nc.aclose()
+    await nc2.aclose()

@@ -99,9 +99,13 @@ class Reconciler:
             ctx.last_usage.pop(st.id, None)
             now = ctx.clock.now()
             ended_at = now if row.paused_at is not None else ctx.billing.end_time(row, st)
+            # a create the node never finished (its agent died mid-create and reaped it) releases its key, as
+            # any failed start does: the client's retry with that key makes a fresh one instead of getting
+            # this failed sandbox back as its create's answer
+            release = {"idempotency_key": None} if st.state == S.failed and row.state == S.starting.value else {}
             await ctx.billing.end_interval(
                 st.id, from_states=legal_from(st.state), until=now, resumed=False, state=st.state.value,
-                end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error)
+                end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error, **release)
 
     async def _declare_lost(self, row: SandboxRecord, ended_at: datetime, error: str) -> None:
         """``lost`` (``node_lost``), ended at ``ended_at``: its last usage report is billed first."""
