@@ -29,8 +29,8 @@ from pilldrops.node.isolation.mounts import mounts_under
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.e2e.fleet import clean_env  # noqa: E402 - the same clean environment the e2e fleet uses
-from tests.pg import Postgres  # noqa: E402 - a throwaway cluster of Debian's PostgreSQL
+from tests.e2e.fleet import clean_env
+from tests.pg import Postgres
 
 
 @dataclass

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = ROOT / "examples" / "env"
 console = Console(width=170)
 sys.path.insert(0, str(ENV))
-from episode import episode  # noqa: E402 - the code the sandboxes run: their answers are checked
+from episode import episode  # the code the sandboxes run: their answers are checked
 
 TOLERANCE_S = 1.0
 
@@ -115,7 +115,7 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
         try:                       # as `with Sandbox.create(...)` would on the way out
             sb.kill()
             at.killed = True
-        except Exception:  # noqa: BLE001, S110 - it stays for the end-of-run check to find
+        except Exception:  # noqa: BLE001 - it stays for the end-of-run check to find
             pass
     at.seconds = time.monotonic() - t0
     return at

@@ -15,7 +15,6 @@ import httpx
 from pilldrops import errors
 from pilldrops.schema.node import NodeDeadline, NodePoolSpec, NodeResume, NodeSandboxSpec, NodeSandboxStatus
 
-
 # a pooled connection the node (uvicorn: 5 s keep-alive) is about to close must not be reused: the request
 # then dies with ReadError('') and the create fails; expire idle connections well before the server does
 KEEPALIVE_EXPIRY_S = 2.0
