@@ -309,3 +309,27 @@ async def test_node_calls_survive_a_keepalive_connection_the_node_closed() -> No
     assert calls == ["POST", "POST"]                     # once more only
     await nc.aclose()
     await nc2.aclose()
+
+
+async def test_a_heartbeat_racing_a_kill_leaves_no_usage_entry_behind(tmp_path) -> None:
+    """Found reading the soak's control-plane RSS (+4.8 MiB over 10,000 sandboxes): a heartbeat read its rows
+    while the sandbox ran, a kill finished meanwhile (dropping the sandbox's last usage report), and the
+    heartbeat then stored that report again; nothing ever removed it. The node's report of the end does."""
+    async with stack(tmp_path) as st, st.client() as c:
+        sid = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()["id"]
+        svc = st.cp.services.sandboxes
+        ctx = svc.ctx
+        node = await ctx.store.get_node(st.agent.node_id)
+        report = st.agent.statuses()                       # it runs
+        real = ctx.store.get_sandboxes
+
+        async def read_then_killed(ids):  # type: ignore[no-untyped-def]
+            rows = await real(ids)
+            assert (await c.delete(f"/v1/sandboxes/{sid}")).json()["state"] == "stopped"
+            return rows
+
+        ctx.store.get_sandboxes = read_then_killed  # type: ignore[method-assign]
+        await svc.reconciler.absorb(node, report, ctx.clock.now())
+        ctx.store.get_sandboxes = real  # type: ignore[method-assign]
+        await svc.reconciler.absorb(node, st.agent.statuses(), ctx.clock.now())   # the node's report of the end
+        assert sid not in ctx.last_usage

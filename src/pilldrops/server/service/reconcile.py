@@ -83,6 +83,10 @@ class Reconciler:
         ctx = self.ctx
         row = row or await ctx.store.get_sandbox(st.id)
         if row is None or row.node_id != node_id or SandboxState(row.state) in (S.lost, S.failed, S.stopped):
+            if st.state in ENDED and (row is None or SandboxState(row.state) in ENDED):
+                # a heartbeat that raced its kill may have stored its last report again after the kill dropped
+                # it: the node's report of the end is the last word on it
+                ctx.last_usage.pop(st.id, None)
             return                           # ended rows stay as recorded; see stop_orphans
         if row.state == S.starting.value and st.state == S.running:
             # the control plane died (or timed out) while the node was creating it: it runs, so it is
