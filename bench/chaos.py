@@ -26,7 +26,9 @@ would. Then it checks:
    the API (as their owner would) and the host is checked again, then after stopping everything;
 3. **billing = lifetime ± 1 s**: for every sandbox in ``GET /v1/history``: billed running seconds
    (``vcpu_s / vcpu``) against ``ended_at - started_at``, and against how long the node's crun state dir
-   held the container (watched every 0.1 s); and every sandbox the client got is in history, ended.
+   held the container (a separate process at raised priority lists the crun state dir every 0.1 s; that
+   interval includes creation and teardown, which are not billed); and every sandbox the client got is in
+   history, ended.
 
 Prints a table per scenario and writes ``--json``. Exits 1 when an invariant fails.
 """
@@ -251,6 +253,7 @@ def check(sc: Scenario, dep: Deployment, watch: CrunWatch, a: argparse.Namespace
     time.sleep(2)
 
     # 3. billing against lifetimes
+    watch.stop()
     recs = history(dep)
     by_id = {r["id"]: r for r in recs}
     missing = sorted(s for s in known if s not in by_id)
