@@ -333,3 +333,30 @@ async def test_a_heartbeat_racing_a_kill_leaves_no_usage_entry_behind(tmp_path) 
         ctx.store.get_sandboxes = real  # type: ignore[method-assign]
         await svc.reconciler.absorb(node, st.agent.statuses(), ctx.clock.now())   # the node's report of the end
         assert sid not in ctx.last_usage
+
+
+async def test_a_create_answer_that_reaches_a_busy_control_plane_late_bills_from_the_nodes_start(tmp_path) -> None:
+    """Found by bench/chaos.py (``cp`` and ``up`` runs): a container the node held 9.9 s was billed 1.4 s. A just
+    restarted control plane, flooded by retried creates, resumed the create seconds after the node had
+    answered, and started billing then ("now"); the end cap cut the difference. The node's start time wins
+    when earlier, bounded by when the record was made."""
+    import anyio
+
+    async with stack(tmp_path) as st, st.client() as c:
+        nodes = st.cp.node_client
+        real = nodes.create
+
+        async def late(url, spec):  # type: ignore[no-untyped-def]
+            status = await real(url, spec)
+            await anyio.sleep(1.5)                 # the answer is processed late
+            return status
+
+        nodes.create = late  # type: ignore[method-assign]
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+        node_started = st.agent.live[sb["id"]].started_at
+        row = await st.cp.store.get_sandbox(sb["id"])
+        assert abs((row.started_at - node_started).total_seconds()) < 0.2, (row.started_at, node_started)
+        assert row.started_at >= row.created_at
+        await anyio.sleep(0.3)
+        done = (await c.delete(f"/v1/sandboxes/{sb['id']}")).json()
+        assert done["vcpu_s"] >= 1.7, done               # 1.5 s late + 0.3 s: all of it billed
