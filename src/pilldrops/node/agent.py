@@ -117,6 +117,7 @@ class NodeAgent:
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0),
                                                headers={"Authorization": f"Bearer {settings.node_token}"})
         self._tg: anyio.abc.TaskGroup | None = None
+        self.recovered = False     # until the journal is re-derived, the registry is empty: the API refuses
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
         self._wake_heartbeat = anyio.Event()
@@ -133,7 +134,8 @@ class NodeAgent:
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
                      self.instance, support_of(runtime)),
-            self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
+            self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates,
+            delivered=self.journal.remove_ended)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
         self.egress = egress or Egress(EgressConfig.from_env(self.instance), state_dir)
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
@@ -200,6 +202,7 @@ class NodeAgent:
                    for sb in self.sandboxes.in_states(*_LIVE) if sb.target is not None and sb.target.handle.pid}
         paused = {sb.id for sb in self.sandboxes.in_states(NodeState.paused, NodeState.resuming)}
         await self.egress.recover(running, paused)
+        self.recovered = True
 
     # ---- operations the control plane asks for ------------------------------------------------------
 
@@ -450,9 +453,14 @@ class NodeAgent:
                                                                     end_reason=reason, ended_at=self.now())
         assert sb.target is not None
         self.sandboxes.move(sb, NodeState.ending)
+        sb.end_reason, sb.ended_mono = reason.value, time.monotonic()
+        self.journal.write(sb.journal_entry())     # an agent killed during the teardown bills up to here
         await self._destroy_quietly(sb.target.handle)
         await self.egress.release(sandbox_id)
-        self.journal.remove(sandbox_id)
+        if not self.settings.control_plane_url:
+            self.journal.remove(sandbox_id)
+        # else the entry stays until the control plane has the end (``ControlPlaneClient``'s ``delivered``):
+        # an agent that dies first reports it again after its restart, final usage included
         self.sandboxes.move(sb, NodeState.gone)
         status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono,
                                   error=error)

@@ -31,7 +31,14 @@ from pilldrops.schema.node import (
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
-    app = FastAPI(title="PillDrops node agent", version=__version__)
+    async def recovered() -> None:
+        # a restarted agent serves only once it has re-adopted its sandboxes: until then it would answer
+        # 404 for live ones (a kill then recorded as ended and unbilled while the sandbox ran on)
+        if not agent.recovered:
+            raise errors.NodeUnavailable("the node agent is re-adopting its sandboxes after a restart; retry "
+                                         "in a moment")
+
+    app = FastAPI(title="PillDrops node agent", version=__version__, dependencies=[Depends(recovered)])
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     plane = DataPlane(agent.runtime)

@@ -2,7 +2,8 @@
 
 Every end is reported once; a report that fails stays in the outbox, which rides on the next register or
 heartbeat, so the control plane learns every end exactly once it is reachable again. An entry leaves the
-outbox only when a request that carried it succeeded (ends recorded meanwhile stay queued).
+outbox only when a request that carried it succeeded (ends recorded meanwhile stay queued); the agent is
+told (``delivered``), and only then drops the journal entry that lets a restarted agent report it again.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Identity:
 class ControlPlaneClient:
     def __init__(self, url: str | None, http: httpx.AsyncClient, identity: Identity, pools: WarmPools, *,
                  statuses: Callable[[], list[NodeSandboxStatus]], usage: Callable[[], tuple[float, int]],
-                 templates: Callable[[], list[TemplateInfo]]) -> None:
+                 templates: Callable[[], list[TemplateInfo]],
+                 delivered: Callable[[str], None] = lambda sandbox_id: None) -> None:
         self.url = url
         self.http = http
         self.identity = identity
@@ -53,6 +55,7 @@ class ControlPlaneClient:
         self._statuses = statuses        # every sandbox's status, the outbox's included
         self._usage = usage              # (vCPU, MiB) the node's sandboxes hold, warm pools excluded
         self._templates = templates      # the built templates, re-read
+        self._delivered = delivered      # an end left the outbox: the control plane has it
         self.outbox: dict[str, NodeSandboxStatus] = {}
         self.node_id: str | None = None
         self.registered = anyio.Event()
@@ -73,6 +76,7 @@ class ControlPlaneClient:
         for st in body.sandboxes:           # only what was sent: ends recorded meanwhile stay queued
             if st.state != SandboxState.running and self.outbox.get(st.id) == st:
                 del self.outbox[st.id]
+                self._delivered(st.id)
         self.registered.set()
         log.info("registered with the control plane as %s", reg.node_id)
         return reg.heartbeat_interval
@@ -89,8 +93,10 @@ class ControlPlaneClient:
             self.node_id = None     # the control plane forgot us (new database): register again
             return
         resp.raise_for_status()
-        for sid in sent:
-            self.outbox.pop(sid, None)
+        for sid, st in sent.items():
+            if self.outbox.get(sid) is st:
+                del self.outbox[sid]
+                self._delivered(sid)
         if resp.content:
             self.pools.configure(NodeHeartbeatReply.model_validate(resp.json()).pools)
 
@@ -101,8 +107,9 @@ class ControlPlaneClient:
         try:
             resp = await self.http.post(f"{self.url}/internal/v1/nodes/{self.node_id}/events",
                                         content=NodeEvent(sandbox=status).model_dump_json(), headers=_JSON)
-            if resp.status_code < 300:
-                self.outbox.pop(status.id, None)
+            if resp.status_code < 300 and self.outbox.get(status.id) is status:
+                del self.outbox[status.id]
+                self._delivered(status.id)
         except httpx.HTTPError as exc:
             log.warning("event for %s not delivered (kept for the next heartbeat): %s", status.id, exc)
 

@@ -63,6 +63,10 @@ class Entry:
     run_s: float | None = None            # paused: running seconds so far (usage continues from here)
     checkpoint: str | None = None         # pausing/paused/resuming: the checkpoint's directory
     checkpoint_bytes: int | None = None
+    # running, being torn down: why, and CLOCK_MONOTONIC when its teardown began (a restarted agent finishes
+    # the teardown and bills it up to then, not up to its own restart)
+    end_reason: str | None = None
+    ended_mono: float | None = None
     version: int = FORMAT_VERSION
 
     def runtime_handle(self) -> Handle:
@@ -107,6 +111,15 @@ class Journal:
 
     def remove(self, sandbox_id: str) -> None:
         self._path(sandbox_id).unlink(missing_ok=True)
+
+    def remove_ended(self, sandbox_id: str) -> None:
+        """Drop the entry of a sandbox whose teardown was journaled (``end_reason``) once its end is reported."""
+        try:
+            record = json.loads(self._path(sandbox_id).read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(record, dict) and record.get("end_reason") is not None:
+            self.remove(sandbox_id)
 
     def entries(self) -> list[Entry]:
         out = []

@@ -4,7 +4,9 @@
   boot is the same); a ``pausing`` one whose checkpoint did not finish still runs, so it is adopted too.
 - A paused one survives as its image; a restore the crash interrupted is undone and it is paused again.
 - Half-made ones (``creating``), ones whose init died meanwhile and runtime containers nobody journaled
-  are destroyed; every end found is recorded for the control plane.
+  are destroyed; every end found is recorded for the control plane. A teardown the crash interrupted
+  (journaled with its reason and the moment it began) is finished and billed up to that moment; so is one
+  the agent finished but whose end the control plane never got (the entry stays until it is delivered).
 - Records of a newer format than this agent reads are left alone, and so are their containers.
 """
 
@@ -59,6 +61,12 @@ class Recovery:
         spec = NodeSandboxSpec.model_validate(entry.spec)
         if entry.phase in ("paused", "resuming") or (entry.phase == "pausing" and not entry.handle):
             await self._recover_paused(entry, spec)
+            return
+        if entry.end_reason is not None:     # its teardown had begun: finish it, billed up to when it began
+            await self._destroy_quietly(handle)   # (the entry stays until the control plane has the end)
+            run_s = (max(0.0, entry.ended_mono - entry.started_mono)
+                     if entry.started_mono is not None and entry.ended_mono is not None else None)
+            self._record_end(spec.id, EndReason(entry.end_reason), run_s=run_s)
             return
         state = await self.runtime.state(handle) if entry.phase in ("running", "pausing") else None
         if state is not None and state.status == "running":

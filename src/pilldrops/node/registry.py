@@ -59,6 +59,8 @@ class Sandbox:
     target: Target | None = None          # creating: none yet; running/pausing/ending: the runtime's sandbox
     started_mono: float | None = None     # with a target: CLOCK_MONOTONIC its usage counts from
     image: Image | None = None            # pausing (being written), paused, resuming (once fetched)
+    end_reason: str | None = None         # ending: why, and CLOCK_MONOTONIC when its teardown began
+    ended_mono: float | None = None
     op: anyio.Lock = field(default_factory=anyio.Lock)    # pause and end of one sandbox never interleave
 
     @property
@@ -96,11 +98,13 @@ class Sandbox:
         spec = self.spec.model_dump(mode="json")
         if self.state is NodeState.creating:
             return Entry(id=self.id, phase="creating", spec=spec)
-        if self.state in (NodeState.running, NodeState.pausing):
+        if self.state in (NodeState.running, NodeState.pausing, NodeState.ending):
             assert self.target is not None
             entry = Entry(id=self.id, phase="running", spec=spec, handle=handle_record(self.target.handle),
                           started_at=self.started_at.isoformat() if self.started_at else None,
                           started_mono=self.started_mono, boot_id=boot_id())
+            if self.state is NodeState.ending:
+                entry.end_reason, entry.ended_mono = self.end_reason, self.ended_mono
             if self.state is NodeState.pausing and self.image is not None:
                 entry.phase, entry.checkpoint, entry.run_s = "pausing", str(self.image.path), self.image.run_s
             return entry

@@ -373,6 +373,15 @@ def is_capacity_error(exc: PillDropsError) -> bool:
     return exc.code == "capacity_unavailable" or exc.status == 429
 
 
+OUTAGE_WAIT_S = 30.0      # how long a create or a kill rides out a control plane or node restarting
+
+
+def is_outage_error(exc: PillDropsError) -> bool:
+    """The deployment is not answering right now (no HTTP answer, or 502 ``node_unavailable``): a control
+    plane or node agent restarting. An idempotent call may wait for it to come back."""
+    return isinstance(exc, TransportError) or exc.code == "node_unavailable"
+
+
 def check_capacity_wait(capacity_wait: float) -> float:
     """``capacity_wait`` must be a finite number of seconds >= 0."""
     if isinstance(capacity_wait, bool) or not isinstance(capacity_wait, (int, float)) \
@@ -389,18 +398,46 @@ class RetryPolicy:
     :func:`is_capacity_error`) of an idempotent request are instead retried with backoff (``Retry-After``
     honoured) for as long as the delays slept for them add up to at most ``capacity_wait`` seconds (the
     last delay is shortened to fit; 0 never waits). With ``capacity_wait=None`` they are ordinary failures.
+
+    With an ``outage_wait`` (a create, a kill), an idempotent request whose ordinary retries ran out on an
+    outage (see :func:`is_outage_error`: a control plane or node restarting) goes on retrying until that many
+    seconds have passed since its first failure: a restart takes a few seconds, and a create that gave up
+    meanwhile left a sandbox running that nobody holds (its idempotent retry would have returned it).
     """
 
-    def __init__(self, max_retries: int, *, idempotent: bool, capacity_wait: float | None = None) -> None:
+    def __init__(self, max_retries: int, *, idempotent: bool, capacity_wait: float | None = None,
+                 outage_wait: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_retries = max_retries
         self.idempotent = idempotent
         self.capacity_wait = capacity_wait
+        self.outage_wait = outage_wait
         self.retries = 0
         self.capacity_retries = 0
         self.capacity_waited = 0.0
+        self._clock = clock
+        self._first_failure: float | None = None
+        self._slept = 0.0
 
     def next_delay(self, exc: PillDropsError, retry_after: float | None) -> float | None:
         """Seconds to wait before the next attempt, or None to give up (raise ``exc``)."""
+        if self._first_failure is None:
+            self._first_failure = self._clock()
+        delay = self._next_delay(exc, retry_after)
+        if delay is None and self.outage_wait and self.idempotent and is_outage_error(exc):
+            delay = self._outage_delay()
+        if delay is not None:
+            self._slept += delay
+        return delay
+
+    def _outage_delay(self) -> float | None:
+        # time since the first failure: the clock's, or the delays slept if they say more (tests fake sleep)
+        elapsed = max(self._clock() - (self._first_failure or 0.0), self._slept)
+        remaining = self.outage_wait - elapsed  # type: ignore[operator]
+        if remaining <= 0:
+            return None
+        return min(remaining, backoff_delay(3, None, base=BACKOFF_BASE_S, cap=1.0))
+
+    def _next_delay(self, exc: PillDropsError, retry_after: float | None) -> float | None:
         if self.capacity_wait is not None and self.idempotent and is_capacity_error(exc):
             remaining = self.capacity_wait - self.capacity_waited
             if remaining <= 0:

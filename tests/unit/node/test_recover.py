@@ -63,3 +63,110 @@ async def test_recover_adopts_reaps_and_reports(tmp_path: Path) -> None:
     assert status.end_reason == EndReason.killed and await runtime.list_ids() == []
     with anyio.fail_after(1):
         await runtime.close()
+
+
+class _Killed(BaseException):
+    """The agent process dies here (SIGKILL): nothing after this point runs."""
+
+
+async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_start(tmp_path: Path) -> None:
+    """Found by bench/chaos.py: the agent SIGKILLed while it was killing a sandbox (the container gone, its
+    journal entry not yet) came back, found the container not running and reported it ``exited`` with the
+    running seconds up to its own restart (4.6 s billed for a 0.7 s sandbox). The teardown is journaled with
+    its reason and start first: the restarted agent finishes it and bills up to when it began."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_k"))
+    real_destroy = runtime.destroy
+    seen: dict[str, Entry] = {}
+
+    async def destroy_then_die(handle):  # type: ignore[no-untyped-def]
+        seen["entry"] = next(e for e in first.journal.entries() if e.id == "sb_k")
+        await real_destroy(handle)       # the container goes; the agent does not live to drop its entry
+        raise _Killed
+
+    runtime.destroy = destroy_then_die  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        await first.kill("sb_k")
+    entry = seen["entry"]
+    assert entry.end_reason == "killed" and entry.ended_mono is not None and entry.started_mono is not None
+    billed_until = entry.ended_mono - entry.started_mono
+    await anyio.sleep(0.3)                             # the agent is down for a while
+    runtime.destroy = real_destroy  # type: ignore[method-assign]
+    second = agent(tmp_path, runtime)
+    await second._recover()
+    st = second.outbox["sb_k"]
+    assert (st.state, st.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert st.run_s == pytest.approx(billed_until, abs=1e-6)       # not the 0.3 s of downtime on top
+    assert await runtime.list_ids() == [] and not second.live
+    assert [e.id for e in second.journal.entries()] == ["sb_k"]     # kept until the control plane has it
+    second.journal.remove_ended("sb_k")
+    assert second.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_an_end_the_control_plane_never_got_survives_an_agent_restart(tmp_path: Path) -> None:
+    """Found by bench/chaos.py (``up`` SIGKILLed): the agent tore a sandbox down for the control plane's kill
+    and died before the control plane recorded the answer; the end lived only in the agent's memory, so the
+    retried kill got 404 and the sandbox was recorded stopped with 0 s billed of its 17 s. The journal entry
+    now stays until the end is delivered: the restarted agent reports it again and answers the retried kill
+    with the final usage."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    settings = Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
+                        node_token="tok", control_plane_url="http://cp.invalid")
+    first = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    await first.create(spec("sb_e"))
+    await anyio.sleep(0.2)
+    final = await first.kill("sb_e")                       # its answer never reaches the control plane
+    assert final.run_s is not None and final.run_s >= 0.2 and await runtime.list_ids() == []
+    second = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    await second._recover()
+    again = await second.kill("sb_e")                      # the control plane's retry
+    assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert again.run_s == pytest.approx(final.run_s, abs=0.05)
+    assert "sb_e" in second.outbox                         # and it rides on the next register/heartbeat
+    second.control_plane._delivered("sb_e")                # which succeeded
+    assert second.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_a_restarted_agent_refuses_requests_until_it_has_readopted(tmp_path: Path) -> None:
+    """Found by bench/chaos.py: `pilldrops node` serves its port while recovery is still re-adopting; a kill
+    arriving then got 404 (the registry was still empty), so the control plane recorded the sandbox ended
+    and billed 0 s of its 8 s, while it ran on until reaped as an orphan. Until recovery is done every
+    request gets 502 ``node_unavailable`` (retried by the control plane's caller and the SDK)."""
+    import httpx
+
+    from pilldrops.node.api import create_node_app
+
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_a"))
+    second = agent(tmp_path, runtime)                 # restarted: recovery blocked on the runtime
+    gate = anyio.Event()
+    real_state = runtime.state
+
+    async def slow_state(handle):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        return await real_state(handle)
+
+    runtime.state = slow_state  # type: ignore[method-assign]
+    app = create_node_app(second, "tok")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n",
+                                 headers={"Authorization": "Bearer tok"}) as c, anyio.create_task_group() as tg:
+        tg.start_soon(second._recover)
+        await anyio.sleep(0.05)
+        r = await c.delete("/node/v1/sandboxes/sb_a")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "node_unavailable", r.text
+        assert await runtime.list_ids() == ["sb_a"]
+        gate.set()
+        with anyio.fail_after(5):
+            while not second.recovered:
+                await anyio.sleep(0.01)
+        r = await c.delete("/node/v1/sandboxes/sb_a")
+        assert r.status_code == 200 and r.json()["end_reason"] == "killed" and r.json()["run_s"] > 0
+    assert await runtime.list_ids() == []
+    with anyio.fail_after(1):
+        await runtime.close()

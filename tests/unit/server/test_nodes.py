@@ -200,3 +200,163 @@ async def test_create_abandoned_by_a_dead_control_plane_is_retried_fresh(tmp_pat
         assert await st.runtime.list_ids() == [fresh["id"]]
         again = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-3"})
         assert again.status_code == 200 and again.json()["id"] == fresh["id"]
+
+
+async def test_create_finished_by_the_node_after_its_control_plane_died_bills_from_the_nodes_start(
+        tmp_path, store_url) -> None:
+    """Found by bench/chaos.py: the node made a sandbox whose control plane died mid-create; the restarted
+    control plane turned the ``starting`` row running from the node's report, started at "now - run_s",
+    which is late by however long the report took to arrive and be processed (1.4-2.6 s under load), and its
+    end (capped at start + running seconds) cut those seconds from the bill. The node's start time wins."""
+    import hashlib
+    import secrets
+    from datetime import timedelta
+
+    from pilldrops.schema.api import CreateSandboxRequest
+    from pilldrops.schema.node import NodeSandboxStatus
+    from pilldrops.server.store.interface import NewSandbox
+
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        svc = st.cp.services.sandboxes
+        now = svc.ctx.clock.now()
+        req = CreateSandboxRequest.model_validate({"template": "tiny", "timeout": 60})
+        new = NewSandbox(id="sb_finishedbynode0001", team_id=st.team_id, template="tiny", vcpu=req.vcpu,
+                         memory_mb=req.memory_mb, timeout=60, state="starting", access_token=secrets.token_urlsafe(8),
+                         created_at=now - timedelta(seconds=10), end_at=now + timedelta(seconds=50),
+                         idempotency_key="k", request_hash=hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        node, _ = await st.cp.store.place_and_insert(new, lambda nodes, allocs: nodes[0])
+        started = now - timedelta(seconds=8)      # when the node started it
+        report = NodeSandboxStatus(id=new.id, state="running", started_at=started, run_s=6.0, seq=6000)
+        await svc.reconciler.apply_node_status(node.id, report)        # composed 2 s before it was processed
+        row = await st.cp.store.get_sandbox(new.id)
+        assert row.state == "running" and row.started_at == started, (row.started_at, started)
+        # its end: 9 s of running when the node reports it killed; billed 9 s, not 7
+        final = NodeSandboxStatus(id=new.id, state="stopped", end_reason="killed", run_s=9.0, seq=9000)
+        svc.ctx.clock.now = lambda: started + timedelta(seconds=9.2)    # type: ignore[method-assign]
+        await svc.reconciler.apply_node_status(node.id, final)
+        rec = (await c.get(f"/v1/sandboxes/{new.id}")).json()
+        assert rec["state"] == "stopped" and abs(rec["vcpu_s"] - 9.0) < 0.01, rec
+
+
+async def test_create_the_restarted_node_reaped_half_made_is_retried_fresh(tmp_path, store_url) -> None:
+    """Found by bench/chaos.py (``up`` SIGKILLed mid-create): the restarted agent reaped the half-made sandbox
+    and reported ``failed_start``; the row failed but kept its idempotency key, so the client's retry got
+    that failed sandbox back as its create's answer (201/200, state failed) and its upload failed. The key is
+    released, as for any failed start: the retry makes a fresh sandbox."""
+    import hashlib
+    import secrets
+    from datetime import timedelta
+
+    from pilldrops.schema.api import CreateSandboxRequest
+    from pilldrops.schema.node import NodeSandboxStatus
+    from pilldrops.server.store.interface import NewSandbox
+
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        svc = st.cp.services.sandboxes
+        now = svc.ctx.clock.now()
+        body = {"template": "tiny", "timeout": 60}
+        req = CreateSandboxRequest.model_validate(body)
+        new = NewSandbox(id="sb_reapedhalfmade0001", team_id=st.team_id, template="tiny", vcpu=req.vcpu,
+                         memory_mb=req.memory_mb, timeout=60, state="starting", access_token=secrets.token_urlsafe(8),
+                         created_at=now, end_at=now + timedelta(seconds=60), idempotency_key="episode-9",
+                         request_hash=hashlib.sha256(req.model_dump_json().encode()).hexdigest())
+        node, _ = await st.cp.store.place_and_insert(new, lambda nodes, allocs: nodes[0])
+        await svc.reconciler.apply_node_status(node.id, NodeSandboxStatus(
+            id=new.id, state="failed", end_reason="failed_start"))
+        dead = (await c.get(f"/v1/sandboxes/{new.id}")).json()
+        assert dead["state"] == "failed" and dead["cost_usd"] == 0
+        r = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-9"})
+        assert r.status_code == 201 and r.json()["id"] != new.id and r.json()["state"] == "running", r.text
+
+
+async def test_node_calls_survive_a_keepalive_connection_the_node_closed() -> None:
+    """Found by bench/soak.py: 1 of 10,000 creates failed (failed_start, "node ... did not answer:
+    ReadError('')"): the control plane reused a pooled connection the node's server (5 s keep-alive, the
+    same as httpx's default expiry) had just closed. Idle connections now expire sooner, and a create or
+    kill that meets a closed connection is sent once more on a fresh one."""
+    import httpx
+
+    from pilldrops import errors
+    from pilldrops.schema.node import NodeSandboxSpec
+    from pilldrops.server.nodes.client import KEEPALIVE_EXPIRY_S, NodeClient
+
+    assert KEEPALIVE_EXPIRY_S < 5                      # below uvicorn's timeout_keep_alive
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        if len(calls) in (1, 3):
+            raise httpx.ReadError("")
+        if request.method == "POST":
+            return httpx.Response(200, json={"id": "sb_x", "state": "running"})
+        return httpx.Response(200, json={"id": "sb_x", "state": "stopped", "end_reason": "killed"})
+
+    nc = NodeClient("tok", transport=httpx.MockTransport(handler))
+    spec = NodeSandboxSpec(id="sb_x", template="tiny", vcpu=1, memory_mb=64, access_token="t",
+                           end_at=datetime.now().astimezone())
+    assert (await nc.create("http://n", spec)).state == "running"
+    assert (await nc.kill("http://n", "sb_x")).end_reason == "killed"
+    assert calls == ["POST", "POST", "DELETE", "DELETE"]
+    calls.clear()
+
+    def down(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        raise httpx.ReadError("")
+
+    nc2 = NodeClient("tok", transport=httpx.MockTransport(down))
+    with pytest.raises(errors.NodeUnavailable):
+        await nc2.create("http://n", spec)
+    assert calls == ["POST", "POST"]                     # once more only
+    await nc.aclose()
+    await nc2.aclose()
+
+
+async def test_a_heartbeat_racing_a_kill_leaves_no_usage_entry_behind(tmp_path) -> None:
+    """Found reading the soak's control-plane RSS (+4.8 MiB over 10,000 sandboxes): a heartbeat read its rows
+    while the sandbox ran, a kill finished meanwhile (dropping the sandbox's last usage report), and the
+    heartbeat then stored that report again; nothing ever removed it. The node's report of the end does."""
+    async with stack(tmp_path) as st, st.client() as c:
+        sid = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()["id"]
+        svc = st.cp.services.sandboxes
+        ctx = svc.ctx
+        node = await ctx.store.get_node(st.agent.node_id)
+        report = st.agent.statuses()                       # it runs
+        real = ctx.store.get_sandboxes
+
+        async def read_then_killed(ids):  # type: ignore[no-untyped-def]
+            rows = await real(ids)
+            assert (await c.delete(f"/v1/sandboxes/{sid}")).json()["state"] == "stopped"
+            return rows
+
+        ctx.store.get_sandboxes = read_then_killed  # type: ignore[method-assign]
+        await svc.reconciler.absorb(node, report, ctx.clock.now())
+        ctx.store.get_sandboxes = real  # type: ignore[method-assign]
+        await svc.reconciler.absorb(node, st.agent.statuses(), ctx.clock.now())   # the node's report of the end
+        assert sid not in ctx.last_usage
+
+
+async def test_a_create_answer_that_reaches_a_busy_control_plane_late_bills_from_the_nodes_start(tmp_path) -> None:
+    """Found by bench/chaos.py (``cp`` and ``up`` runs): a container the node held 9.9 s was billed 1.4 s. A just
+    restarted control plane, flooded by retried creates, resumed the create seconds after the node had
+    answered, and started billing then ("now"); the end cap cut the difference. The node's start time wins
+    when earlier, bounded by when the record was made."""
+    import anyio
+
+    async with stack(tmp_path) as st, st.client() as c:
+        nodes = st.cp.node_client
+        real = nodes.create
+
+        async def late(url, spec):  # type: ignore[no-untyped-def]
+            status = await real(url, spec)
+            await anyio.sleep(1.5)                 # the answer is processed late
+            return status
+
+        nodes.create = late  # type: ignore[method-assign]
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+        node_started = st.agent.live[sb["id"]].started_at
+        row = await st.cp.store.get_sandbox(sb["id"])
+        assert abs((row.started_at - node_started).total_seconds()) < 0.2, (row.started_at, node_started)
+        assert row.started_at >= row.created_at
+        await anyio.sleep(0.3)
+        done = (await c.delete(f"/v1/sandboxes/{sb['id']}")).json()
+        assert done["vcpu_s"] >= 1.7, done               # 1.5 s late + 0.3 s: all of it billed

@@ -47,6 +47,7 @@ from pilldrops.sdk._async.client import AsyncAPIClient
 from pilldrops.sdk._async.files import AsyncFiles
 from pilldrops.sdk._base import (
     BATCH_CHUNK,
+    OUTAGE_WAIT_S,
     AsyncBlocking,
     AsyncCleanup,
     RunDecoder,
@@ -195,6 +196,9 @@ class AsyncSandbox:
         When the deployment is full (:class:`CapacityUnavailable`) or rate limits (:class:`RateLimited`),
         the create waits and retries with backoff, honouring ``Retry-After``, for up to ``capacity_wait``
         seconds of waiting in total (default 120; 0 fails on the first such answer), then raises it.
+        When the deployment does not answer (a control plane or node restarting), the create retries with
+        the same key for up to 30 s (at most ``capacity_wait``) before raising :class:`TransportError` or
+        :class:`NodeUnavailable`: it gets the sandbox its first attempt made, never a second one.
         Raises :class:`InsufficientCredits` when the team's credits are used up.
         """
         capacity_wait = check_capacity_wait(capacity_wait)
@@ -207,7 +211,7 @@ class AsyncSandbox:
         resp = await client.request("POST", "/v1/sandboxes",
                                     json=body.model_dump(mode="json", exclude_none=True, exclude_unset=True),
                                     headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
-                                    capacity_wait=capacity_wait)
+                                    capacity_wait=capacity_wait, outage_wait=min(capacity_wait, OUTAGE_WAIT_S))
         return cls(parse_model(SandboxInfo, resp), client=client)
 
     @classmethod
@@ -389,7 +393,7 @@ class AsyncSandbox:
         """Kill a sandbox by id. Idempotent: killing an ended sandbox returns its final record."""
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
-        resp = await client.request("DELETE", sandbox_path(sandbox_id), idempotent=True)
+        resp = await client.request("DELETE", sandbox_path(sandbox_id), idempotent=True, outage_wait=OUTAGE_WAIT_S)
         return parse_model(SandboxInfo, resp)
 
     async def get_info(self) -> SandboxInfo:
@@ -447,12 +451,14 @@ class AsyncSandbox:
         return parse_model(PortURL, resp)
 
     async def kill(self) -> SandboxInfo:
-        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``).
+        """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``). Rides out a
+        control plane or node restarting for up to 30 s (a sandbox left running is billed).
 
         The final record (final ``vcpu_s``, ``gb_s``, ``storage_gb_s``, ``cost_usd``) is stored in
         :attr:`info`.
         """
-        resp = await self._client.request("DELETE", sandbox_path(self.id), idempotent=True)
+        resp = await self._client.request("DELETE", sandbox_path(self.id), idempotent=True,
+                                          outage_wait=OUTAGE_WAIT_S)
         return self._update(parse_model(SandboxInfo, resp))
 
     async def _pause_instance(self) -> SandboxInfo:

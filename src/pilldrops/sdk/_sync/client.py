@@ -68,17 +68,19 @@ class APIClient:
     def request(self, method: str, path: str, *, idempotent: bool, target: Target | None = None,
                       params: Any = None, json: Any = None, content: Content = None,
                       headers: dict[str, str] | None = None, timeout: Any = None,
-                      capacity_wait: float | None = None) -> httpx.Response:
+                      capacity_wait: float | None = None, outage_wait: float | None = None) -> httpx.Response:
         """Send one logical request (retried as allowed) and return the 2xx response, body read.
 
         ``content`` may be a callable returning a fresh body per attempt (a streamed upload).
         With ``capacity_wait`` (seconds), 503 ``capacity_unavailable`` / 429 answers of an idempotent
         request are retried for up to that much waiting in total (0: not at all) instead of the usual
-        ``max_retries``.
+        ``max_retries``. With ``outage_wait`` (seconds), an idempotent request that finds the deployment not
+        answering (a restart) keeps retrying until that long after its first failure.
         """
         target = target if target is not None else self.control
         url = target.url(path)
-        policy = RetryPolicy(self.config.max_retries, idempotent=idempotent, capacity_wait=capacity_wait)
+        policy = RetryPolicy(self.config.max_retries, idempotent=idempotent, capacity_wait=capacity_wait,
+                             outage_wait=outage_wait)
         while True:
             retry_after: float | None = None
             try:

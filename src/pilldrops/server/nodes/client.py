@@ -23,6 +23,12 @@ from pilldrops.schema.node import (
     NodeTemplateRef,
 )
 
+# a pooled connection the node (uvicorn: 5 s keep-alive) is about to close must not be reused: the request
+# then dies with ReadError('') and the create fails; expire idle connections well before the server does
+KEEPALIVE_EXPIRY_S = 2.0
+# what a reused connection the server closed meanwhile looks like (the request never reached the node app)
+_STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 
 class NodeClient:
     def __init__(self, node_token: str, *, timeout: float = 60.0,
@@ -31,7 +37,8 @@ class NodeClient:
         self._http = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(timeout, connect=5.0),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
             headers={"Authorization": f"Bearer {node_token}"},
         )
 
@@ -43,9 +50,16 @@ class NodeClient:
         """The pooled client, with the node token set (for data-plane relays: ``pilldrops.e2b``)."""
         return self._http
 
-    async def _call(self, method: str, url: str, **kw: Any) -> Any:
+    async def _call(self, method: str, url: str, *, retry_stale: bool = False, **kw: Any) -> Any:
+        """``retry_stale``: the call is safe to repeat (the node's create and kill are idempotent per id), so a
+        connection found closed under it is retried once on a fresh one."""
         try:
-            resp = await self._http.request(method, url, **kw)
+            try:
+                resp = await self._http.request(method, url, **kw)
+            except _STALE:
+                if not retry_stale:
+                    raise
+                resp = await self._http.request(method, url, **kw)
         except httpx.HTTPError as exc:
             raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
         if resp.status_code in (401, 403):
@@ -61,12 +75,12 @@ class NodeClient:
 
     async def create(self, node_url: str, spec: NodeSandboxSpec) -> NodeSandboxStatus:
         data = await self._call("POST", f"{node_url}/node/v1/sandboxes", content=spec.model_dump_json(),
-                                headers={"content-type": "application/json"})
+                                headers={"content-type": "application/json"}, retry_stale=True)
         return NodeSandboxStatus.model_validate(data)
 
     async def kill(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus | None:
         try:
-            data = await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}")
+            data = await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}", retry_stale=True)
         except errors.NotFound:
             return None
         return NodeSandboxStatus.model_validate(data)

@@ -177,8 +177,14 @@ class Lifecycle:
                     end_reason=EndReason.failed_start.value, ended_at=ctx.clock.now(), idempotency_key=None,
                     error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
             raise
-        running = {"state": S.running.value, "started_at": ctx.clock.now(), "end_at": status.end_at or spec.end_at}
-        updated = None      # billing starts now, on the control plane's clock
+        # billing starts when the node started it: now on the control plane's clock, or the node's own start
+        # time when earlier (the answer can reach a busy, just restarted control plane seconds late), never
+        # before the record was made (clock skew)
+        started = ctx.clock.now()
+        if status.started_at is not None:
+            started = max(row.created_at, min(started, status.started_at))
+        running = {"state": S.running.value, "started_at": started, "end_at": status.end_at or spec.end_at}
+        updated = None
         try:
             if await ctx.store.set_sandbox(row.id, from_states=[S.starting.value], **running):
                 for k, v in running.items():

@@ -83,11 +83,19 @@ class Reconciler:
         ctx = self.ctx
         row = row or await ctx.store.get_sandbox(st.id)
         if row is None or row.node_id != node_id or SandboxState(row.state) in (S.lost, S.failed, S.stopped):
+            if st.state in ENDED and (row is None or SandboxState(row.state) in ENDED):
+                # a heartbeat that raced its kill may have stored its last report again after the kill dropped
+                # it: the node's report of the end is the last word on it
+                ctx.last_usage.pop(st.id, None)
             return                           # ended rows stay as recorded; see stop_orphans
         if row.state == S.starting.value and st.state == S.running:
             # the control plane died (or timed out) while the node was creating it: it runs, so it is
-            # running since the node says, and billed from then
+            # running since the node says, and billed from then. Now minus its running seconds is late by
+            # however long the report took to reach us and be processed (seconds, under load): the node's
+            # own start time wins when earlier, never before the record was made
             started = ctx.clock.now() - timedelta(seconds=max(st.run_s or 0.0, 0.0))
+            if st.started_at is not None:
+                started = min(started, st.started_at)
             await ctx.store.update_sandbox(st.id, from_states=[S.starting.value], state=S.running.value,
                                            started_at=max(started, row.created_at), end_at=st.end_at or row.end_at)
         await ctx.billing.commit(st)         # before the end is visible, so an ended sandbox shows its cost
@@ -95,9 +103,13 @@ class Reconciler:
             ctx.last_usage.pop(st.id, None)
             now = ctx.clock.now()
             ended_at = now if row.paused_at is not None else ctx.billing.end_time(row, st)
+            # a create the node never finished (its agent died mid-create and reaped it) releases its key, as
+            # any failed start does: the client's retry with that key makes a fresh one instead of getting
+            # this failed sandbox back as its create's answer
+            release = {"idempotency_key": None} if st.state == S.failed and row.state == S.starting.value else {}
             await ctx.billing.end_interval(
                 st.id, from_states=legal_from(st.state), until=now, resumed=False, state=st.state.value,
-                end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error)
+                end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error, **release)
 
     async def _declare_lost(self, row: SandboxRecord, ended_at: datetime, error: str) -> None:
         """``lost`` (``node_lost``), ended at ``ended_at``: its last usage report is billed first."""

@@ -94,7 +94,7 @@ async def test_relative_remote_paths_are_refused_before_any_request(fake: FakeCo
 async def test_transport_errors_name_the_url(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
     fake.fail_next("POST", r"^/v1/sandboxes$", exc=httpx.ConnectError("connection refused"), times=4)
     with pytest.raises(TransportError) as info:
-        await AsyncSandbox.create(**opts)
+        await AsyncSandbox.create(capacity_wait=0, **opts)     # no waiting for a restart either
     assert f"{fake.api_url}/v1/sandboxes" in str(info.value) and "connection refused" in str(info.value)
     sb = await AsyncSandbox.create(**opts)
     fake.fail_next("POST", SB + "/run", exc=httpx.ConnectError("no route to host"), times=4)
@@ -273,7 +273,7 @@ async def test_unsent_requests_are_retried_even_for_run(fake: FakeControlPlane, 
 async def test_transport_errors_are_mapped(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
     fake.fail_next(None, "", exc=httpx.ConnectError("connection refused"), times=100)
     with pytest.raises(TransportError) as info:
-        await AsyncSandbox.create(**opts)
+        await AsyncSandbox.list(**opts)
     assert not isinstance(info.value, httpx.HTTPError)
     assert isinstance(info.value.__cause__, httpx.ConnectError)
     assert len(fake.requests) == 4
@@ -491,3 +491,38 @@ async def test_auth_errors_name_where_the_key_came_from(fake: FakeControlPlane, 
         await AsyncSandbox.create(**opts)
     with pytest.raises(AuthenticationError, match=r"from the explicit api_key \(--api-key"):
         await AsyncSandbox.create(api_key="pd_explicit_wrong", **opts)
+
+
+@pytest.mark.anyio
+async def test_create_rides_out_a_control_plane_restart(fake: FakeControlPlane, opts: dict[str, Any],
+                                                        delays: list[float]) -> None:
+    """Found by bench/chaos.py: a create whose control plane was SIGKILLed gave up after its 3 ordinary
+    retries (< 2 s) while the restart took ~5 s; the node had made the sandbox, which then ran and was billed
+    with nobody holding it. The create now keeps retrying its one key through the outage and gets that
+    sandbox."""
+    fake.fail_next("POST", r"^/v1/sandboxes$", status=500, after=True)      # made, then the answer was lost
+    fake.fail_next("POST", r"^/v1/sandboxes$", exc=httpx.ConnectError("refused"), times=12)   # restarting
+    sb = await AsyncSandbox.create(**opts)
+    attempts = fake.requests_to("POST", "/v1/sandboxes")
+    assert len(attempts) == 14 and len({r.headers["idempotency-key"] for r in attempts}) == 1
+    assert list(fake.sandboxes) == [sb.id]            # the first attempt's sandbox, and no second one
+    assert sum(delays) < 30
+
+
+@pytest.mark.anyio
+async def test_create_and_kill_give_up_on_an_outage_after_30_s(fake: FakeControlPlane, opts: dict[str, Any],
+                                                               delays: list[float]) -> None:
+    fake.fail_next("POST", r"^/v1/sandboxes$", exc=httpx.ConnectError("refused"), times=1000)
+    with pytest.raises(TransportError):
+        await AsyncSandbox.create(**opts)
+    assert 29 <= sum(delays) <= 30.01 and len(fake.requests_to("POST", "/v1/sandboxes")) < 80
+    delays.clear()
+    fake2 = FakeControlPlane()
+    sb = await AsyncSandbox.create(**fake2.client_options())
+    fake2.fail_next("DELETE", SB, status=502, code="node_unavailable", times=8)    # its node restarting
+    assert (await sb.kill()).state == "stopped" and len(fake2.requests_to("DELETE", SB)) == 9
+    fake2.fail_next("POST", r"^/v1/sandboxes$", exc=httpx.ConnectError("refused"), times=1000)
+    delays.clear()
+    with pytest.raises(TransportError):
+        await AsyncSandbox.create(capacity_wait=5, **fake2.client_options())
+    assert 4 <= sum(delays) <= 5.01           # bounded by capacity_wait too
