@@ -92,6 +92,11 @@ export class NotFound extends PillDropsError {
   static override readonly code: string = 'not_found'
   static override readonly status = 404
 }
+/** A port URL sent to the API's own address; `details.url` is the sandbox-content origin's (`port_url_misdirected`). */
+export class PortURLMisdirected extends NotFound {
+  static override readonly code = 'port_url_misdirected'
+  static override readonly status = 421
+}
 export class SandboxNotFound extends NotFound {
   static override readonly code = 'sandbox_not_found'
 }
@@ -186,7 +191,7 @@ const ALL: (ErrorClass & typeof PillDropsError)[] = [
   InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
   NodeUnavailable, CapacityUnavailable, NotSupported, URLTokenRequired, URLTokenInvalid, URLTokenExpired,
-  PortNotOpen, GatewayTimeout,
+  PortNotOpen, GatewayTimeout, PortURLMisdirected,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

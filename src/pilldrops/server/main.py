@@ -8,11 +8,14 @@ from dataclasses import dataclass
 import anyio
 import httpx
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from pilldrops._internal.clock import Clock
 from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason
 from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.ports.gateway import PortGateway
+from pilldrops.server.ports.listener import PortsApp
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
@@ -31,6 +34,7 @@ class ControlPlane:
     services: Services
     store: Store
     node_client: NodeClient
+    ports_app: ASGIApp          # the port-URL listener's app (its own port: its own origin)
 
     paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S
 
@@ -64,7 +68,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               lost_after: float = 300.0, unreachable_after: float | None = None,
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
                               default_isolation: str = DEFAULT_ISOLATION,
-                              public_host: str | None = None) -> ControlPlane:
+                              public_host: str | None = None, ports_port: int | None = None,
+                              ports_url: str | None = None) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -78,5 +83,6 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                                           unreachable_after=unreachable_after, lost_after=lost_after,
                                           pools=pools),
                         billing=billing_service, pools=pools,
-                        urls=URLService(store, clock, public_host))
-    return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)
+                        urls=URLService(store, clock, public_host, ports_port=ports_port, ports_url=ports_url))
+    ports_app = PortsApp(PortGateway(sandboxes, services.urls))    # type: ignore[arg-type]
+    return ControlPlane(create_app(services), services, store, node_client, ports_app, paused_retention_s)
