@@ -44,15 +44,20 @@ from pilldrops.errors import (
 )
 from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._async.template import AsyncTemplate
 from pilldrops.sdk._base import RunResult
+from pilldrops.sdk._build import BuiltTemplate
 from pilldrops.sdk._sync.sandbox import Sandbox
+from pilldrops.sdk._sync.template import Template
 from pilldrops.sdk.fanout import MapItem, MapResult, amap, map
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",
+    "AsyncTemplate",
     "AuthenticationError",
+    "BuiltTemplate",
     "CapacityUnavailable",
     "CommandFailed",
     "Conflict",
@@ -82,6 +87,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxState",
     "ServerError",
+    "Template",
     "TemplateNotFound",
     "TransportError",
     "URLTokenExpired",

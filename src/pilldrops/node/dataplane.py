@@ -39,6 +39,7 @@ class Target:
     handle: Handle
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    user: str | None = None      # "uid:gid" that run/process commands run as (a template's USER); None = root
     active: set[ExecProcess] = field(default_factory=set)   # commands in flight (ended by a pause)
     pausing: bool = False
     processes: Any = None        # processes.Table, made on first use (the process service)
@@ -93,12 +94,15 @@ class DataPlane:
 
     async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None,
-                    timeout: float | None = None, output_cap: int | None = None) -> ExecProcess:
+                    timeout: float | None = None, output_cap: int | None = None,
+                    as_user: bool = False) -> ExecProcess:
+        """``as_user``: as the template's user (the user's own commands); file transfers stay root."""
         if t.pausing:
             raise errors.InvalidState(f"sandbox {t.id} is being paused", current="pausing", target="running")
         try:
             proc = await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
-                                           stdin=stdin, timeout=timeout, output_cap=output_cap)
+                                           stdin=stdin, timeout=timeout, output_cap=output_cap,
+                                           **({"user": t.user} if as_user and t.user else {}))
         except RuntimeFailure as exc:   # e.g. its init just died and the monitor has not noticed yet
             raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
                                       current="stopped", target="running") from exc
@@ -136,7 +140,7 @@ class DataPlane:
         # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
-                                timeout=req.timeout, output_cap=req.max_output_bytes)
+                                timeout=req.timeout, output_cap=req.max_output_bytes, as_user=True)
         return self._stream(t, proc, started, ooms)
 
     def _oom_kills(self, t: Target) -> int | None:
