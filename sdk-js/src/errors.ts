@@ -90,7 +90,7 @@ export class PermissionDenied extends PillDropsError {
 }
 export class NotFound extends PillDropsError {
   static override readonly code: string = 'not_found'
-  static override readonly status = 404
+  static override readonly status: number = 404
 }
 /** A port URL sent to the API's own address; `details.url` is the sandbox-content origin's (`port_url_misdirected`). */
 export class PortURLMisdirected extends NotFound {
