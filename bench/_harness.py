@@ -103,7 +103,7 @@ class Up:
             env.pop(k, None)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
                  "--data-dir", str(self.data), "--templates", template, "--node-name", NODE_NAME,
                  *(extra or [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -72,6 +72,10 @@ class Stack:
         return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.cp.app), base_url="http://cp",
                                  headers=headers, **kw)
 
+    def ports_client(self, **kw: Any) -> httpx.AsyncClient:
+        """A client of the port-URL listener (its own origin: ``http://cp:82``, the API's port + 2)."""
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.cp.ports_app), base_url="http://cp:82", **kw)
+
     async def new_team_key(self, name: str) -> str:
         team = await self.cp.services.auth.create_team(name)
         return (await self.cp.services.auth.create_key(team.id, "k")).secret

@@ -97,7 +97,12 @@ export class EgressForbidden extends PermissionDenied {
 }
 export class NotFound extends PillDropsError {
   static override readonly code: string = 'not_found'
-  static override readonly status = 404
+  static override readonly status: number = 404
+}
+/** A port URL sent to the API's own address; `details.url` is the sandbox-content origin's (`port_url_misdirected`). */
+export class PortURLMisdirected extends NotFound {
+  static override readonly code = 'port_url_misdirected'
+  static override readonly status = 421
 }
 export class SandboxNotFound extends NotFound {
   static override readonly code = 'sandbox_not_found'
@@ -202,7 +207,7 @@ const ALL: (ErrorClass & typeof PillDropsError)[] = [
   InvalidRequest, AuthenticationError, PermissionDenied, EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
   NodeUnavailable, CapacityUnavailable, NotSupported, TemplateBuildFailed, URLTokenRequired, URLTokenInvalid,
-  URLTokenExpired, PortNotOpen, GatewayTimeout, DiskQuotaExceeded,
+  URLTokenExpired, PortNotOpen, GatewayTimeout, DiskQuotaExceeded, PortURLMisdirected,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

@@ -17,7 +17,8 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     ├─ NotFound              404 not_found
     │   ├─ SandboxNotFound   404 sandbox_not_found
     │   ├─ FileNotFound      404 file_not_found
-    │   └─ TemplateNotFound  404 template_not_found
+    │   ├─ TemplateNotFound  404 template_not_found
+    │   └─ PortURLMisdirected 421 port_url_misdirected (a port URL sent to the API's origin: details.url)
     ├─ Conflict              409 conflict
     │   └─ InvalidState      409 invalid_state       (details: from, to)
     ├─ InsufficientCredits   402 insufficient_credits
@@ -118,6 +119,14 @@ class FileNotFound(NotFound):
 
 class TemplateNotFound(NotFound):
     code = "template_not_found"
+
+
+class PortURLMisdirected(NotFound):
+    """A port URL (``/ports/...``) sent to the API's own address: sandboxes are served on their own origin;
+    ``details.url`` is where this one is."""
+
+    code = "port_url_misdirected"
+    status = 421
 
 
 class Conflict(PillDropsError):
@@ -233,6 +242,7 @@ _ALL: tuple[type[PillDropsError], ...] = (
     EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
     CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen, DiskQuotaExceeded,
+    PortURLMisdirected,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

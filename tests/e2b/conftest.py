@@ -109,7 +109,7 @@ def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Pop
         port, node_port = free_port(), free_port()
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+                [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
                  "--data-dir", str(data_dir), "--templates", TEMPLATES, "--node-name", NAME],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=clean_env(config_home, PYTHONUNBUFFERED="1"))

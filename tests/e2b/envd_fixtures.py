@@ -112,7 +112,7 @@ def _start_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
     before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
     port, node_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
          "--data-dir", str(data_dir), "--templates", "base", "--node-name", NAME],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=clean_env(config_home, PYTHONUNBUFFERED="1"))

@@ -57,7 +57,7 @@ def start_up(data_dir: Path, config_home: Path, log: Path, *extra: str) -> tuple
     env = clean_env(config_home, PYTHONUNBUFFERED="1")
     mark = len(log.read_text()) if log.exists() else 0     # a restart appends to the same log
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
          "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", NAME, *extra],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"

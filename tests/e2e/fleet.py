@@ -101,7 +101,7 @@ class Fleet:
 
     def start_cp(self, *extra: str) -> None:
         port = int(self.url.rsplit(":", 1)[1]) if self.url else free_port()
-        args = ["serve", "--port", str(port), "--data-dir", str(self.root / "cp"), "--heartbeat-interval", "0.5",
+        args = ["serve", "--port", str(port), "--ports-port", "0", "--data-dir", str(self.root / "cp"), "--heartbeat-interval", "0.5",
                 "--unlimited-credits", *extra]
         if self.db:
             args += ["--db", self.db]

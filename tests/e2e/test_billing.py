@@ -77,7 +77,7 @@ def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Pat
     base_env = clean_env(root / "cfg")
     cp_port, node_port = free_port(), free_port()
     url = f"http://127.0.0.1:{cp_port}"
-    serve_args = ["serve", "--port", str(cp_port), "--data-dir", str(root / "cp"), "--heartbeat-interval", "0.5",
+    serve_args = ["serve", "--port", str(cp_port), "--ports-port", "0", "--data-dir", str(root / "cp"), "--heartbeat-interval", "0.5",
                   "--usage-commit-interval", "0"]
     before = leakcheck.snapshot([root / "node" / "node" / "crun"], match=MATCH)
     crash_env = {**base_env, "PILLDROPS_FAULT_CRASH_BEFORE_USAGE_COMMIT": "4"}

@@ -28,7 +28,7 @@ def test_serve_and_node_as_separate_processes(tmp_path: Path) -> None:
     env = clean_env(root / "cfg")
     cp_port, node_port = free_port(), free_port()
     before = leakcheck.snapshot([root / "node-data" / "node" / "crun"], match=MATCH)
-    serve = spawn(["serve", "--port", str(cp_port), "--data-dir", str(root / "cp-data")], root / "serve.log", env)
+    serve = spawn(["serve", "--port", str(cp_port), "--ports-port", "0", "--data-dir", str(root / "cp-data")], root / "serve.log", env)
     node = bad = None
     try:
         out = wait_for(root / "serve.log", "control plane at", serve)

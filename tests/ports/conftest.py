@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,7 +28,10 @@ MATCH = f"pilldrops-{NAME}"
 TEMPLATES = "tiny,code-interpreter"
 
 
+@dataclass
 class Up(Server):
+    ports_url: str = ""          # the port-URL listener (its own origin)
+
     def snapshot(self) -> dict[str, object]:
         return leakcheck.snapshot([self.crun_root], match=MATCH)
 
@@ -40,14 +44,15 @@ def _why_not_runnable() -> str | None:
     return None
 
 
-def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     for attempt in range(2):            # once more if a free port was taken before `up` bound it
         mark = len(log.read_text()) if log.exists() else 0
-        port, node_port = free_port(), free_port()
+        port, node_port, ports_port = free_port(), free_port(), free_port()
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
-                 "--data-dir", str(data_dir), "--templates", TEMPLATES, "--node-name", NAME],
+                 "--ports-port", str(ports_port), "--data-dir", str(data_dir), "--templates", TEMPLATES,
+                 "--node-name", NAME],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=clean_env(config_home, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 120
@@ -59,7 +64,7 @@ def _start(data_dir: Path, config_home: Path, log: Path) -> tuple[subprocess.Pop
                     raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.1)
             else:
-                return proc, f"http://127.0.0.1:{port}"
+                return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ports_port}"
         except BaseException:
             try:
                 stop_up(proc)
@@ -78,9 +83,9 @@ def pd_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     data_dir, config_home, log = root / "data", root / "config", root / "up.log"
     seed_templates(data_dir, ["code-interpreter"])
     before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
-    proc, url = _start(data_dir, config_home, log)
+    proc, url, ports_url = _start(data_dir, config_home, log)
     key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-    up = Up(url, key, data_dir, config_home, proc, log)
+    up = Up(url, key, data_dir, config_home, proc, log, ports_url)
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
         sid = c.post("/v1/sandboxes", json={"template": "tiny"}).raise_for_status().json()["id"]
         c.delete(f"/v1/sandboxes/{sid}").raise_for_status()     # the node's cgroup parent exists from now on

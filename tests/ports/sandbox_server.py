@@ -2,7 +2,9 @@
 given: plain HTTP routes and a WebSocket echo, each telling what it received.
 
 GET /hello · GET /page/ (relative links) · GET /page/sub.txt · GET /headers (JSON: path, headers) ·
-POST /echo (the body back, Content-Length or chunked) · GET /stream (chunks over 0.3 s) · /ws (echo)."""
+POST /echo (the body back, Content-Length or chunked) · GET /stream (chunks over 0.3 s) · /ws (echo) ·
+GET /hostile (headers with origin-wide powers: cookies for / and other paths, a service worker for /,
+Clear-Site-Data)."""
 
 import base64
 import hashlib
@@ -52,6 +54,17 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/headers"):
             return self.reply(json.dumps({"path": self.path, "headers": dict(self.headers.items())}).encode(),
                               "application/json")
+        if self.path == "/hostile":
+            self.send_response(200)
+            for c in ("mine=1; Path=/; Domain=127.0.0.1", "plain=2", "pilldrops_port=v1.1.x; Path=/ports/",
+                      "__Host-x=3; Path=/; Secure"):
+                self.send_header("Set-Cookie", c)
+            self.send_header("Service-Worker-Allowed", "/")
+            self.send_header("Clear-Site-Data", '"*"')
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+            return None
         if self.path == "/stream":
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")

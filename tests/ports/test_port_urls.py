@@ -7,7 +7,6 @@ sandbox is a clear 404, a closed port a 502."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,7 +110,7 @@ def test_websocket_through_the_url(py: Sandbox) -> None:
     assert exc.value.response.status_code == 401
 
 
-def test_refused_without_a_valid_token(py: Sandbox, tiny: Sandbox) -> None:
+def test_refused_without_a_valid_token(py: Sandbox, tiny: Sandbox, pd_up: Up) -> None:
     url = py.get_url(8080, path="/hello")
     bare = url.split("?")[0]
     r = httpx.get(bare, timeout=30)
@@ -133,14 +132,17 @@ def test_refused_without_a_valid_token(py: Sandbox, tiny: Sandbox) -> None:
     time.sleep(1.1)
     r = httpx.get(short, timeout=30)
     assert r.status_code == 401 and _code(r) == "url_token_expired"
-    # the E2B header form reaches the same gateway: a sandbox made by our API is not public there either
-    api = urlsplit(url)
-    r = httpx.get(f"{api.scheme}://{api.netloc}/hello", timeout=30,
+    # the E2B header form (on the API's port) reaches the same gateway: a sandbox made by our API is not
+    # public there either
+    r = httpx.get(f"{pd_up.api_url}/hello", timeout=30,
                   headers={"E2b-Sandbox-Id": py.id.replace("_", ""), "E2b-Sandbox-Port": "8080"})
     assert r.status_code == 401 and _code(r) == "url_token_required"
-    r = httpx.get(f"{api.scheme}://{api.netloc}/hello", params={"pd_token": token}, timeout=30,
-                  headers={"Host": f"8080-{py.id.replace('_', '')}.sandbox.localhost"})
-    assert r.status_code == 200 and r.text == "hello from inside"         # host form, same token
+    for base in (pd_up.api_url, pd_up.ports_url):              # host form, same token, on either listener
+        r = httpx.get(f"{base}/hello", params={"pd_token": token}, timeout=30,
+                      headers={"Host": f"8080-{py.id.replace('_', '')}.sandbox.localhost"})
+        assert r.status_code == 200 and r.text == "hello from inside"
+    r = httpx.get(f"{pd_up.ports_url}/hello", timeout=30, headers={"Host": f"8080-{py.id.replace('_', '')}.sb.test"})
+    assert r.status_code == 401 and _code(r) == "url_token_required"
 
 
 def test_browser_keeps_working_after_the_first_request(py: Sandbox) -> None:
@@ -220,8 +222,41 @@ def test_cli_url(tiny: Sandbox, pd_up: Up) -> None:
     assert httpx.get(out.output.strip(), timeout=30).text == "busybox says hi"
 
 
-def test_url_port_is_on_the_api_port(py: Sandbox, pd_up: Up) -> None:
-    """The URL is served on the control plane's own port (one port for the API and every sandbox)."""
-    assert urlsplit(py.get_url(8080)).port == urlsplit(pd_up.api_url).port
-    with socket.create_connection(("127.0.0.1", urlsplit(pd_up.api_url).port), timeout=5):
-        pass
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    u = urlsplit(url)
+    return u.scheme, u.hostname, u.port
+
+
+def test_sandbox_pages_have_an_origin_of_their_own(py: Sandbox, pd_up: Up) -> None:
+    """The URL's origin is the port-URL listener's, never the API's and dashboard's; the API's listener
+    refuses port URLs (HTTP and WebSocket) naming the right one; the port-URL listener serves no API and no
+    dashboard."""
+    url = py.get_url(8080, path="/hello")
+    assert _origin(url) == _origin(pd_up.ports_url) != _origin(pd_up.api_url)
+    dashboard = httpx.get(pd_up.api_url + "/", timeout=30)
+    assert dashboard.status_code == 200 and "text/html" in dashboard.headers["content-type"]
+    assert dashboard.headers["cross-origin-opener-policy"] == "same-origin"
+    assert httpx.get(url, timeout=30).text == "hello from inside"
+    misdirected = pd_up.api_url + urlsplit(url).path + "?" + urlsplit(url).query
+    r = httpx.get(misdirected, timeout=30)
+    assert r.status_code == 421 and _code(r) == "port_url_misdirected"
+    assert r.json()["error"]["details"]["url"] == url.split("?")[0] and "pd_token" not in r.text
+    with pytest.raises(InvalidStatus) as exc:
+        ws_connect(misdirected.replace("http", "ws", 1).replace("/hello", "/ws"), open_timeout=20).close()
+    assert exc.value.response.status_code == 421
+    for path in ("/", "/v1/whoami", "/dashboard/app.js", "/v2/sandboxes"):
+        r = httpx.get(pd_up.ports_url + path, headers={"Authorization": f"Bearer {pd_up.api_key}"}, timeout=30)
+        assert r.status_code == 404 and _code(r) == "not_found", path
+
+
+def test_origin_wide_headers_of_a_sandbox_are_policed(py: Sandbox) -> None:
+    url = py.get_url(8080, path="/hostile")
+    prefix = f"/ports/{py.id}/8080"
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 200 and r.text == "ok"
+    cookies = r.headers.get_list("set-cookie")
+    ours = [c for c in cookies if c.startswith("pilldrops_port=") and f"Path={prefix}/" in c]
+    theirs = [c for c in cookies if c not in ours]
+    assert len(ours) == 1 and "HttpOnly" in ours[0]           # the gateway's cookie from the token, only
+    assert theirs == [f"mine=1; Path={prefix}/", "plain=2"]   # moved under the prefix, Domain dropped
+    assert "service-worker-allowed" not in r.headers and "clear-site-data" not in r.headers

@@ -52,3 +52,25 @@ def test_up_refuses_a_busy_port_before_building_anything(tmp_path: Path) -> None
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert f"port {port} on 127.0.0.1 is already in use" in res.stderr
     assert not (tmp_path / "d" / "templates").exists()
+
+
+def test_up_and_serve_refuse_a_busy_or_shared_ports_port(tmp_path: Path) -> None:
+    """The port-URL listener's port is checked with the others, before anything is built."""
+    with socket.socket() as s, socket.socket() as free:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()
+        for cmd in (["up", "--templates", "tiny"], ["serve"]):
+            res = subprocess.run([sys.executable, "-m", "pilldrops", *cmd, "--port", str(port), "--ports-port",
+                                  str(busy), "--data-dir", str(tmp_path / cmd[0])], capture_output=True, text=True,
+                                 timeout=60, check=False)
+            assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+            assert f"port {busy} on 127.0.0.1 is already in use" in res.stderr and "--ports-port" in res.stderr
+        res = subprocess.run([sys.executable, "-m", "pilldrops", "serve", "--port", str(port), "--ports-port",
+                              str(port), "--data-dir", str(tmp_path / "same")], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert res.returncode == 1 and "--ports-port" in res.stderr and "same port as --port" in res.stderr
+    assert not (tmp_path / "up" / "templates").exists()

@@ -10,10 +10,10 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import anyio
 import uvicorn
-from fastapi import FastAPI
 
 
 class PortInUse(RuntimeError):
@@ -71,7 +71,7 @@ def release_data_dir(fd: int) -> None:
 
 
 class Served:
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5, backlog=4096)
         self.server = uvicorn.Server(config)

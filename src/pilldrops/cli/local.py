@@ -58,7 +58,14 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
         click.option("--public-host", default=None, envvar="PILLDROPS_PUBLIC_HOST", metavar="[SCHEME://]DOMAIN[:PORT]",
                      help="wildcard domain routed to this control plane: port URLs become "
-                          "{port}-{id}.DOMAIN (host-based) instead of /ports/{id}/{port}/ on the API's address"),
+                          "{port}-{id}.DOMAIN (host-based: an origin per sandbox port) instead of /ports/{id}/{port}/ on "
+                          "the port-URL listener"),
+        click.option("--ports-port", type=int, default=None, metavar="PORT",
+                     help="port of the port-URL listener, which serves sandbox ports (/ports/{id}/{port}/) on an "
+                          "origin of their own, never the API's and dashboard's [default: --port + 2; 0: any free]"),
+        click.option("--ports-url", default=None, envvar="PILLDROPS_PORTS_URL", metavar="URL",
+                     help="public address of the port-URL listener when a proxy is in front of it "
+                          "(e.g. https://sandboxes.example.com) [default: the API's host on --ports-port]"),
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
@@ -85,7 +92,7 @@ def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
             "default_isolation": kw.pop("default_isolation"), "default_disk_mb": kw.pop("default_disk_mb"),
             "max_disk_mb": kw.pop("max_disk_mb"), "public_host": kw.pop("public_host"),
-            "egress": _egress(kw)}
+            "ports_url": kw.pop("ports_url"), "egress": _egress(kw)}
 
 
 def _egress(kw: dict[str, Any]) -> Any:
@@ -131,6 +138,11 @@ def _claim(data_dir: Path, roles: tuple[str, ...], ports: list[tuple[str, int, s
     """Before any slow set-up: the data dir is ours (one control plane and one node agent per data dir) and
     the ports are free; either failing is one clear line, not a traceback minutes later."""
     from pilldrops._internal.serving import DataDirInUse, PortInUse, check_port, lock_data_dir
+    taken: dict[int, str] = {}
+    for _, port, option in ports:
+        if port and port in taken:
+            raise click.ClickException(f"{option} {port} is the same port as {taken[port]}: choose another")
+        taken[port] = option
     try:
         for role in roles:
             _HELD.append(lock_data_dir(data_dir, role))
@@ -256,20 +268,30 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
 
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
+    ports_port = billing.pop("ports_port")
+    ports_port = port + 2 if ports_port is None else ports_port
     _claim(data_dir, ("control-plane", "node"),
-           [(host, port, "--port"), (host, node_port or port + 1, "--node-port")])
+           [(host, port, "--port"), (host, node_port or port + 1, "--node-port"), (host, ports_port, "--ports-port")])
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
     liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
                     max_context_bytes=template_context_max_mb << 20)
     cpu, mem = default_capacity()
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
+    anyio.run(_up, host, (port, node_port or port + 1, ports_port), data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
               liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
 
 
-async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
+def _serve_ports(cp: Any, host: str, ports_port: int) -> Any:
+    """The port-URL listener (bound now), and the URL service told the port it got."""
+    from pilldrops._internal.serving import Served
+    served = Served(cp.ports_app, host, ports_port)
+    cp.services.urls.ports_port = served.port
+    return served
+
+
+async def _up(host: str, ports: tuple[int, int, int], data_dir: Path, keep: bool, node_name: str | None,
               billing: Any, liveness: dict[str, Any], capacity: tuple[float, int],
               templates_dirs: tuple[Path, ...]) -> None:
     import anyio
@@ -280,6 +302,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
     from pilldrops.server.main import build_control_plane
     from pilldrops.server.store.sql import sqlite_url
 
+    port, node_port, ports_port = ports
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
@@ -288,9 +311,11 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
                                node_token=token, keep_on_exit=keep, default_disk_mb=liveness["default_disk_mb"],
                                max_disk_mb=liveness["max_disk_mb"]), data_dir, templates_dirs)
     cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
+    ports_served = _serve_ports(cp, host, ports_port)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp_served.serve)
+            tg.start_soon(ports_served.serve)
             tg.start_soon(cp.run)
             tg.start_soon(node_served.serve)
             await tg.start(node.agent.run)
@@ -304,15 +329,22 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
                              f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
             _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
                              f"{_config_path()})")
+            _print_ports(cp, api_url)
             await wait_for_signal()
             await node.aclose()
             node_served.stop()
+            ports_served.stop()
             cp_served.stop()
             await anyio.sleep(0.2)
             tg.cancel_scope.cancel()
     finally:
         await cp.aclose()
     _console().print("stopped" + (" (sandboxes kept running)" if keep else ""))
+
+
+def _print_ports(cp: Any, api_url: str) -> None:
+    _console().print(f"  sandbox ports by URL: [bold]{cp.services.urls.ports_base(api_url)}/ports/…[/] "
+                     f"(an origin of their own)")
 
 
 # ---- serve ------------------------------------------------------------------------------------------
@@ -348,16 +380,18 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     import anyio
     _logging(verbose)
-    _claim(data_dir, ("control-plane",), [(host, port, "--port")])
+    ports_port = billing.pop("ports_port")
+    ports_port = port + 2 if ports_port is None else ports_port
+    _claim(data_dir, ("control-plane",), [(host, port, "--port"), (host, ports_port, "--ports-port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
     liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
                     max_context_bytes=template_context_max_mb << 20)
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
-              liveness)
+    anyio.run(_serve, host, (port, ports_port), db, token, data_dir, node_token is None,
+              _billing(billing, free_credits), liveness)
 
 
-async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Path, show_token: bool,
+async def _serve(host: str, ports: tuple[int, int], db: str | None, token: str, data_dir: Path, show_token: bool,
                  billing: Any, liveness: dict[str, Any]) -> None:
     import anyio
 
@@ -367,7 +401,9 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
 
     data_dir.mkdir(parents=True, exist_ok=True)
     cp = await build_control_plane(db or sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
+    port, ports_port = ports
     served = Served(cp.app, host, port)
+    ports_served = _serve_ports(cp, host, ports_port)
     api_url = f"http://{host}:{port}"
     try:
         await _bootstrap_key(cp, api_url)
@@ -375,10 +411,13 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
             _console().print(f"node token (kept in {data_dir / 'node_token'}):")
             click.echo(f"export PILLDROPS_NODE_TOKEN={token}")
         _console().print(f"[green]✓[/] control plane at [bold]{api_url}[/]")
+        _print_ports(cp, api_url)
         async with anyio.create_task_group() as tg:
             tg.start_soon(served.serve)
+            tg.start_soon(ports_served.serve)
             tg.start_soon(cp.run)
             await wait_for_signal()
+            ports_served.stop()
             served.stop()
             await anyio.sleep(0.2)
             tg.cancel_scope.cancel()

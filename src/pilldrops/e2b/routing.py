@@ -2,7 +2,8 @@
 
 1. ``E2b-Sandbox-Id`` present: sandbox traffic for that id, on port ``E2b-Sandbox-Port`` (default 49983);
 2. else a Host of the form ``{port}-{sandboxID}.{domain}``;
-3. else a path ``/ports/{id}/{port}/...``: a port URL of our own (``server.ports.gateway``);
+3. else a path ``/ports/{id}/{port}/...``: a port URL of our own, sent to the wrong origin: refused with
+   ``port_url_misdirected`` naming the port-URL listener's URL (``server.ports.listener`` serves it);
 4. else it is ours: E2B's REST paths (``/sandboxes``, ``/v2/sandboxes``) go to ``rest``, the rest to our app.
 
 Sandbox traffic is sent on by port: 49983 to envd (``pilldrops.e2b.envd``) and 49999 to the code
@@ -10,6 +11,10 @@ interpreter, both resolved to a running sandbox (``context.SandboxRef``); any ot
 gateway, the one path of every user port (token or public port checked there, then the node's port
 tunnel). An unknown, ended or paused sandbox is E2B's 502 "The sandbox was not found", which the SDKs
 turn into ``SandboxNotRunningException`` / ``is_running() == False``.
+
+Neither sandbox form serves a sandbox's page in the API's (and dashboard's) origin: a browser cannot put
+``E2b-Sandbox-*`` headers on a navigation, nor on a cross-origin request without a CORS preflight that
+this server never grants; and the host form is the origin of the host ``{port}-{id}.{domain}``.
 
 A pure ASGI middleware: nothing is buffered, so streamed answers (Connect streams, NDJSON) stay streamed.
 """
@@ -113,7 +118,7 @@ class E2BRouting:
         target = sandbox_target(_headers(scope))
         if target is None:
             if self.ports.matches(scope.get("path", "")):
-                await self.ports.handle_path(scope, receive, send)
+                await self.ports.misdirected(scope, receive, send)
             elif scope["type"] == "http" and is_rest_path(scope.get("path", "")):
                 await self.rest(scope, receive, send)
             else:

@@ -535,7 +535,7 @@ class FakeControlPlane:
         public = sb.info.public or req.port in sb.info.public_ports
         expires = None if public else self._now + timedelta(seconds=req.expires_in)
         token = "" if public else f"{'&' if '?' in req.path else '?'}pd_token=v1.fake{secrets.token_hex(8)}"
-        base = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        base = f"{request.url.scheme}://{request.url.host}:{(request.url.port or 80) + 2}"   # the ports listener
         out = PortURL(url=f"{base}/ports/{sb.info.id}/{req.port}{req.path}{token}", port=req.port,
                       expires_at=expires, public=public)
         return httpx.Response(201, json=out.model_dump(mode="json"))

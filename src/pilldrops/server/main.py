@@ -9,12 +9,15 @@ from pathlib import Path
 import anyio
 import httpx
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from pilldrops._internal.clock import Clock
 from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_ISOLATION, DEFAULT_MAX_DISK_MB, EndReason
 from pilldrops.server.api.app import Services, create_app
 from pilldrops.server.artifacts import BlobStore
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.ports.gateway import PortGateway
+from pilldrops.server.ports.listener import PortsApp
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
 from pilldrops.server.service.egress import EgressSettings
@@ -35,6 +38,7 @@ class ControlPlane:
     services: Services
     store: Store
     node_client: NodeClient
+    ports_app: ASGIApp          # the port-URL listener's app (its own port: its own origin)
 
     paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S
 
@@ -81,7 +85,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               template_store: Path | None = None,
                               max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
                               default_disk_mb: int = DEFAULT_DISK_MB, max_disk_mb: int = DEFAULT_MAX_DISK_MB,
-                              public_host: str | None = None,
+                              public_host: str | None = None, ports_port: int | None = None,
+                              ports_url: str | None = None,
                               egress: EgressSettings | None = None) -> ControlPlane:
     """``template_store``: the directory of the template store's layers (issue 19); None: no store (only
     templates the nodes build themselves)."""
@@ -100,9 +105,10 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                                           unreachable_after=unreachable_after, lost_after=lost_after,
                                           pools=pools),
                         billing=billing_service, pools=pools,
-                        urls=URLService(store, clock, public_host))
+                        urls=URLService(store, clock, public_host, ports_port=ports_port, ports_url=ports_url))
     if template_store is not None:
         services.templates = TemplateService(store, BlobStore(template_store), node_client, clock,
                                              max_context_bytes=max_context_bytes)
         sandboxes.ctx.templates = services.templates
-    return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)
+    ports_app = PortsApp(PortGateway(sandboxes, services.urls))    # type: ignore[arg-type]
+    return ControlPlane(create_app(services), services, store, node_client, ports_app, paused_retention_s)

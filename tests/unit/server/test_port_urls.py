@@ -13,7 +13,7 @@ import pytest
 
 from pilldrops import errors
 from pilldrops._internal.clock import FakeClock
-from pilldrops.server.ports import gateway, signing
+from pilldrops.server.ports import content, gateway, signing
 from pilldrops.server.service.urls import URLService
 from pilldrops.server.store.sql import Store
 from tests.stack import stack
@@ -82,6 +82,31 @@ def test_query_and_cookie_stripping() -> None:
                    (b"x-forwarded-host", b"h:1"), (b"x-forwarded-prefix", b"/ports/sb_a/1")]
 
 
+def test_answer_headers_with_origin_wide_powers_are_policed() -> None:
+    prefix = "/ports/sb_a/8080"
+    hs = [(b"Set-Cookie", b"s=1; Path=/; Domain=127.0.0.1; HttpOnly"), (b"set-cookie", b"t=2"),
+          (b"set-cookie", b"u=3; path=/ports/sb_a/8080/x"), (b"set-cookie", b"v=4; Path=/ports/sb_b/8080/"),
+          (b"set-cookie", b"pilldrops_port=v1.forged; Path=/ports/sb_b/8080/"), (b"set-cookie", b"__Host-w=5; Path=/"),
+          (b"Service-Worker-Allowed", b"/"), (b"clear-site-data", b'"*"'), (b"content-type", b"text/html")]
+    assert content.police(hs, prefix, gateway.COOKIE) == [
+        (b"Set-Cookie", b"s=1; Path=/ports/sb_a/8080/; HttpOnly"), (b"set-cookie", b"t=2"),
+        (b"set-cookie", b"u=3; Path=/ports/sb_a/8080/x"), (b"set-cookie", b"v=4; Path=/ports/sb_a/8080/ports/sb_b/8080/"),
+        (b"content-type", b"text/html")]
+    # host form (an origin per sandbox port): only the parent-domain cookies and our own name go
+    assert content.police(hs[:1] + hs[4:6], "", gateway.COOKIE) == [
+        (b"Set-Cookie", b"s=1; Path=/; HttpOnly"), (b"set-cookie", b"__Host-w=5; Path=/")]
+
+
+def test_ports_base() -> None:
+    urls = URLService(None, FakeClock(datetime.now(UTC)))   # type: ignore[arg-type]
+    assert urls.ports_base("http://127.0.0.1:7070/") == "http://127.0.0.1:7072"
+    assert urls.ports_base("https://cp.example/") == "https://cp.example:445"
+    urls.ports_port = 9000
+    assert urls.ports_base("http://[::1]:7070/") == "http://[::1]:9000"
+    assert URLService(None, FakeClock(datetime.now(UTC)), ports_url="https://sbx.example/"  # type: ignore[arg-type]
+                      ).ports_base("http://127.0.0.1:7070/") == "https://sbx.example"
+
+
 @pytest.mark.anyio
 async def test_secret_is_shared_through_the_store(tmp_path, store_url) -> None:
     clock = FakeClock(datetime.fromtimestamp(NOW, UTC))
@@ -105,20 +130,31 @@ def anyio_backend() -> str:
 
 @pytest.mark.anyio
 async def test_url_endpoint_and_access(tmp_path, store_url) -> None:
-    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
-        sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "public_ports": [9000, 9000, 80]})).json()
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as api, st.ports_client() as c:
+        sb = (await api.post("/v1/sandboxes", json={"template": "tiny", "public_ports": [9000, 9000, 80]})).json()
         assert sb["public_ports"] == [80, 9000] and sb["public"] is False
-        r = await c.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 8080, "expires_in": 60, "path": "/a?b=1"})
+        r = await api.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 8080, "expires_in": 60, "path": "/a?b=1"})
         assert r.status_code == 201, r.text
         out = r.json()
-        assert out["url"].startswith(f"http://cp/ports/{sb['id']}/8080/a?b=1&pd_token=v1.")
+        # the port-URL listener's origin (API port 80 + 2), never the API's and dashboard's
+        assert out["url"].startswith(f"http://cp:82/ports/{sb['id']}/8080/a?b=1&pd_token=v1.")
         assert out["public"] is False and out["expires_at"]
-        pub = (await c.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 9000})).json()
-        assert pub == {"url": f"http://cp/ports/{sb['id']}/9000/", "port": 9000, "expires_at": None, "public": True}
+        pub = (await api.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 9000})).json()
+        assert pub == {"url": f"http://cp:82/ports/{sb['id']}/9000/", "port": 9000, "expires_at": None,
+                       "public": True}
         for bad in ({"port": 0}, {"port": 70000}, {"port": 1, "expires_in": 10**9}, {"port": 1, "path": "nope"}):
-            r = await c.post(f"/v1/sandboxes/{sb['id']}/urls", json=bad)
+            r = await api.post(f"/v1/sandboxes/{sb['id']}/urls", json=bad)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", bad
-        assert (await c.post("/v1/sandboxes/sb_nosuch/urls", json={"port": 1})).status_code == 404
+        assert (await api.post("/v1/sandboxes/sb_nosuch/urls", json={"port": 1})).status_code == 404
+        # the API's listener refuses port URLs, naming the right one (without the query: no token echoed)
+        r = await api.get(f"/ports/{sb['id']}/8080/a", params={"pd_token": "x"})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "port_url_misdirected"
+        assert r.json()["error"]["details"]["url"] == f"http://cp:82/ports/{sb['id']}/8080/a"
+        # and the port-URL listener serves no API and no dashboard
+        for path in ("/", "/v1/sandboxes", "/dashboard/app.js", "/sandboxes"):
+            r = await c.get(path, headers={"Authorization": f"Bearer {st.key}"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
+        assert (await c.get("/healthz")).json() == {"ok": True}
         other = await st.new_team_key("other")
         async with st.client(key=other) as o:          # another team's sandbox: not found
             assert (await o.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 1})).status_code == 404
@@ -126,27 +162,32 @@ async def test_url_endpoint_and_access(tmp_path, store_url) -> None:
         bare = f"/ports/{sb['id']}/8080/a"
         r = await c.get(bare)
         assert r.status_code == 401 and r.json()["error"]["code"] == "url_token_required"
+        assert r.headers["x-content-type-options"] == "nosniff" and r.headers["cache-control"] == "no-store"
         r = await c.get("/ports/sb_nosuch/8080/")                         # unknown: same answer, no oracle
         assert r.status_code == 401 and r.json()["error"]["code"] == "url_token_required"
         assert (await c.get("/ports/nope")).status_code == 404
         assert (await c.get(f"/ports/{sb['id']}/99999/")).status_code == 404
         token = out["url"].split("pd_token=")[1]
-        await c.delete(f"/v1/sandboxes/{sb['id']}")
+        await api.delete(f"/v1/sandboxes/{sb['id']}")
         r = await c.get(bare, params={"pd_token": token})
         assert r.status_code == 404 and r.json()["error"]["code"] == "sandbox_not_found"
         assert r.json()["error"]["details"]["end_reason"] == "killed"
-        r = await c.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 8080})
+        r = await api.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 8080})
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
 
 
 @pytest.mark.anyio
 async def test_paused_sandbox_is_409_and_public_host_form(tmp_path) -> None:
-    async with stack(tmp_path, public_host="https://sb.example.test") as st, st.client() as c:
+    async with stack(tmp_path, public_host="https://sb.example.test") as st, st.client() as c, \
+            st.ports_client() as ports:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "public": True})).json()
         out = (await c.post(f"/v1/sandboxes/{sb['id']}/urls", json={"port": 3000})).json()
         assert out["url"] == f"https://3000-{sb['id'].replace('_', '')}.sb.example.test/" and out["public"]
         assert (await c.post(f"/v1/sandboxes/{sb['id']}/pause")).status_code == 200
-        r = await c.get(f"/ports/{sb['id']}/3000/")
+        r = await ports.get(f"/ports/{sb['id']}/3000/")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
+        # the host form on the port-URL listener: the same gateway, our own error bodies
+        r = await ports.get("/", headers={"Host": f"3000-{sb['id'].replace('_', '')}.sb.example.test"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "invalid_state"
         r = await c.get("/", headers={"Host": f"3000-{sb['id'].replace('_', '')}.sb.example.test"})
         assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"   # E2B's answer

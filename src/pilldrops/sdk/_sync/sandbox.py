@@ -429,7 +429,8 @@ class Sandbox:
 
     def get_url(self, port: int, *, expires_in: int = DEFAULT_URL_EXPIRES_S, path: str = "/") -> str:
         """A URL that reaches ``port`` inside the sandbox (a server listening there, on its own loopback),
-        HTTP and WebSocket (``ws://`` / ``wss://`` with the same address), through the control plane.
+        HTTP and WebSocket (``ws://`` / ``wss://`` with the same address), through the control plane's
+        port-URL listener (an origin of its own, not the API's and dashboard's: by default the API's port + 2).
 
         It carries a signed token valid for ``expires_in`` seconds (default 3600, at most 7 days) for this
         sandbox and port only, so it can be pasted into a browser: the first request leaves a cookie for
@@ -440,7 +441,7 @@ class Sandbox:
         Example::
 
             sb.run("setsid -f busybox httpd -p 8080 -h /srv")
-            url = sb.get_url(8080)        # http://host:7070/ports/sb_.../8080/?pd_token=...
+            url = sb.get_url(8080)        # http://host:7072/ports/sb_.../8080/?pd_token=...
         """
         return (self.get_url_info(port, expires_in=expires_in, path=path)).url
 

@@ -15,8 +15,11 @@ from pilldrops import errors
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# no window of another origin (a sandbox's page, served on the port-URL listener's origin) keeps a handle
+# on the dashboard's (COOP), nor embeds its files (CORP)
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-           "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+           "X-Frame-Options": "DENY", "Cache-Control": "no-cache", "Cross-Origin-Opener-Policy": "same-origin",
+           "Cross-Origin-Resource-Policy": "same-origin"}
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
 

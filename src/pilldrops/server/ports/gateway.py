@@ -2,15 +2,18 @@
 a signed token, a cookie left by one, or a public port), strip what is PillDrops' own (the token, its
 cookie, our auth headers), then relay it (``relay``) to the sandbox's node. Two ways in, one path:
 
-- ``/ports/{sandbox_id}/{port}/...`` on the control plane's port (``handle_path``): the sandbox's server
-  sees ``/...`` and ``X-Forwarded-Prefix: /ports/{id}/{port}``;
+- ``/ports/{sandbox_id}/{port}/...`` on the control plane's port-URL listener, an origin of its own
+  (``listener``, ``handle_path``): the sandbox's server sees ``/...`` and ``X-Forwarded-Prefix:
+  /ports/{id}/{port}``. The API's own listener (the dashboard's origin) refuses that path with
+  ``port_url_misdirected`` naming the right URL (``misdirected``);
 - ``Host: {port}-{id}.{domain}`` and E2B's ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers (the E2B router
   calls ``serve`` with ``e2b=True``: the same checks, E2B's error bodies).
 
 Browsers: a valid token in the query string sets an HttpOnly, SameSite=Lax cookie for that sandbox and
 port only (``Path=/ports/{id}/{port}/``, or the whole host in the host form), so relative links, scripts,
 images and WebSockets of the page work without the token; a top-level navigation carrying the token is
-answered with a redirect to the same URL without it (the token leaves the address bar and history).
+answered with a redirect to the same URL without it (the token leaves the address bar and history). A
+sandbox's answer loses the headers with origin-wide powers (``content.police``).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from starlette.requests import HTTPConnection
 from starlette.types import Receive, Scope, Send
 
 from pilldrops import errors
 from pilldrops._internal.ids import new_id
-from pilldrops.server.ports import relay
+from pilldrops.server.ports import content, relay
 from pilldrops.server.service.urls import PATH_PREFIX, TOKEN_PARAM, URLService, host_id
 
 if TYPE_CHECKING:
@@ -112,7 +116,8 @@ async def send_error(scope: Scope, send: Send, exc: errors.PillDropsError, body:
     server supports it (else a close with code 1008 / 1011 and the message)."""
     payload = json.dumps(body if body is not None else error_body(exc)).encode()
     status = status or exc.status or 500
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+            *content.OWN_HEADERS]
     if scope["type"] == "websocket":
         if "websocket.http.response" in (scope.get("extensions") or {}):
             await send({"type": "websocket.http.response.start", "status": status, "headers": head})
@@ -134,6 +139,19 @@ class PortGateway:
     def matches(path: str) -> bool:
         return path.startswith(PATH_PREFIX)
 
+    async def misdirected(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``/ports/...`` on the API's listener: refused (a sandbox's page must never run in the API's and
+        dashboard's origin), naming the same URL on the port-URL listener (without its query: no token is
+        echoed)."""
+        api_base = str(HTTPConnection(scope).base_url)
+        raw = scope.get("raw_path")
+        url = self.urls.ports_base(api_base) + (raw.decode("latin-1") if raw else scope.get("path", ""))
+        if scope["type"] == "websocket":
+            await receive()
+        await send_error(scope, send, errors.PortURLMisdirected(
+            f"port URLs are served on their own origin, not the API's: {url} (add the query; or get a new "
+            f"URL with sb.get_url(port))", details={"url": url}))
+
     async def handle_path(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``/ports/{sandbox_id}/{port}/...``."""
         m = _PATH_RE.match(scope.get("path", ""))
@@ -149,7 +167,8 @@ class PortGateway:
             qs = scope.get("query_string", b"")
             location = prefix + "/" + ("?" + qs.decode("latin-1") if qs else "")
             await send({"type": "http.response.start", "status": 308,
-                        "headers": [(b"location", location.encode("latin-1")), (b"content-length", b"0")]})
+                        "headers": [(b"location", location.encode("latin-1")), (b"content-length", b"0"),
+                                    *content.OWN_HEADERS]})
             await send({"type": "http.response.body", "body": b""})
             return
         await self.serve(sandbox_id, port, scope, receive, send, prefix=prefix)
@@ -183,8 +202,7 @@ class PortGateway:
                 location = (prefix.encode() + path) if prefix else path
                 await send({"type": "http.response.start", "status": 303,
                             "headers": [(b"location", location), (b"content-length", b"0"),
-                                        (b"cache-control", b"no-store"), (b"referrer-policy", b"no-referrer"),
-                                        *answer]})
+                                        *content.OWN_HEADERS, *answer]})
                 await send({"type": "http.response.body", "body": b""})
                 return
         up = relay.Upstream(node.url, row.id, row.access_token, self.sandboxes.nodes.http.headers.get("authorization"))
@@ -195,7 +213,7 @@ class PortGateway:
                                             answer_headers=answer)
             else:
                 await relay.relay_http(up, port, scope, receive, send, path=path, headers=fwd,
-                                       answer_headers=answer)
+                                       answer_headers=answer, police=lambda hs: content.police(hs, prefix, COOKIE))
         except relay.PortClosed:
             await self._refuse(scope, send, errors.PortNotOpen(
                 f"the sandbox is running but nothing listens on port {port}",

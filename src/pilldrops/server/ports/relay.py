@@ -17,7 +17,7 @@ Failures before an answer started raise (``PortClosed``, ``SandboxGone``, ``erro
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -192,10 +192,12 @@ async def _request_body(receive: Receive) -> AsyncIterator[bytes]:
 
 async def relay_http(up: Upstream, port: int, scope: Scope, receive: Receive, send: Send, *, path: bytes,
                      headers: list[tuple[bytes, bytes]], answer_headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
-                     head_timeout: float | None = HEAD_TIMEOUT_S, idle_timeout: float | None = IDLE_TIMEOUT_S
+                     head_timeout: float | None = HEAD_TIMEOUT_S, idle_timeout: float | None = IDLE_TIMEOUT_S,
+                     police: Callable[[list[tuple[bytes, bytes]]], list[tuple[bytes, bytes]]] | None = None,
                      ) -> None:
     """Relay one HTTP request (any method, streamed both ways) to ``port`` as ``path`` with ``headers``
-    (already filtered by the caller); ``answer_headers`` are added to the answer."""
+    (already filtered by the caller); the answer's headers pass ``police`` (if given), then
+    ``answer_headers`` are added."""
     async with open_tunnel(up, port) as tunnel:
         hs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         length = int(hs["content-length"]) if hs.get("content-length", "").isdigit() else None
@@ -203,6 +205,8 @@ async def relay_http(up: Upstream, port: int, scope: Scope, receive: Receive, se
             tunnel, port, scope["method"], path, headers, _request_body(receive), length=length,
             chunked=length is None and "transfer-encoding" in hs, head_timeout=head_timeout,
             idle_timeout=idle_timeout)
+        if police is not None:
+            out = police(out)
         await send({"type": "http.response.start", "status": status, "headers": [*out, *answer_headers]})
         async for chunk in body:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})

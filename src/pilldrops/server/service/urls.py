@@ -1,9 +1,11 @@
 """Ports by URL (issue 14): signed, expiring URLs to a port inside a sandbox, and the access decision for
 every request that arrives on one.
 
-A URL is ``{api}/ports/{sandbox_id}/{port}{path}?pd_token=...`` on the control plane's own port, or, when
-the operator configured a wildcard host (``--public-host``), ``{scheme}://{port}-{id}.{public_host}{path}?
-pd_token=...``. The token (``server.ports.signing``) is made with the deployment's secret, kept in the
+A URL is ``{ports}/ports/{sandbox_id}/{port}{path}?pd_token=...``, where ``{ports}`` is the control
+plane's port-URL listener: an origin of its own, never the API's and dashboard's (``ports_base``: the
+configured ``--ports-url``, else the API's address as the caller reached it with the listener's port), or,
+when the operator configured a wildcard host (``--public-host``), ``{scheme}://{port}-{id}.{public_host}
+{path}?pd_token=...`` (an origin per sandbox port). The token (``server.ports.signing``) is made with the deployment's secret, kept in the
 store so that every control-plane process of a fleet signs and verifies alike. A sandbox's public ports
 (``public_ports`` / ``public`` at create) are served without one.
 """
@@ -34,16 +36,42 @@ def host_id(sandbox_id: str) -> str:
     return sandbox_id.replace("_", "", 1) if sandbox_id.startswith("sb_") else sandbox_id
 
 
+def from_host_id(label: str) -> str:
+    """The inverse of ``host_id`` (either form in, the PillDrops id out)."""
+    return label if label.startswith("sb_") or not label.startswith("sb") else "sb_" + label[2:]
+
+
+def with_port(base_url: str, port: int) -> str:
+    """``base_url``'s scheme and host name with another port (``http://h:7070/`` -> ``http://h:7072``)."""
+    u = urlsplit(base_url)
+    host = u.hostname or "127.0.0.1"
+    return f"{u.scheme or 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def is_public(row: SandboxRecord, port: int) -> bool:
     return bool(row.public) or port in (row.public_ports or [])
 
 
 class URLService:
-    def __init__(self, store: Store, clock: Clock, public_host: str | None = None) -> None:
+    def __init__(self, store: Store, clock: Clock, public_host: str | None = None, *,
+                 ports_port: int | None = None, ports_url: str | None = None) -> None:
         self.store = store
         self.clock = clock
         self.public_host = public_host.rstrip("/") if public_host else None
+        self.ports_port = ports_port        # the port-URL listener's port (None: the API's port + 2)
+        self.ports_url = ports_url.rstrip("/") if ports_url else None    # its public address, when proxied
         self._secret: bytes | None = None
+
+    def ports_base(self, api_base: str) -> str:
+        """Where path-form URLs are served, for a caller who reached the API at ``api_base``: the
+        configured ``ports_url``, else the same scheme and host name on the listener's own port."""
+        if self.ports_url:
+            return self.ports_url
+        port = self.ports_port
+        if port is None:
+            u = urlsplit(api_base)
+            port = (u.port or (443 if u.scheme == "https" else 80)) + 2
+        return with_port(api_base, port)
 
     async def secret(self) -> bytes:
         if self._secret is None:
@@ -71,7 +99,7 @@ class URLService:
             host = self.public_host.split("://", 1)[-1]
             url = f"{scheme}://{req.port}-{host_id(row.id)}.{host}{path}{qs}"
         else:
-            url = f"{base_url.rstrip('/')}{PATH_PREFIX}{row.id}/{req.port}{path}{qs}"
+            url = f"{self.ports_base(base_url)}{PATH_PREFIX}{row.id}/{req.port}{path}{qs}"
         return PortURL(url=url, port=req.port, public=public,
                        expires_at=datetime.fromtimestamp(expires_at, UTC) if expires_at is not None else None)
 
