@@ -102,7 +102,7 @@ class Deployment:
         if form == "up":
             self.node_data = root / "data"
             seed_templates(self.node_data, [template]) if template != "tiny" else None
-            self.roles["up"] = Role("up", ["up", "--port", str(port), "--node-port", str(node_port), "--data-dir",
+            self.roles["up"] = Role("up", ["up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0", "--data-dir",
                                            str(self.node_data), "--templates", template, "--node-name", NODE_NAME,
                                            "--unlimited-credits", *hb, *(extra or [])],
                                     root / "up.log", self.env, "is up at")
@@ -111,7 +111,7 @@ class Deployment:
             self.key = json.loads((root / "config" / "pilldrops" / "config.json").read_text())["api_key"]
         else:
             self.node_data = root / "node"
-            args = ["serve", "--port", str(port), "--data-dir", str(root / "cp"), "--unlimited-credits", *hb]
+            args = ["serve", "--port", str(port), "--ports-port", "0", "--data-dir", str(root / "cp"), "--unlimited-credits", *hb]
             self.roles["cp"] = Role("cp", args + (["--db", db] if db else []), root / "serve.log", self.env,
                                     "control plane at")
             out = self.roles["cp"].start()

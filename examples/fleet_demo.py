@@ -61,7 +61,7 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     try:
-        serve_args = ["serve", "--port", str(port), "--data-dir", str(root / "cp"), "--unlimited-credits"]
+        serve_args = ["serve", "--port", str(port), "--ports-port", "0", "--data-dir", str(root / "cp"), "--unlimited-credits"]
         cp, out = start(serve_args + (["--db", args.db] if args.db else []), root / "serve.log", env,
                         "control plane at")
         procs.append(cp)

@@ -69,7 +69,7 @@ def start_up(data_dir: Path, config_home: Path, log: Path, name: str = NAME, *ex
     port, node_port = free_port(), free_port()
     mark = len(log.read_text()) if log.exists() else 0
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port),
+        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
          "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", name,
          "--capacity-memory-mb", str(CAPACITY_MEMORY_MB), *extra],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -177,7 +177,7 @@ class Server:
         port = int(self.api_url.rsplit(":", 1)[1])
         mark = len(self.log.read_text()) if self.log.exists() else 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(port + 1),
+            [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(port + 1), "--ports-port", "0",
              "--data-dir", str(self.data_dir), "--templates", "tiny", "--node-name", NAME, *extra],
             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env())
         deadline = time.monotonic() + 120
