@@ -360,3 +360,25 @@ async def test_a_create_answer_that_reaches_a_busy_control_plane_late_bills_from
         await anyio.sleep(0.3)
         done = (await c.delete(f"/v1/sandboxes/{sb['id']}")).json()
         assert done["vcpu_s"] >= 1.7, done               # 1.5 s late + 0.3 s: all of it billed
+
+
+async def test_a_heartbeat_racing_the_create_answer_never_kills_the_sandbox(tmp_path, store_url) -> None:
+    """The node reports the sandbox running (a heartbeat) before its answer to the create reaches the control
+    plane: the create still succeeds and the sandbox keeps running (it was once killed as 'killed while
+    starting')."""
+    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+        sbx = st.cp.services.sandboxes
+        real = sbx.ctx.nodes.create
+
+        async def create_then_heartbeat(url: str, spec: Any) -> Any:
+            status = await real(url, spec)
+            row = await sbx.ctx.store.get_sandbox(spec.id)
+            await sbx.reconciler.apply_node_status(row.node_id, status)   # the report wins the race
+            return status
+
+        sbx.ctx.nodes.create = create_then_heartbeat
+        r = await c.post("/v1/sandboxes", json={"template": "tiny"})
+        assert r.status_code == 201 and r.json()["state"] == "running", r.text
+        sid = r.json()["id"]
+        await anyio.sleep(0.5)
+        assert await _state(c, sid) == "running" and sid in await st.runtime.list_ids()

@@ -192,6 +192,9 @@ class Lifecycle:
                 updated = row
         finally:
             ctx.creating.discard(row.id)
+        if updated is None and (now := await ctx.store.get_sandbox(row.id)) is not None \
+                and now.state == S.running.value and now.node_id == node.id:
+            updated = now      # a node report recorded its start first (it runs): the create succeeded
         if updated is None:
             # killed while it was starting: the node did not know it yet, so stop it there now
             with anyio.CancelScope(shield=True):

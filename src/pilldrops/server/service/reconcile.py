@@ -88,6 +88,8 @@ class Reconciler:
                 # it: the node's report of the end is the last word on it
                 ctx.last_usage.pop(st.id, None)
             return                           # ended rows stay as recorded; see stop_orphans
+        if row.state == S.starting.value and row.id in ctx.creating:
+            return     # this process is creating it and will record its start from the node's answer
         if row.state == S.starting.value and st.state == S.running:
             # the control plane died (or timed out) while the node was creating it: it runs, so it is
             # running since the node says, and billed from then. Now minus its running seconds is late by
