@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from pilldrops.node.isolation.execproc import PipeExec
+from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.superexec import SupervisorExec
 from pilldrops.node.runtime.base import SandboxSpec
 from pilldrops.node.runtime.crun import CrunRuntime
@@ -236,6 +237,7 @@ async def test_readoption_fallback_and_symlink(runtime, box, tiny, data_dir, ini
     rt2 = CrunRuntime(data_dir / "state", name=runtime.instance_name, init_path=init_path)
     assert await run(rt2, h, ["echo", "again"]) == (0, "again\n", "")
     sock = Path(h.bundle) / "pd" / "ctl"
+    unlock_dir(sock.parent)     # immutable once the socket is bound: here the host plays a sandbox that got in
     # a symlink planted where the socket was is never followed: the agent falls back to crun exec
     moved = sock.with_name("ctl.real")
     sock.rename(moved)
@@ -247,5 +249,28 @@ async def test_readoption_fallback_and_symlink(runtime, box, tiny, data_dir, ini
     p = await runtime.exec(h, ["echo", "nosock"], env={}, cwd=None)       # no socket at all: crun exec
     assert isinstance(p, PipeExec)
     assert (await collect(p))[:2] == (0, b"nosock\n")
+    # a socket of someone else's (here: the host's; in the attack: the sandbox's own server) where the init's
+    # was: its listener is not the sandbox's init, so nothing is sent to it (crun exec instead)
+    import socket as _socket
+    impostor = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    impostor.bind(str(sock))
+    impostor.listen(8)
+    impostor.setblocking(False)
+    try:
+        p = await runtime.exec(h, ["echo", "impostor"], env={}, cwd=None)
+        assert isinstance(p, PipeExec)
+        assert (await collect(p))[:2] == (0, b"impostor\n")
+        try:
+            conn: _socket.socket | None = impostor.accept()[0]
+        except BlockingIOError:
+            conn = None
+        if conn is not None:                 # it was connected to, then left: nothing was sent to it
+            conn.settimeout(2)
+            assert conn.recv(1) == b""
+            conn.close()
+    finally:
+        impostor.close()
+        sock.unlink()
     moved.rename(sock)
+    lock_dir(sock.parent)
     assert await run(runtime, h, ["echo", "back"]) == (0, "back\n", "")

@@ -103,12 +103,26 @@ def _i32(data: bytes) -> int:
     return struct.unpack("<i", data)[0]
 
 
-def probe_version(sock_path: str, timeout: float = 2.0) -> int:
+def check_peer(sock: socket.socket, init_pid: int | None) -> None:
+    """Raise OSError unless the process listening on ``sock``'s other end is the sandbox's init (host pid
+    ``init_pid``; None: the runtime's pids are not host pids, no check). The socket sits where the sandbox
+    could have bound one of its own (in a moment the directory is not locked): never talk to that one."""
+    if init_pid is None:
+        return
+    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    if pid != init_pid:
+        raise OSError(f"the control socket is not the sandbox init's (its listener is pid {pid}, not {init_pid})")
+
+
+def probe_version(sock_path: str, timeout: float = 2.0, init_pid: int | None = None) -> int:
     """The protocol version the init behind ``sock_path`` speaks: 1 when it closes on ``H``. Blocking (run
-    it in a worker thread). Raises OSError when nothing sane answers in time."""
+    it in a worker thread). Raises OSError when nothing sane answers in time, or when the listener is not
+    the init (``init_pid``, see :func:`check_peer`)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(sock_path)
+        check_peer(s, init_pid)
         s.sendall(HELLO)
         try:
             typ, data = _read_frame(s)
@@ -196,6 +210,7 @@ class SupervisorExec(OutputRelay):
             try:          # fails fast when nobody listens (stale socket file: the caller falls back)
                 self._sock.connect(self._sock_path)
                 self._connected = True
+                check_peer(self._sock, init_pid)
             except BlockingIOError:
                 pass      # backlog full (all 64 slots busy): the reader thread connects blocking
             except OSError:
@@ -233,6 +248,7 @@ class SupervisorExec(OutputRelay):
             if not self._connected:
                 try:
                     self._sock.connect(self._sock_path)
+                    check_peer(self._sock, self._init_pid)
                 finally:
                     self._close_path_fd()
             self._sock.sendall(self._request)

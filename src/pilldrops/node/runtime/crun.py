@@ -388,7 +388,8 @@ class CrunRuntime:
             if fd is None:
                 return 0
             try:
-                proto = await anyio.to_thread.run_sync(probe_version, f"/proc/self/fd/{fd}")
+                proto = await anyio.to_thread.run_sync(probe_version, f"/proc/self/fd/{fd}", 2.0,
+                                                       handle.pid if self.HOST_PIDS else None)
                 break
             except ConnectionRefusedError:
                 # bound but not listening yet: the init is still starting (slow under gVisor's ptrace)
@@ -587,7 +588,10 @@ class CrunRuntime:
                 await anyio.sleep(0.001)
             return True
         finally:
-            if os.path.lexists(ctl):
+            # closed: lock the emptied directory, so that nothing of the sandbox (which runs on until the dump
+            # freezes it) can bind a socket of its own there; reopened: lock what pd-init bound (a socket a
+            # sandbox planted in the moment before is refused by the peer check, see superexec.check_peer)
+            if not want or os.path.lexists(ctl):
                 lock_dir(d / "pd")
 
     async def checkpoint(self, handle: Handle, image_dir: Path) -> int:
