@@ -178,8 +178,9 @@ class E2BApi:
                "diskSizeMB": 0, "state": state, "metadata": meta,
                "lifecycle": {"autoResume": False, "onTimeout": "kill"}, "volumeMounts": [],
                "allowInternetAccess": bool(net and net.get("allow_internet_access")),
-               "network": {"allowOut": net.get("allow_out") or [], "denyOut": net.get("deny_out") or []} if net else None,
                "envdUnresponsiveAtPause": False}
+        if net:     # absent, never null: the stock clients parse a present "network" as an object
+            out["network"] = {"allowOut": net.get("allow_out") or [], "denyOut": net.get("deny_out") or []}
         if token:
             out.update(envdAccessToken=row.access_token, domain=None)
         return out
