@@ -16,7 +16,7 @@ What differs is in the hooks:
   also lets the sandbox connect to host unix sockets inside its own mounts; its mounts are its rootfs and
   ``/.pd``, which hold no host sockets but its own;
 - the pids limit is enforced on the host, by the sandbox's pids cgroup, set to ``PROCESS_TASKS`` × the spec's
-  + ``RUNTIME_PIDS``: gVisor's own threads count there (33 idle, measured), and on the ptrace platform each
+  + ``RUNTIME_PIDS``: gVisor's own threads count there (33 idle, 64-66 once the Go runtime has grown its thread pool, measured), and on the ptrace platform each
   sandbox process costs about four host tasks (its stub process and the Sentry thread that traces it;
   measured 439 for 103 processes). This gVisor has no pids controller of its own (its cgroupfs has cpu and
   memory only) and ignores RLIMIT_NPROC, so a fork inside never fails with EAGAIN: at the limit the Sentry
@@ -55,7 +55,7 @@ from pilldrops.node.runtime.crun import CrunRuntime, _started_init
 from pilldrops.node.runtime.registry import Probe
 
 RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overlay2=none", "--oci-seccomp")
-RUNTIME_PIDS = 64           # host tasks of gVisor itself (Sentry + gofer threads, 33 idle), beyond the workload's
+RUNTIME_PIDS = 128          # host tasks of gVisor itself (Sentry + gofer threads: 33 idle, 64-66 after a few commands), beyond the workload's
 PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
 CHANNELS_KEY = "sentry_channels"
 
