@@ -82,17 +82,22 @@ def test_ctrl_c_in_map_kills_the_running_episodes_and_raises_at_once(sdk_env: Se
 
     def interrupt() -> None:
         deadline = time.monotonic() + 60
-        while len(Sandbox.list(metadata={"run": tag})) < 3 or len(started) < 3:
-            assert time.monotonic() < deadline
+        while (len(started) < 3 or len(Sandbox.list(metadata={"run": tag})) < 3) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)                                   # their `sleep 60` is running
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C in a terminal raises KeyboardInterrupt (Python's default handler); an earlier test in this process
+    # may have left another handler installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        pilldrops.map(episode, range(6), template="tiny", memory_mb=64, concurrency=3, progress=False,
-                      metadata={"run": tag})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pilldrops.map(episode, range(6), template="tiny", memory_mb=64, concurrency=3, progress=False,
+                          metadata={"run": tag})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 45, "the map waited for its episodes' commands instead of killing them"
     assert sorted(started) == [0, 1, 2]                   # the queued items never started
     assert Sandbox.list(metadata={"run": tag}) == []      # nothing left running
