@@ -47,7 +47,9 @@ def drop_image(path: str | Path | None) -> None:
 
 
 def image_size(image: Path) -> int:
-    return sum(f.stat().st_size for f in image.rglob("*") if f.is_file() and not f.is_symlink())
+    """Bytes the image really holds on disk (a sandbox's disk image is sparse: its apparent size is its
+    ``disk_mb``, not what was written), as ``CrunRuntime.checkpoint`` counts them: paused storage bills this."""
+    return sum(f.lstat().st_blocks * 512 for f in image.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _json_or_none(resp: httpx.Response) -> Any:
