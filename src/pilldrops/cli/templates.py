@@ -45,8 +45,10 @@ def list_(state: CliState, as_json: bool) -> None:
 # ---- template build ---------------------------------------------------------------------------------
 
 def _explicit(ctx: click.Context, name: str) -> bool:
+    """Given on the command line (an exported PILLDROPS_DATA_DIR, set for `up`, must not turn every
+    `template build` into a local one)."""
     from click.core import ParameterSource
-    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+    return ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
 
 
 @template.command("build")

@@ -358,3 +358,17 @@ def test_get_on_a_paused_sandbox_shows_timeout_left_not_end_at(fake: FakeControl
     sb.info = sb.info.model_copy(update={"state": SandboxState.running})
     out = run("sandbox", "get", sid, env={"COLUMNS": "200"}).output
     assert "end_at" in out and "timeout_left" not in out
+
+
+def test_template_build_goes_through_the_control_plane_even_with_a_data_dir_in_the_environment(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """PILLDROPS_DATA_DIR exported for `up` does not make `template build` a local (root-only) build; only
+    --local or --data-dir on the command line do."""
+    from pilldrops.cli import local, template_remote
+    calls: list[str] = []
+    monkeypatch.setattr(template_remote, "build", lambda *a, **kw: calls.append("remote"))
+    monkeypatch.setattr(local, "local_build", lambda *a, **kw: calls.append("local"))
+    env = {"PILLDROPS_DATA_DIR": str(tmp_path), "PILLDROPS_API_KEY": "pd_x", "PILLDROPS_API_URL": "http://127.0.0.1:9"}
+    assert CliRunner().invoke(cli, ["template", "build", "tiny"], env=env).exit_code == 0
+    assert CliRunner().invoke(cli, ["template", "build", "tiny", "--data-dir", str(tmp_path)], env=env).exit_code == 0
+    assert calls == ["remote", "local"]
