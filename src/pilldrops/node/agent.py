@@ -442,6 +442,7 @@ class NodeAgent:
 
     async def _end(self, sandbox_id: str, reason: EndReason, *, report: bool = True,
                    error: str | None = None) -> NodeSandboxStatus:
+        self._stopped_ticks.pop(sandbox_id, None)
         sb = self.sandboxes.get(sandbox_id)
         if sb is not None and sb.state in (NodeState.running, NodeState.pausing):
             async with sb.op:                # a pause in progress finishes first

@@ -148,6 +148,8 @@ class Checkpoints:
             if not any(path.iterdir()):
                 self.sandboxes.move(sb, NodeState.gone)
                 self.journal.remove(sid)
+                if self.egress is not None:
+                    self.egress.forget(sid)          # detached before the dump: only its slot record is left
                 drop_image(path)
                 self._record_end(sid, EndReason.exited, started_at=sb.started_at, run_s=run_s)
                 raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
