@@ -508,22 +508,21 @@ def spec_chain(name: str, templates_dirs: tuple[Path, ...]) -> list[tuple[dict[s
 # ---- template build on this machine (``template build --local``; the command is in cli/templates.py) ----
 
 def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...],
-                document: dict[str, Any] | None = None, context: Path | None = None) -> None:
-    """Build a template into a cached read-only layer on this machine (root): a spec by name, or a spec
-    document (a Dockerfile's) with its context dir."""
+                dockerfile: Path | None = None, context: Path | None = None,
+                build_args: dict[str, str] | None = None) -> None:
+    """Build a template into a cached read-only layer on this machine (root): a spec by name, or with
+    ``dockerfile`` a Dockerfile (its build context ``context``), each step labelled with its line."""
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    if document is not None:
-        if not hasattr(store, "build_document"):
-            raise click.ClickException("a local build of a Dockerfile is not supported by this version; build it "
-                                       "through the control plane (without --local)")
-        t0 = time.monotonic()
-        with _one_line_build_errors(), _console().status(f"building {name}") as status:
-            tpl = store.build_document(document, context or Path("."),
-                                       progress=lambda line: status.update(f"building {name}: {line[:90]}"))
-        _console().print(f"[green]✓[/] {name} built in {time.monotonic() - t0:.0f}s")
+    if dockerfile is not None:
+        from pilldrops.node.dockerfile import template_spec
+        with _one_line_build_errors():
+            spec, parsed = template_spec(dockerfile, context, name=name, build_args=build_args or {})
+            for w in parsed.warnings:
+                _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
+            tpl = _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
     elif force:
         t0 = time.monotonic()
         with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
@@ -533,24 +532,6 @@ def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Pa
     else:
         build_templates(data_dir, [name], templates_dirs)
         tpl = store.get(name)
-    click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
-    sys.stdout.flush()
-
-
-def local_dockerfile_build(name: str, data_dir: Path, dockerfile: Path, context: Path | None,
-                           build_args: dict[str, str], force: bool, templates_dirs: tuple[Path, ...]) -> None:
-    """``template build NAME -f Dockerfile --local``: on this machine (root), each step labelled with its
-    Dockerfile line in the log and in errors."""
-    from pilldrops.node.dockerfile import template_spec
-    from pilldrops.node.templates import TemplateStore, default_spec_dirs
-    if os.geteuid() != 0:
-        raise click.ClickException("building templates needs root (chroot, mount)")
-    store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    with _one_line_build_errors():
-        spec, parsed = template_spec(dockerfile, context, name=name, build_args=build_args)
-        for w in parsed.warnings:
-            _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
-        tpl = _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
     click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
     sys.stdout.flush()
 

@@ -82,12 +82,9 @@ def build(ctx: click.Context, state: CliState, name: str, context: Path | None, 
     with -f the name to give a Dockerfile's template. --local builds on this machine only (the old way)."""
     root = context or (dockerfile.parent if dockerfile else None)
     if local or (data_dir is not None and _explicit(ctx, "data_dir")):
-        from pilldrops.cli.local import DEFAULT_DATA_DIR, local_build, local_dockerfile_build
-        if dockerfile is not None:      # steps keep their Dockerfile lines for the log and errors
-            local_dockerfile_build(name, data_dir or DEFAULT_DATA_DIR, dockerfile, root, _build_args(build_args),
-                                   force, templates_dirs)
-        else:
-            local_build(name, data_dir or DEFAULT_DATA_DIR, force, templates_dirs)
+        from pilldrops.cli.local import DEFAULT_DATA_DIR, local_build
+        local_build(name, data_dir or DEFAULT_DATA_DIR, force, templates_dirs, dockerfile, root,
+                    _build_args(build_args) if dockerfile is not None else None)
         return
     document = _dockerfile_document(dockerfile, name, root, build_args) if dockerfile else None
     from pilldrops.cli import template_remote
