@@ -206,7 +206,7 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
 
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
-    _claim(data_dir, ("control-plane", "node"),
+    _claim(data_dir, ("control-plane",),         # the node agent (a child process) takes the "node" lock
            [(host, port, "--port"), (host, node_port or port + 1, "--node-port")])
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
@@ -214,51 +214,65 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     cpu, mem = default_capacity()
     anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
-              liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
+              liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs, verbose)
 
 
 async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, node_name: str | None,
               billing: Any, liveness: dict[str, Any], capacity: tuple[float, int],
-              templates_dirs: tuple[Path, ...]) -> None:
+              templates_dirs: tuple[Path, ...], verbose: bool = False) -> None:
+    """The control plane in this process, the node agent in a child process (``pilldrops node``, as in a
+    fleet), so the two use both cores instead of sharing one interpreter lock. The child dies with us
+    (SIGKILL included: its sandboxes live on and the next start re-adopts them); on Ctrl-C it tears its
+    sandboxes down first, while the control plane still takes its reports, then the control plane stops."""
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
-    from pilldrops.node.agent import Settings
-    from pilldrops.node.main import build_node, default_node_name
+    from pilldrops.cli._node_child import NodeChild
+    from pilldrops.node.main import default_node_name
     from pilldrops.server.main import build_control_plane
     from pilldrops.server.store.sql import sqlite_url
 
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
+    name = node_name or default_node_name()
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
-    node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
-                               capacity_vcpu=capacity[0], capacity_memory_mb=capacity[1], control_plane_url=api_url,
-                               node_token=token, keep_on_exit=keep), data_dir, templates_dirs)
-    cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
+    cp_served = Served(cp.app, host, port)
+    argv = ["--control-plane", api_url, "--host", host, "--port", str(node_port), "--name", name,
+            "--capacity-vcpu", repr(capacity[0]), "--capacity-memory-mb", str(capacity[1]),
+            "--data-dir", str(data_dir), "--templates", "",
+            *(a for d in templates_dirs for a in ("--templates-dir", str(d))),
+            *(["--keep-sandboxes"] if keep else []), *(["-v"] if verbose else [])]
+    child = NodeChild(argv, token)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp_served.serve)
             tg.start_soon(cp.run)
-            tg.start_soon(node_served.serve)
-            await tg.start(node.agent.run)
-            with anyio.fail_after(30):
-                await node.agent.wait_registered()
-            await _bootstrap_key(cp, api_url)
-            _console().print("isolation: " + ", ".join(
-                f"{m} ({s.detail})" if s.available else f"[dim]{m}: no ({s.reason})[/]"
-                for m, s in node.runtime.support().items()))
-            _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
-                             f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
-            _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
-                             f"{_config_path()})")
-            await wait_for_signal()
-            await node.aclose()
-            node_served.stop()
+            try:
+                node = await child.start_and_wait_registered(cp.store, name, f"http://{host}:{node_port}", tg)
+            except (RuntimeError, TimeoutError) as exc:
+                child.failed = str(exc) or "the node agent did not register in time"
+            else:
+                await _bootstrap_key(cp, api_url)
+                _console().print("isolation: " + ", ".join(
+                    f"{m} ({s.get('detail')})" if s.get("available") else f"[dim]{m}: no ({s.get('reason')})[/]"
+                    for m, s in (node.isolation or {}).items()))
+                _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
+                                 f"(node {name}, data plane :{node_port}); Ctrl-C stops it")
+                _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
+                                 f"{_config_path()})")
+                with anyio.CancelScope() as waiting:
+                    child.on_lost = waiting.cancel         # the node agent keeps dying: stop too
+                    await wait_for_signal()
+                await child.stop()
             cp_served.stop()
             await anyio.sleep(0.2)
             tg.cancel_scope.cancel()
     finally:
-        await cp.aclose()
+        with anyio.CancelScope(shield=True):
+            await child.kill()
+            await cp.aclose()
+    if child.failed:
+        raise click.ClickException(child.failed)
     _console().print("stopped" + (" (sandboxes kept running)" if keep else ""))
 
 
@@ -353,8 +367,11 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     """Run a node agent on this host (root) that registers with a control plane."""
     import anyio
 
+    from pilldrops.cli._node_child import die_with_parent
     from pilldrops.node.agent import Settings, default_capacity
     from pilldrops.node.main import default_node_name
+    die_with_parent()                     # started by `up`: die with it
+    os.environ.pop("PILLDROPS_NODE_TOKEN", None)       # read already; not for the agent's subprocesses
     _logging(verbose)
     _claim(data_dir, ("node",), [(host, port, "--port")])
     build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()], templates_dirs)
