@@ -202,8 +202,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     """Run the control plane and one node agent on this machine (SQLite), in the foreground.
 
     It is one person's machine: there is no credit limit unless --credits USD is given."""
-    import anyio
 
+    from pilldrops._internal.serving import run_served
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
     _claim(data_dir, ("control-plane",),         # the node agent (a child process) takes the "node" lock
@@ -212,7 +212,7 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
     cpu, mem = default_capacity()
-    anyio.run(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
+    run_served(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
               liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs, verbose)
 
@@ -306,12 +306,12 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
           verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
-    import anyio
+    from pilldrops._internal.serving import run_served
     _logging(verbose)
     _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
-    anyio.run(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
+    run_served(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
               liveness)
 
 
@@ -365,8 +365,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
          capacity_vcpu: float | None, capacity_memory_mb: int | None, data_dir: Path, template_names: str,
          templates_dirs: tuple[Path, ...], keep_sandboxes: bool, verbose: bool) -> None:
     """Run a node agent on this host (root) that registers with a control plane."""
-    import anyio
-
+    from pilldrops._internal.serving import run_served
     from pilldrops.cli._node_child import die_with_parent
     from pilldrops.node.agent import Settings, default_capacity
     from pilldrops.node.main import default_node_name
@@ -380,7 +379,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
                         keep_on_exit=keep_sandboxes)
-    anyio.run(_node, settings, host, port, data_dir, templates_dirs)
+    run_served(_node, settings, host, port, data_dir, templates_dirs)
 
 
 async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_dirs: tuple[Path, ...]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import orjson
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import and_, event, func, or_, select, text, update
@@ -41,6 +42,14 @@ from pilldrops.server.store.models import (
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 __all__ = ["DuplicateIdempotencyKey", "Page", "Store", "normalize_url", "sqlite_url"]
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+# JSON columns (labels, envs, a node's templates and pool status on every heartbeat) through orjson
+_JSON: dict[str, Any] = {"json_serializer": _dumps, "json_deserializer": orjson.loads}
 
 
 def sqlite_url(path: Path) -> str:
@@ -139,7 +148,7 @@ class Store:
         url = normalize_url(url)
         if url.startswith("sqlite"):
             engine = create_async_engine(url, pool_size=1, max_overflow=0, pool_timeout=120,
-                                         connect_args={"timeout": 60})
+                                         connect_args={"timeout": 60}, **_JSON)
 
             @event.listens_for(engine.sync_engine, "connect")
             def _pragmas(conn: Any, _rec: Any) -> None:
@@ -149,7 +158,7 @@ class Store:
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
         else:
-            engine = create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+            engine = create_async_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True, **_JSON)
         async with engine.begin() as conn:   # schema migrations (Alembic) on the same driver
             if engine.dialect.name == "postgresql":
                 # several control planes may start at once: one migrates, the others wait for it
