@@ -379,7 +379,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
                         keep_on_exit=keep_sandboxes)
-    run_served(_node, settings, host, port, data_dir, templates_dirs)
+    run_served(_node, settings, host, port, data_dir, templates_dirs, uvloop=False)
 
 
 async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_dirs: tuple[Path, ...]) -> None:
