@@ -109,6 +109,7 @@ async def _allocations(s: Any) -> dict[str, tuple[float, int]]:
 # The hot path (get, compare-and-set, insert of a sandbox) in SQLAlchemy Core on a plain connection: no
 # session, unit of work or identity map; one UPDATE ... RETURNING instead of an update and a read back. The
 # records handed out are the same ``Sandbox`` class, detached (as the session's were, expire_on_commit off).
+@functools.cache
 def _cols(model: Any) -> list[Any]:
     return [a.columns[0] for a in model.__mapper__.column_attrs]
 
@@ -222,6 +223,15 @@ class Store:
         if self._hot is not None:
             self._hot.dispose()
 
+    async def _records(self, model: Any, *where: Any, order_by: tuple[Any, ...] = ()) -> list[Any]:
+        """Detached ``model`` records of the rows matching ``where`` (Core, one ``_run``)."""
+        q = select(*_cols(model)).where(*where).order_by(*order_by)
+        return await self._run(lambda c: [_record(model, r) for r in c.execute(q)], write=False)
+
+    async def _first(self, model: Any, *where: Any) -> Any:
+        found = await self._records(model, *where)
+        return found[0] if found else None
+
     async def _run(self, fn: Callable[..., Any], *args: Any, write: bool) -> Any:
         """``fn(connection, *args)`` in one transaction (``write``) or on one connection: on SQLite in one
         worker-thread hop (see ``__init__``), else through the async engine's ``run_sync``."""
@@ -248,8 +258,7 @@ class Store:
             return list((await s.scalars(select(Team).order_by(Team.created_at))).all())
 
     async def get_team(self, team_id: str) -> Team | None:
-        async with self.session() as s:
-            return await s.get(Team, team_id)
+        return await self._first(Team, Team.id == team_id)
 
     async def team_by_id_or_name(self, ref: str) -> Team | None:
         async with self.session() as s:
@@ -287,12 +296,11 @@ class Store:
         return key
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        async with self.session() as s:
-            return (await s.scalars(select(ApiKey).where(ApiKey.key_hash == key_hash))).first()
+        return await self._first(ApiKey, ApiKey.key_hash == key_hash)
 
     async def touch_key(self, key_id: str, now: datetime) -> None:
-        async with self.session.begin() as s:
-            await s.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=now))
+        q = update(ApiKey.__table__).where(ApiKey.id == key_id).values(last_used_at=now)
+        await self._run(lambda c: c.execute(q), write=True)
 
     async def list_keys(self, team_id: str) -> list[ApiKey]:
         async with self.session() as s:
@@ -330,33 +338,29 @@ class Store:
 
     async def heartbeat(self, node_id: str, templates: list[dict[str, Any]], now: datetime,
                         pool_status: list[dict[str, Any]] | None = None) -> Node | None:
-        async with self.session.begin() as s:
-            node = await s.get(Node, node_id)
-            if node is None:
-                return None
-            node.templates = templates
-            node.state = "ready"
-            node.last_heartbeat_at = now
-            node.pool_status = pool_status or []
-            return node
+        q = (update(Node.__table__).where(Node.id == node_id)
+             .values(templates=templates, state="ready", last_heartbeat_at=now, pool_status=pool_status or [])
+             .returning(*_cols(Node)))
+
+        def go(c: Connection) -> Node | None:
+            found = c.execute(q).first()
+            return _record(Node, found) if found is not None else None
+
+        return await self._run(go, write=True)
 
     async def get_node(self, node_id: str) -> Node | None:
-        async with self.session() as s:
-            return await s.get(Node, node_id)
+        return await self._first(Node, Node.id == node_id)
 
     async def list_nodes(self) -> list[Node]:
-        async with self.session() as s:
-            return list((await s.scalars(select(Node).order_by(Node.name))).all())
+        return await self._records(Node, order_by=(Node.name,))
 
     async def node_by_id_or_name(self, ref: str) -> Node | None:
-        async with self.session() as s:
-            return (await s.scalars(select(Node).where(or_(Node.id == ref, Node.name == ref)))).first()
+        return await self._first(Node, or_(Node.id == ref, Node.name == ref))
 
     async def live_counts(self) -> dict[str, int]:
-        async with self.session() as s:
-            q = (select(Sandbox.node_id, func.count()).where(Sandbox.state.in_([st.value for st in LIVE]))
-                 .group_by(Sandbox.node_id))
-            return {nid: int(n) for nid, n in (await s.execute(q)).all() if nid}
+        q = (select(Sandbox.node_id, func.count()).where(Sandbox.state.in_([st.value for st in LIVE]))
+             .group_by(Sandbox.node_id))
+        return await self._run(lambda c: {nid: int(n) for nid, n in c.execute(q).all() if nid}, write=False)
 
     async def set_node(self, node_id: str, **values: Any) -> Node | None:
         async with self.session.begin() as s:
@@ -428,9 +432,7 @@ class Store:
         return row
 
     async def sandbox_by_idempotency_key(self, team_id: str, key: str) -> Sandbox | None:
-        async with self.session() as s:
-            q = select(Sandbox).where(Sandbox.team_id == team_id, Sandbox.idempotency_key == key)
-            return (await s.scalars(q)).first()
+        return await self._first(Sandbox, Sandbox.team_id == team_id, Sandbox.idempotency_key == key)
 
     async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
                              labels: dict[str, str] | None = None, limit: int = 100,
@@ -460,10 +462,7 @@ class Store:
         return Page(rows, _encode_cursor(rows[-1]) if more and rows else None)
 
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
-        async with self.session() as s:
-            q = select(Sandbox).where(Sandbox.node_id == node_id,
-                                      Sandbox.state.in_([st.value for st in LIVE]))
-            return list((await s.scalars(q)).all())
+        return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
@@ -557,10 +556,9 @@ class Store:
         """Many sandboxes by id in a few queries (chunks of 500)."""
         wanted = list(dict.fromkeys(ids))
         out: dict[str, Sandbox] = {}
-        async with self.session() as s:
-            for i in range(0, len(wanted), 500):
-                for row in (await s.scalars(select(Sandbox).where(Sandbox.id.in_(wanted[i:i + 500])))).all():
-                    out[row.id] = row
+        for i in range(0, len(wanted), 500):
+            for row in await self._records(Sandbox, Sandbox.id.in_(wanted[i:i + 500])):
+                out[row.id] = row
         return out
 
     # ---- warm pools ----------------------------------------------------------------------------------
@@ -578,8 +576,7 @@ class Store:
                 row.size, row.updated_at = size, now
 
     async def list_pools(self) -> list[Pool]:
-        async with self.session() as s:
-            return list((await s.scalars(select(Pool).order_by(Pool.template, Pool.vcpu, Pool.memory_mb))).all())
+        return await self._records(Pool, order_by=(Pool.template, Pool.vcpu, Pool.memory_mb))
 
     # ---- pauses --------------------------------------------------------------------------------------
 
