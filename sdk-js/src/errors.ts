@@ -69,8 +69,20 @@ export class InvalidRequest extends PillDropsError {
   static override readonly status = 400
 }
 export class AuthenticationError extends PillDropsError {
-  static override readonly code = 'unauthenticated'
+  static override readonly code: string = 'unauthenticated'
   static override readonly status = 401
+}
+/** A sandbox port's URL without its token (`url_token_required`). */
+export class URLTokenRequired extends AuthenticationError {
+  static override readonly code = 'url_token_required'
+}
+/** A port URL's token that is forged, or another sandbox's or port's (`url_token_invalid`). */
+export class URLTokenInvalid extends AuthenticationError {
+  static override readonly code = 'url_token_invalid'
+}
+/** A port URL whose token has expired: ask for a new one with `getUrl` (`url_token_expired`). */
+export class URLTokenExpired extends AuthenticationError {
+  static override readonly code = 'url_token_expired'
 }
 export class PermissionDenied extends PillDropsError {
   static override readonly code = 'permission_denied'
@@ -122,9 +134,18 @@ export class NotSupported extends PillDropsError {
   static override readonly status = 501
 }
 export class NodeUnavailable extends PillDropsError {
-  static override readonly code = 'node_unavailable'
+  static override readonly code: string = 'node_unavailable'
   static override readonly status = 502
   static override readonly retryable = true
+}
+/** Nothing listens on that port inside the sandbox (`port_not_open`). */
+export class PortNotOpen extends NodeUnavailable {
+  static override readonly code = 'port_not_open'
+}
+/** A server inside a sandbox did not answer in time (`gateway_timeout`). */
+export class GatewayTimeout extends PillDropsError {
+  static override readonly code = 'gateway_timeout'
+  static override readonly status = 504
 }
 export class CapacityUnavailable extends PillDropsError {
   static override readonly code = 'capacity_unavailable'
@@ -164,7 +185,8 @@ type ErrorClass = new (message?: string, options?: { details?: unknown; requestI
 const ALL: (ErrorClass & typeof PillDropsError)[] = [
   InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
-  NodeUnavailable, CapacityUnavailable, NotSupported,
+  NodeUnavailable, CapacityUnavailable, NotSupported, URLTokenRequired, URLTokenInvalid, URLTokenExpired,
+  PortNotOpen, GatewayTimeout,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

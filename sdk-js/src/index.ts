@@ -7,8 +7,11 @@
  * const r = await sb.run('python -c "print(1 + 1)"')
  * ```
  */
-export { Sandbox, BATCH_CHUNK } from './sandbox.js'
-export type { CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, UsageOptions }
+export { Sandbox, BATCH_CHUNK, LIVE_STATES } from './sandbox.js'
+export type {
+  CallOptions, CreateManyOptions, CreateOptions, HistoryOptions, ListOptions, RunOptions, SandboxListOptions,
+  UrlOptions, UsageOptions,
+}
   from './sandbox.js'
 export { Files, DEFAULT_MAX_READ_BYTES } from './files.js'
 export type { ReadOptions } from './files.js'
@@ -21,6 +24,6 @@ export { DEFAULT_API_URL, configPath, resolveConfig } from './config.js'
 export type { ClientConfig, ConnectionOptions } from './config.js'
 export * from './errors.js'
 export type {
-  EndReason, FileInfo, HistoryRecord, PauseInterval, SandboxInfo, SandboxState, TemplateInfo, UsageSummary,
+  EndReason, FileInfo, HistoryRecord, PauseInterval, PortURL, SandboxInfo, SandboxState, TemplateInfo, UsageSummary,
 } from './wire.js'
 export { VERSION } from './version.js'

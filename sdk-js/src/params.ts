@@ -108,6 +108,10 @@ export interface SpecArgs {
    * (`container`). Sent only when given.
    */
   isolation?: string
+  /** Ports served by URL (`getUrl`) without a token. */
+  publicPorts?: number[]
+  /** Every port is served by URL without a token (default false). */
+  public?: boolean
 }
 
 /** The isolation modes a sandbox can ask for. */
@@ -131,6 +135,23 @@ export function createBody(spec: SpecArgs): Record<string, unknown> {
       throw new InvalidRequest(`unknown isolation mode ${JSON.stringify(spec.isolation)}; valid modes: ${ISOLATION_MODES.join(', ')}`)
     }
     body.isolation = spec.isolation
+  }
+  if (spec.publicPorts !== undefined) {
+    if (!Array.isArray(spec.publicPorts)) throw new InvalidRequest('publicPorts must be an array of ports')
+    for (const p of spec.publicPorts) num(p, 'publicPorts', 1, 65_535, true)
+    body.public_ports = spec.publicPorts
+  }
+  if (spec.public !== undefined) body.public = Boolean(spec.public)
+  return body
+}
+
+/** A port URL's request body, validated locally. */
+export function portUrlBody(port: number, opts: { expiresIn?: number; path?: string }): Record<string, unknown> {
+  num(port, 'port', 1, 65_535, true)
+  const body: Record<string, unknown> = { port, expires_in: opts.expiresIn ?? 3600, path: opts.path ?? '/' }
+  num(body.expires_in, 'expiresIn', 1, 7 * 86_400, true)
+  if (typeof body.path !== 'string' || !/^\/[^\s#]*$/.test(body.path)) {
+    throw new InvalidRequest(`invalid path ${JSON.stringify(body.path)}: it starts with / (no spaces or #)`)
   }
   return body
 }

@@ -24,6 +24,8 @@ export interface RunResult {
   timedOut: boolean
   /** The sandbox was paused while the command ran, which ended it (exitCode 137). */
   paused: boolean
+  /** The sandbox's memory limit (`memoryMb`) killed the command or one of its processes (exitCode 137). */
+  oomKilled: boolean
   /** `exitCode === 0`. */
   ok: boolean
   /** The in-sandbox pid of the command, when the node reported it. */
@@ -35,7 +37,7 @@ export interface RunResult {
 export function checkResult(r: RunResult): RunResult {
   if (r.exitCode === 0) return r
   const what = r.timedOut ? 'timed out' : r.paused ? 'was ended by a pause of its sandbox'
-    : `exited with code ${r.exitCode}`
+    : r.oomKilled ? "was killed by the sandbox's memory limit (memoryMb)" : `exited with code ${r.exitCode}`
   const tail = r.stderr.trim().split('\n').pop() ?? ''
   throw new CommandFailed(`command ${JSON.stringify(r.cmd)} ${what}${tail ? `: ${tail.slice(0, 300)}` : ''}`,
     { result: r })
@@ -152,6 +154,7 @@ export class RunDecoder {
       truncated: Boolean(ev.truncated) || this.out.truncated || this.err.truncated,
       timedOut: Boolean(ev.timed_out),
       paused: Boolean(ev.paused),
+      oomKilled: Boolean(ev.oom_killed),
       ok: exitCode === 0,
       pid: this.pid,
       cmd: this.cmd,

@@ -13,7 +13,8 @@ import { Files } from './files.js'
 import { APIClient, checkRemotePath, dataTarget, newIdempotencyKey, sandboxPath } from './http.js'
 import type { Target } from './http.js'
 import {
-  checkLimit, checkTimeoutSeconds, createBody, itemMetadata, listParams, periodParams, runTimeout, stringMap,
+  checkLimit, checkTimeoutSeconds, createBody, itemMetadata, listParams, periodParams, portUrlBody, runTimeout,
+  stringMap,
 } from './params.js'
 import type { Metadata, SpecArgs, StateFilter, TimeArg } from './params.js'
 import { checkCapacityWait } from './retry.js'
@@ -21,8 +22,8 @@ import { DEFAULT_OUTPUT_CAP, RunDecoder, checkResult } from './run.js'
 import type { RunResult } from './run.js'
 import { toHistoryRecord, toSandboxInfo } from './wire.js'
 import type {
-  HistoryRecord, SandboxInfo, UsageSummary, WireBatchResponse, WireHistoryPage, WireSandboxInfo, WireSandboxList,
-  WireUsageSummary,
+  HistoryRecord, PortURL, SandboxInfo, UsageSummary, WireBatchResponse, WireHistoryPage, WirePortURL,
+  WireSandboxInfo, WireSandboxList, WireUsageSummary,
 } from './wire.js'
 import { SHAPES, camelize } from './wire.js'
 
@@ -80,6 +81,14 @@ export interface ListOptions extends ConnectionOptions {
   signal?: AbortSignal
 }
 
+/** States of a sandbox that has not ended: what {@link Sandbox.list} returns by default. */
+export const LIVE_STATES = ['starting', 'running', 'pausing', 'paused', 'resuming'] as const
+
+export interface SandboxListOptions extends ListOptions {
+  /** Ended sandboxes too (stopped, failed, lost); default: only live ones. Ignored when `state` is given. */
+  includeEnded?: boolean
+}
+
 export interface HistoryOptions extends ListOptions {
   /** Sandboxes created at or after this time (a `Date`, or ISO 8601; no zone means UTC). */
   since?: TimeArg
@@ -91,6 +100,14 @@ export interface HistoryOptions extends ListOptions {
 export interface UsageOptions extends ConnectionOptions {
   since?: TimeArg
   until?: TimeArg
+  signal?: AbortSignal
+}
+
+export interface UrlOptions {
+  /** Seconds the URL's token stays valid (default 3600, at most 7 days). */
+  expiresIn?: number
+  /** Path (and query) inside the sandbox's server (default `/`). */
+  path?: string
   signal?: AbortSignal
 }
 
@@ -321,8 +338,11 @@ export class Sandbox {
     return toSandboxInfo(info)
   }
 
-  /** The caller's sandboxes, newest first, following every page; `state` is one state or several. */
-  static async list(opts: ListOptions = {}): Promise<SandboxInfo[]> {
+  /**
+   * The caller's live sandboxes (not yet ended: starting, running, paused, …), newest first, following every
+   * page; `includeEnded` lists ended ones too; `state` (one state or several) picks the states instead.
+   */
+  static async list(opts: SandboxListOptions = {}): Promise<SandboxInfo[]> {
     const pageSize = opts.pageSize ?? 100
     checkLimit(opts.limit)
     checkLimit(pageSize, 'pageSize')
@@ -332,7 +352,8 @@ export class Sandbox {
     for (;;) {
       const size = opts.limit === undefined ? pageSize : Math.min(pageSize, opts.limit - items.length)
       const page: WireSandboxList = await c.json<WireSandboxList>('GET', '/v1/sandboxes', { expect: SHAPES.sandboxList,
-        idempotent: true, params: listParams(opts.state, opts.metadata, size, cursor), signal: opts.signal,
+        idempotent: true, params: listParams(opts.state ?? (opts.includeEnded ? undefined : [...LIVE_STATES]),
+          opts.metadata, size, cursor), signal: opts.signal,
       })
       items.push(...page.items.map(toSandboxInfo))
       if (opts.limit !== undefined && items.length >= opts.limit) return items.slice(0, opts.limit)
@@ -405,6 +426,24 @@ export class Sandbox {
     checkTimeoutSeconds(seconds)
     return this.update(await this.client.json<WireSandboxInfo>('POST', sandboxPath(this.id, '/timeout'),
       { expect: SHAPES.sandbox, json: { timeout: seconds }, idempotent: true, signal: opts.signal }))
+  }
+
+  /**
+   * A URL that reaches `port` inside the sandbox (a server on its own loopback), HTTP and WebSocket (the same
+   * address with `ws://`), through the control plane. It carries a signed token valid for `expiresIn` seconds
+   * for this sandbox and port only, so it can be pasted into a browser (the first request leaves a cookie for
+   * that sandbox and port, so the page's own links work). A port made public at create (`publicPorts` /
+   * `public`) gets a URL without a token.
+   */
+  async getUrl(port: number, opts: UrlOptions = {}): Promise<string> {
+    return (await this.getUrlInfo(port, opts)).url
+  }
+
+  /** `getUrl` with its expiry (`expiresAt`, null for a public port) and `public` flag. */
+  async getUrlInfo(port: number, opts: UrlOptions = {}): Promise<PortURL> {
+    const body = portUrlBody(port, opts)
+    return camelize(await this.client.json<WirePortURL>('POST', sandboxPath(this.id, '/urls'),
+      { expect: SHAPES.portUrl, json: body, idempotent: true, signal: opts.signal }))
   }
 
   /** Kill the sandbox now. Idempotent; returns (and stores in `info`) the final record with its final cost. */

@@ -29,6 +29,8 @@ export interface HistoryRecord extends Omit<Camelize<Schemas['HistoryRecord']>, 
 export interface UsageSummary extends Camelize<Schemas['UsageSummary']> {}
 /** One file or directory inside a sandbox. */
 export interface FileInfo extends Camelize<Schemas['FileInfo']> {}
+/** A URL to a port inside a sandbox (`expiresAt` null: a public port, no token). */
+export interface PortURL extends Camelize<Schemas['PortURL']> {}
 /** A template the nodes hold. */
 export interface TemplateInfo extends Camelize<Schemas['TemplateInfo']> {}
 
@@ -46,6 +48,7 @@ export type WireFileList = Schemas['FileList']
 export type WireArchiveUploaded = Schemas['ArchiveUploaded']
 export type WireSetTimeoutRequest = Schemas['SetTimeoutRequest']
 export type WireTemplateList = Schemas['TemplateList']
+export type WirePortURL = Schemas['PortURL']
 
 export const SANDBOX_STATES: readonly SandboxState[] = [
   'pending', 'starting', 'running', 'pausing', 'paused', 'resuming', 'stopping', 'stopped', 'failed', 'lost',
@@ -83,5 +86,6 @@ export const SHAPES = {
   history: { keys: ['items'], itemKeys: ['id', 'state'] },
   usage: { keys: ['team_id', 'sandboxes', 'cost_usd'] },
   file: { keys: ['name', 'path', 'type'] },
+  portUrl: { keys: ['url', 'port'] },
   fileList: { keys: ['items'], itemKeys: ['name', 'path', 'type'] },
 } as const

@@ -20,6 +20,7 @@ from pilldrops.errors import (
     CommandFailed,
     Conflict,
     FileNotFound,
+    GatewayTimeout,
     InsufficientCredits,
     InvalidRequest,
     InvalidState,
@@ -29,29 +30,39 @@ from pilldrops.errors import (
     PayloadTooLarge,
     PermissionDenied,
     PillDropsError,
+    PortNotOpen,
     RateLimited,
     RequestTimeout,
     SandboxNotFound,
     ServerError,
     TemplateNotFound,
     TransportError,
+    URLTokenExpired,
+    URLTokenInvalid,
+    URLTokenRequired,
 )
-from pilldrops.schema.api import FileInfo, HistoryRecord, SandboxInfo, SandboxState, UsageSummary
+from pilldrops.schema.api import FileInfo, HistoryRecord, PortURL, SandboxInfo, SandboxState, UsageSummary
 from pilldrops.sdk._async.sandbox import AsyncSandbox
+from pilldrops.sdk._async.template import AsyncTemplate
 from pilldrops.sdk._base import RunResult
+from pilldrops.sdk._build import BuiltTemplate
 from pilldrops.sdk._sync.sandbox import Sandbox
+from pilldrops.sdk._sync.template import Template
 from pilldrops.sdk.fanout import MapItem, MapResult, amap, map
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSandbox",
+    "AsyncTemplate",
     "AuthenticationError",
+    "BuiltTemplate",
     "CapacityUnavailable",
     "CommandFailed",
     "Conflict",
     "FileInfo",
     "FileNotFound",
+    "GatewayTimeout",
     "HistoryRecord",
     "InsufficientCredits",
     "InvalidRequest",
@@ -64,6 +75,8 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "PillDropsError",
+    "PortNotOpen",
+    "PortURL",
     "RateLimited",
     "RequestTimeout",
     "RunResult",
@@ -72,8 +85,12 @@ __all__ = [
     "SandboxNotFound",
     "SandboxState",
     "ServerError",
+    "Template",
     "TemplateNotFound",
     "TransportError",
+    "URLTokenExpired",
+    "URLTokenInvalid",
+    "URLTokenRequired",
     "UsageSummary",
     "__version__",
     "amap",

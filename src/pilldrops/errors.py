@@ -9,6 +9,9 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     PillDropsError                       code, message, details, request_id, retryable
     ├─ InvalidRequest        400 invalid_request
     ├─ AuthenticationError   401 unauthenticated
+    │   ├─ URLTokenRequired  401 url_token_required  (a sandbox port's URL without its token)
+    │   ├─ URLTokenInvalid   401 url_token_invalid   (forged, or another sandbox's or port's)
+    │   └─ URLTokenExpired   401 url_token_expired
     ├─ PermissionDenied      403 permission_denied
     ├─ NotFound              404 not_found
     │   ├─ SandboxNotFound   404 sandbox_not_found
@@ -21,6 +24,8 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     ├─ RateLimited           429 rate_limited        (retryable)
     ├─ ServerError           500 internal            (retryable for idempotent calls)
     ├─ NodeUnavailable       502 node_unavailable    (retryable)
+    │   └─ PortNotOpen       502 port_not_open       (nothing listens on that port in the sandbox)
+    ├─ GatewayTimeout        504 gateway_timeout     (a server in a sandbox did not answer in time)
     ├─ CapacityUnavailable   503 capacity_unavailable (retryable)
     ├─ TransportError        —   no response at all  (retryable)
     │   └─ RequestTimeout    —   client-side deadline (also a builtin TimeoutError)
@@ -70,6 +75,18 @@ class InvalidRequest(PillDropsError):
 class AuthenticationError(PillDropsError):
     code = "unauthenticated"
     status = 401
+
+
+class URLTokenRequired(AuthenticationError):
+    code = "url_token_required"
+
+
+class URLTokenInvalid(AuthenticationError):
+    code = "url_token_invalid"
+
+
+class URLTokenExpired(AuthenticationError):
+    code = "url_token_expired"
 
 
 class PermissionDenied(PillDropsError):
@@ -143,6 +160,15 @@ class NodeUnavailable(PillDropsError):
     retryable = True
 
 
+class PortNotOpen(NodeUnavailable):
+    code = "port_not_open"
+
+
+class GatewayTimeout(PillDropsError):
+    code = "gateway_timeout"
+    status = 504
+
+
 class NotSupported(PillDropsError):
     """The operation exists but this deployment cannot do it (e.g. pause on a node without CRIU)."""
 
@@ -180,9 +206,10 @@ class CommandFailed(PillDropsError):
 
 
 _ALL: tuple[type[PillDropsError], ...] = (
-    InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
+    InvalidRequest, AuthenticationError, URLTokenRequired, URLTokenInvalid, URLTokenExpired, PermissionDenied,
+    NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported,
+    CapacityUnavailable, NotSupported, GatewayTimeout, PortNotOpen,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

@@ -63,3 +63,38 @@ def test_map_stops_at_once_on_a_create_error_no_item_can_pass(sdk_env: Server) -
 
 async def _echo(sb: AsyncSandbox, i: int) -> int:
     return i
+
+
+def test_ctrl_c_in_map_kills_the_running_episodes_and_raises_at_once(sdk_env: Server) -> None:
+    """SIGINT while 3 episodes each run `sleep 60` (and 3 more wait): the map kills the 3 sandboxes and
+    raises KeyboardInterrupt without waiting for the commands; the waiting items never start."""
+    import os
+    import signal
+    import threading
+    import time
+
+    tag = f"ctrl-c-{os.getpid()}"
+    started: list[int] = []
+
+    def episode(sb: Sandbox, i: int) -> str:
+        started.append(i)
+        return sb.run("sleep 60").stdout
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 60
+        while len(Sandbox.list(metadata={"run": tag})) < 3 or len(started) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)                                   # their `sleep 60` is running
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pilldrops.map(episode, range(6), template="tiny", memory_mb=64, concurrency=3, progress=False,
+                      metadata={"run": tag})
+    assert time.monotonic() - t0 < 45, "the map waited for its episodes' commands instead of killing them"
+    assert sorted(started) == [0, 1, 2]                   # the queued items never started
+    assert Sandbox.list(metadata={"run": tag}) == []      # nothing left running
+    ended = Sandbox.list(metadata={"run": tag}, include_ended=True)
+    assert len(ended) == 3 and all(s.end_reason == "killed" for s in ended), ended

@@ -120,8 +120,12 @@ def test_sandboxes_are_isolated_from_each_other_and_the_host(sdk_env: Server) ->
 def test_memory_and_pids_limits_hit_only_the_offender(sdk_env: Server) -> None:
     with Sandbox.create(template="tiny", memory_mb=48) as hog, Sandbox.create(template="tiny") as nb:
         r = hog.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}")
-        assert r.exit_code == 137
+        assert r.exit_code == 137 and r.oom_killed, r                    # the result says why it died
+        with pytest.raises(CommandFailed, match="memory limit"):
+            r.check_returncode()
         assert hog.run("echo still-here").stdout == "still-here\n"       # only the command died
+        killed = hog.run("kill -9 $$")                                   # a SIGKILL that is not the limit's
+        assert killed.exit_code == 137 and not killed.oom_killed
         assert nb.run("echo fine").stdout == "fine\n"
         assert hog.get_info().state == "running"
     with Sandbox.create(template="tiny") as bomb, Sandbox.create(template="tiny") as nb:

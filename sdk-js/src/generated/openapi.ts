@@ -352,6 +352,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/{sandbox_id}/urls": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Port Url
+         * @description A URL (signed, expiring; none needed for a public port) that reaches ``port`` inside the sandbox,
+         *     HTTP and WebSocket, through this control plane.
+         */
+        post: operations["port_url_v1_sandboxes__sandbox_id__urls_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/templates": {
         parameters: {
             query?: never;
@@ -453,6 +474,17 @@ export interface components {
                 [key: string]: string;
             };
             /**
+             * Public
+             * @description every port is served by URL without a token
+             * @default false
+             */
+            public: boolean;
+            /**
+             * Public Ports
+             * @description ports served by URL without a token (see POST .../urls)
+             */
+            public_ports?: number[];
+            /**
              * Template
              * @default base
              */
@@ -507,6 +539,17 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /**
+             * Public
+             * @description every port is served by URL without a token
+             * @default false
+             */
+            public: boolean;
+            /**
+             * Public Ports
+             * @description ports served by URL without a token (see POST .../urls)
+             */
+            public_ports?: number[];
             /**
              * Template
              * @default base
@@ -871,6 +914,40 @@ export interface components {
              */
             vcpu: number;
         };
+        /** PortURL */
+        PortURL: {
+            /** Expires At */
+            expires_at?: string | null;
+            /** Port */
+            port: number;
+            /**
+             * Public
+             * @default false
+             */
+            public: boolean;
+            /** Url */
+            url: string;
+        };
+        /**
+         * PortURLRequest
+         * @description A URL that reaches ``port`` inside the sandbox through the control plane (HTTP and WebSocket).
+         */
+        PortURLRequest: {
+            /**
+             * Expires In
+             * @description seconds the URL's token stays valid (a public port's URL has none)
+             * @default 3600
+             */
+            expires_in: number;
+            /**
+             * Path
+             * @description path (and query) inside the sandbox
+             * @default /
+             */
+            path: string;
+            /** Port */
+            port: number;
+        };
         /** Rates */
         Rates: {
             /** Gb S Usd */
@@ -910,6 +987,11 @@ export interface components {
              * @default null
              */
             message: string | null;
+            /**
+             * Oom Killed
+             * @default null
+             */
+            oom_killed: boolean | null;
             /**
              * Paused
              * @default null
@@ -1018,6 +1100,13 @@ export interface components {
             node_id?: string | null;
             /** Paused At */
             paused_at?: string | null;
+            /**
+             * Public
+             * @default false
+             */
+            public: boolean;
+            /** Public Ports */
+            public_ports?: number[];
             /** Started At */
             started_at?: string | null;
             state: components["schemas"]["SandboxState"];
@@ -1941,6 +2030,41 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["SandboxInfo"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    port_url_v1_sandboxes__sandbox_id__urls_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sandbox_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["PortURLRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PortURL"];
                 };
             };
             /** @description Validation Error */

@@ -176,6 +176,35 @@ describe('commands', () => {
   })
 })
 
+describe('ports by URL', () => {
+  test('getUrl reaches a server in the sandbox; refused without its token; a public port needs none', async () => {
+    const sb = await Sandbox.create({ ...TINY, publicPorts: [8081] })
+    try {
+      assert.deepEqual(sb.info.publicPorts, [8081])
+      await sb.files.write('/srv/index.html', 'hi from busybox')
+      assert.equal((await sb.run('busybox httpd -p 127.0.0.1:8080 -h /srv && busybox httpd -p 127.0.0.1:8081 -h /srv')).exitCode, 0)
+      const url = await sb.getUrl(8080, { expiresIn: 60 })
+      assert.match(url, new RegExp(`/ports/${sb.id}/8080/\\?pd_token=`))
+      let r = await fetch(url)
+      for (let i = 0; r.status === 502 && i < 50; i++) {     // httpd forks into the background: wait for it
+        await new Promise((res) => setTimeout(res, 100))
+        r = await fetch(url)
+      }
+      assert.equal(r.status, 200)
+      assert.equal(await r.text(), 'hi from busybox')
+      r = await fetch(url.split('?')[0]!)
+      assert.equal(r.status, 401)
+      assert.equal(((await r.json()) as { error: { code: string } }).error.code, 'url_token_required')
+      const info = await sb.getUrlInfo(8081)
+      assert.equal(info.public, true)
+      assert.equal(info.expiresAt, null)
+      assert.equal(await (await fetch(info.url)).text(), 'hi from busybox')
+    } finally {
+      await sb.kill()
+    }
+  })
+})
+
 describe('files', () => {
   test('upload a directory as one tar stream, download it back byte for byte', async (t) => {
     const root = mkdtempSync(join(tmpdir(), 'pd-js-it-'))
@@ -224,10 +253,10 @@ describe('configuration', () => {
   test('the config file that `pilldrops up` wrote is found without any environment variable', async () => {
     const env: Record<string, string> = { PATH: process.env.PATH!, XDG_CONFIG_HOME: process.env.PD_CONFIG_HOME! }
     const code = `import('${new URL('../../src/index.js', import.meta.url).href}').then(async ({ Sandbox }) => {
-      const sbs = await Sandbox.list(); console.log(JSON.stringify(sbs.map((s) => s.id)))
+      const sbs = await Sandbox.list({ includeEnded: true }); console.log(JSON.stringify(sbs.map((s) => s.id)))
     })`
     const out = execFileSync(process.execPath, ['-e', code], { env }).toString()
-    const mine = (await Sandbox.list()).map((s) => s.id)
+    const mine = (await Sandbox.list({ includeEnded: true })).map((s) => s.id)
     assert.ok(mine.length > 0)
     assert.deepEqual(JSON.parse(out), mine)
     const bad = { ...env, PILLDROPS_API_KEY: 'pd_bad' }

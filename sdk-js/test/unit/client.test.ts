@@ -264,6 +264,11 @@ describe('a sandbox', () => {
     assert.deepEqual(f.calls[0]!.url.searchParams.getAll('state'), ['running', 'paused'])
     assert.equal(f.calls[0]!.url.searchParams.get('metadata.run'), 'r.1')
     await assert.rejects(Sandbox.list({ ...opts(f), state: 'asleep' }), InvalidRequest)
+    const before = f.calls.length
+    await Sandbox.list(opts(f))                                    // by default: the states that have not ended
+    assert.deepEqual(f.calls[before]!.url.searchParams.getAll('state'), ['starting', 'running', 'pausing', 'paused', 'resuming'])
+    await Sandbox.list({ ...opts(f), includeEnded: true })
+    assert.deepEqual(f.calls.at(-1)!.url.searchParams.getAll('state'), [])
     const rec = { id: 'sb_1', template: 'base', vcpu: 1, memory_mb: 512, vcpu_s: 1, gb_s: 0.5, storage_gb_s: 0,
       cost_usd: 0.25, state: 'stopped', metadata: { my_key: 'v' }, pauses: [{ paused_at: 't', checkpoint_bytes: 1, storage_gb_s: 0 }] }
     f.on('GET', '/v1/history', (c) => json(200, { items: Array(Number(c.url.searchParams.get('limit'))).fill(rec), next_cursor: 'n' + f.calls.length }))

@@ -49,6 +49,9 @@ def _control_plane_options(f: Any) -> Any:
                      help="seconds without a heartbeat before a node's sandboxes are lost (node_lost)"),
         click.option("--paused-retention", type=float, default=30 * 24 * 3600.0, show_default=True,
                      help="seconds a sandbox may stay paused before it is deleted (end_reason paused_expired)"),
+        click.option("--public-host", default=None, envvar="PILLDROPS_PUBLIC_HOST", metavar="[SCHEME://]DOMAIN[:PORT]",
+                     help="wildcard domain routed to this control plane: port URLs become "
+                          "{port}-{id}.DOMAIN (host-based) instead of /ports/{id}/{port}/ on the API's address"),
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
@@ -61,7 +64,7 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation")}
+            "default_isolation": kw.pop("default_isolation"), "public_host": kw.pop("public_host")}
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -112,10 +115,11 @@ def _console() -> Any:
 def _one_line_build_errors() -> Iterator[None]:
     """A failed template build is one clear line (what failed, its last output line, the log file), not a
     traceback."""
+    from pilldrops.dockerfile import DockerfileError
     from pilldrops.node.templates import TemplateBuildError, TemplateSpecError
     try:
         yield
-    except (TemplateBuildError, TemplateSpecError) as exc:
+    except (TemplateBuildError, TemplateSpecError, DockerfileError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -128,25 +132,30 @@ def build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path
 def _build_templates(data_dir: Path, names: list[str], templates_dirs: tuple[Path, ...]) -> None:
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    console = _console()
     for name in names:
         try:
             store.get(name)
             continue
         except Exception:  # noqa: BLE001 - not built yet (or spec changed): build it below
             pass
-        t0 = time.monotonic()
-        if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
-            console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
-        with console.status(f"[bold]building template {name}[/] (once)") as status:
-            def progress(line: str, _name: str = name) -> None:
-                status.update(f"[bold]building template {_name}[/] {time.monotonic() - t0:5.0f}s "  # noqa: B023 - called at once, in the loop
-                              f"[dim]{line[:90]}[/]")
-                if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
-                    console.print(f"  {line[:160]}")      # each step, so a log shows where a build is
-            tpl = store.ensure(name, progress=progress)
-        console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
-                      f"({tpl.size / 2**20:.0f} MiB)")
+        _with_progress(name, lambda progress, _name=name: store.ensure(_name, progress=progress))
+
+
+def _with_progress(name: str, build: Any) -> Any:
+    """Run ``build(progress)`` under a live status line (each step printed when stderr is not a terminal)."""
+    console = _console()
+    t0 = time.monotonic()
+    if not console.is_terminal:     # no spinner in a log: say what the next minutes are spent on
+        console.print(f"building template {name} (once; a few minutes for Debian templates) ...")
+    with console.status(f"[bold]building template {name}[/] (once)") as status:
+        def progress(line: str) -> None:
+            status.update(f"[bold]building template {name}[/] {time.monotonic() - t0:5.0f}s [dim]{line[:90]}[/]")
+            if not console.is_terminal and line.startswith(("[", "debootstrap", "building template")):
+                console.print(f"  {line[:160]}", markup=False, emoji=False, highlight=False)  # each step
+        tpl = build(progress)
+    console.print(f"[green]✓[/] template [bold]{name}[/] built in {time.monotonic() - t0:.0f}s "
+                  f"({tpl.size / 2**20:.0f} MiB)")
+    return tpl
 
 
 def _config_path() -> Path:
@@ -406,19 +415,32 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
 
 @click.command("build")
 @click.argument("name")
+@click.argument("context", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("-f", "--file", "dockerfile", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="build from this Dockerfile (the common subset: see docs/templates.md); CONTEXT is the folder "
+                   "COPY/ADD read from [default: the Dockerfile's folder]")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE",
+              help="a Dockerfile ARG's value (repeatable)")
 @_data_dir_option
 @click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
+@click.option("--local", is_flag=True, help="build on this machine (what this command always does here)")
 @_templates_dir_option
-def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...]) -> None:
-    """Build a template (Debian packages or busybox) into a cached read-only layer on this machine.
+def template_build(name: str, context: Path | None, dockerfile: Path | None, build_args: tuple[str, ...],
+                   data_dir: Path, force: bool, local: bool, templates_dirs: tuple[Path, ...]) -> None:
+    """Build a template into a cached read-only layer on this machine: from a TOML spec (Debian packages or
+    busybox), or with -f from a Dockerfile (no Docker engine needed; FROM one of our templates or debian:SUITE).
 
     Specs are TOML files: the packaged ones, ~/.config/pilldrops/templates/*.toml and --templates-dir.
     A running node announces a newly built template within about a second."""
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
+    if (context is not None or build_args) and dockerfile is None:
+        raise click.UsageError("CONTEXT and --build-arg go with -f/--file (a Dockerfile)")
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    if force:
+    if dockerfile is not None:
+        tpl = _build_dockerfile(store, name, dockerfile, context, build_args, force)
+    elif force:
         t0 = time.monotonic()
         with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
             tpl = store.build(name, progress=lambda line: status.update(f"rebuilding {name}: {line[:90]}"),
@@ -428,6 +450,22 @@ def template_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple
         build_templates(data_dir, [name], templates_dirs)
         tpl = store.get(name)
     click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
+
+
+def _build_dockerfile(store: Any, name: str, dockerfile: Path, context: Path | None, build_args: tuple[str, ...],
+                      force: bool) -> Any:
+    from pilldrops.node.dockerfile import template_spec
+    args: dict[str, str] = {}
+    for a in build_args:
+        key, eq, value = a.partition("=")
+        if not eq:
+            value = os.environ.get(key, "")     # `--build-arg KEY` takes the value from the environment
+        args[key] = value
+    with _one_line_build_errors():
+        spec, parsed = template_spec(dockerfile, context, name=name, build_args=args)
+        for w in parsed.warnings:
+            _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
+        return _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
     sys.stdout.flush()
 
 

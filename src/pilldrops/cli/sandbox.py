@@ -9,14 +9,21 @@ import click
 
 from pilldrops.cli import _output
 from pilldrops.cli.main import CliState
-from pilldrops.schema.api import DEFAULT_TIMEOUT_S, ISOLATION_MODES, SandboxInfo, SandboxState
+from pilldrops.schema.api import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_URL_EXPIRES_S,
+    ISOLATION_MODES,
+    MAX_URL_EXPIRES_S,
+    SandboxInfo,
+    SandboxState,
+)
+from pilldrops.schema.api import LIVE_STATES as schema_live_states
 from pilldrops.sdk._sync.sandbox import Sandbox
 
 pass_state = click.make_pass_decorator(CliState, ensure=True)
 
 #: States a sandbox can be killed in: what ``list`` shows by default and ``kill --all`` kills.
-LIVE_STATES = [SandboxState.running.value, SandboxState.starting.value, SandboxState.pausing.value,
-               SandboxState.paused.value, SandboxState.resuming.value]
+LIVE_STATES = [s.value for s in schema_live_states]
 #: ``--state`` values; a wrong one is a usage error listing these.
 STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
 KILL_WORKERS = 16
@@ -48,12 +55,17 @@ def sandbox() -> None:
 @click.option("--isolation", type=click.Choice(ISOLATION_MODES), default=None,
               help="container (crun), gvisor (runsc) or microvm (QEMU) [default: the template's, else the "
                    "deployment's]")
+@click.option("--public-port", "public_ports", multiple=True, type=click.IntRange(1, 65535), metavar="PORT",
+              help="Serve this port by URL without a token (repeatable).")
+@click.option("--public", is_flag=True, help="Serve every port by URL without a token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
 @pass_state
 def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout: int, metadata: tuple[str, ...],
-           env: tuple[str, ...], isolation: str | None, as_json: bool) -> None:
+           env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...], public: bool,
+           as_json: bool) -> None:
     """Create a sandbox (left running) and print its id."""
     sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, isolation=isolation,
+                        public_ports=list(public_ports), public=public,
                         metadata=_output.parse_pairs(metadata, "--metadata"),
                         envs=_output.parse_pairs(env, "--env"), **state.sdk_options())
     if as_json:
@@ -76,9 +88,8 @@ def list_(state: CliState, states: tuple[str, ...], all_: bool, metadata: tuple[
     """List sandboxes, newest first: live ones unless --all or --state."""
     if all_ and states:
         raise click.UsageError("--all and --state are exclusive: --state already picks the states")
-    wanted = list(states) or (None if all_ else LIVE_STATES)
-    items = Sandbox.list(state=wanted, metadata=_output.parse_pairs(metadata, "--metadata"), limit=limit,
-                         **state.sdk_options())
+    items = Sandbox.list(state=list(states) or None, include_ended=all_, limit=limit,
+                         metadata=_output.parse_pairs(metadata, "--metadata"), **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(items))
         return
@@ -194,6 +205,23 @@ def download(state: CliState, sandbox_id: str, remote: str, local: str) -> None:
     sb = Sandbox.connect(sandbox_id, **state.sdk_options())
     path = sb.download(remote, local)
     click.echo(f"downloaded {remote} to {path}")
+
+
+@sandbox.command("url")
+@click.argument("sandbox_id")
+@click.argument("port", type=click.IntRange(1, 65535))
+@click.option("--expires-in", type=click.IntRange(1, MAX_URL_EXPIRES_S), default=DEFAULT_URL_EXPIRES_S,
+              show_default=True, help="Seconds the URL's token stays valid.")
+@click.option("--path", default="/", show_default=True, help="Path (and query) inside the sandbox's server.")
+@click.option("--json", "as_json", is_flag=True, help="Print {url, port, expires_at, public} as JSON.")
+@pass_state
+def url(state: CliState, sandbox_id: str, port: int, expires_in: int, path: str, as_json: bool) -> None:
+    """Print a URL (signed, expiring) that reaches PORT inside the sandbox, for a browser or curl."""
+    info = Sandbox.connect(sandbox_id, **state.sdk_options()).get_url_info(port, expires_in=expires_in, path=path)
+    if as_json:
+        _output.print_json(_output.to_jsonable(info))
+    else:
+        click.echo(info.url)
 
 
 @sandbox.command("kill")

@@ -5,5 +5,6 @@ against a PillDrops server.
   access tokens) that sends sandbox traffic to envd (``envd``), the code interpreter or a user port;
 - ``rest``: the E2B control-plane REST routes, mapped onto the same services as ``/v1``;
 - ``code_interpreter``: ``/execute`` and ``/contexts``, relayed to a Jupyter-kernel driver in the sandbox;
-- ``ports``: HTTP and WebSocket relays to a port inside a sandbox (tunnelled through the node).
+- ``ports``: the shared port relay (``server.ports``) addressed by a ``SandboxRef`` (user ports themselves go
+  through the port gateway, ``server.ports.gateway``).
 """

@@ -9,8 +9,9 @@ Mapping:
 - ids: ``sb_abc…`` is ``sbabc…`` on this surface (E2B ids are ``[a-z0-9]+``); both are accepted;
 - templates: ``code-interpreter-v1`` -> ``code-interpreter``; other names as they are (``base``, ...);
 - the sandbox's access token is E2B's ``envdAccessToken``; ``timeout`` defaults to 300 s;
-- unknown fields are ignored, as E2B does; ``autoPause``, ``network``, ``mcp``, ``volumeMounts`` have no
-  effect (see the README's "Coming from E2B").
+- unknown fields are ignored, as E2B does; ``autoPause``, ``mcp``, ``volumeMounts`` have no effect, and of
+  ``network`` only ``allowPublicTraffic`` (default true: the sandbox's ports are public; false: they need a
+  port URL's token) (see the README's "Coming from E2B").
 """
 
 from __future__ import annotations
@@ -188,9 +189,11 @@ class E2BApi:
         envs = data.get("envVars") or {}
         if not isinstance(metadata, dict) or not isinstance(envs, dict):
             raise errors.InvalidRequest("metadata and envVars must be objects")
-        try:
+        network = data.get("network") if isinstance(data.get("network"), dict) else {}
+        try:   # user ports are public unless network.allowPublicTraffic is false, as on E2B
             req = CreateSandboxRequest(template=e2b_template(asked), metadata=metadata, envs=envs,
-                                       timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S)
+                                       timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
+                                       public=network.get("allowPublicTraffic", True) is not False)
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
             raise errors.InvalidRequest(f"invalid request: {'.'.join(map(str, first.get('loc', ())))}: "

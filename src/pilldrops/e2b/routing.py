@@ -2,12 +2,14 @@
 
 1. ``E2b-Sandbox-Id`` present: sandbox traffic for that id, on port ``E2b-Sandbox-Port`` (default 49983);
 2. else a Host of the form ``{port}-{sandboxID}.{domain}``;
-3. else it is ours: E2B's REST paths (``/sandboxes``, ``/v2/sandboxes``) go to ``rest``, the rest to our app.
+3. else a path ``/ports/{id}/{port}/...``: a port URL of our own (``server.ports.gateway``);
+4. else it is ours: E2B's REST paths (``/sandboxes``, ``/v2/sandboxes``) go to ``rest``, the rest to our app.
 
-Sandbox traffic is resolved to a running sandbox (``context.SandboxRef``) and sent on by port: 49983 to
-envd (``pilldrops.e2b.envd``), 49999 to the code interpreter, any other port to that port inside the
-sandbox (``ports``). An unknown, ended or paused sandbox is E2B's 502 "The sandbox was not found", which
-the SDKs turn into ``SandboxNotRunningException`` / ``is_running() == False``.
+Sandbox traffic is sent on by port: 49983 to envd (``pilldrops.e2b.envd``) and 49999 to the code
+interpreter, both resolved to a running sandbox (``context.SandboxRef``); any other port goes to the port
+gateway, the one path of every user port (token or public port checked there, then the node's port
+tunnel). An unknown, ended or paused sandbox is E2B's 502 "The sandbox was not found", which the SDKs
+turn into ``SandboxNotRunningException`` / ``is_running() == False``.
 
 A pure ASGI middleware: nothing is buffered, so streamed answers (Connect streams, NDJSON) stay streamed.
 """
@@ -23,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pilldrops import errors
-from pilldrops.e2b import code_interpreter, ports
+from pilldrops.e2b import code_interpreter
 from pilldrops.e2b.context import STATE_KEY, NodeLink, SandboxRef, from_e2b_id, to_e2b_id
 from pilldrops.e2b.rest import create_rest_app, is_rest_path
+from pilldrops.server.ports.gateway import PortGateway
 
 if TYPE_CHECKING:
     from pilldrops.server.api.app import Services
@@ -83,6 +86,7 @@ class E2BRouting:
         self.rest = create_rest_app(services, on_created=self._created)
         self.envd = _load_envd(services)
         self.code_interpreter = code_interpreter.CodeInterpreter()
+        self.ports = PortGateway(services.sandboxes, services.urls)   # type: ignore[arg-type]
         self._warming: set[asyncio.Task[None]] = set()
 
     def _created(self, row: Any) -> None:
@@ -108,7 +112,9 @@ class E2BRouting:
             return
         target = sandbox_target(_headers(scope))
         if target is None:
-            if scope["type"] == "http" and is_rest_path(scope.get("path", "")):
+            if self.ports.matches(scope.get("path", "")):
+                await self.ports.handle_path(scope, receive, send)
+            elif scope["type"] == "http" and is_rest_path(scope.get("path", "")):
                 await self.rest(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
@@ -117,6 +123,9 @@ class E2BRouting:
         if not 1 <= port <= 65535 or not _ID_RE.match(e2b_id):
             await reject(scope, send, 400, {"code": 400, "message": "invalid E2b-Sandbox-Id or E2b-Sandbox-Port",
                                             **errors.InvalidRequest("invalid sandbox id or port").to_body()})
+            return
+        if port not in (ENVD_PORT, CODE_INTERPRETER_PORT):
+            await self.ports.serve(from_e2b_id(e2b_id), port, scope, receive, send, e2b=True)
             return
         try:
             ref = await self.resolve(e2b_id)
@@ -132,10 +141,8 @@ class E2BRouting:
                 await reject(scope, send, 400, {})
                 return
             await self.envd(scope, receive, send)
-        elif port == CODE_INTERPRETER_PORT:
-            await self.code_interpreter(scope, receive, send)
         else:
-            await ports.relay(ref, port, scope, receive, send)
+            await self.code_interpreter(scope, receive, send)
 
     async def resolve(self, e2b_id: str) -> SandboxRef | None:
         """The running sandbox behind an id, else None. Read from the store on every request (one lookup

@@ -195,7 +195,8 @@ class Checkpoints:
             raise
         # the restore consumed the image (crun moves its writable layer into the container), so nothing may
         # fail from here on: the target comes from what was resolved before (not a template lookup now)
-        target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir)
+        target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir,
+                        user=rt_spec.user)
         sb.spec, sb.target, sb.image = spec, target, None
         sb.started_at = sb.started_at or self.now()
         sb.started_mono = time.monotonic() - max(image.run_s, body.run_s)

@@ -39,6 +39,7 @@ class Target:
     handle: Handle
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    user: str | None = None      # "uid:gid" that run/process commands run as (a template's USER); None = root
     active: set[ExecProcess] = field(default_factory=set)   # commands in flight (ended by a pause)
     pausing: bool = False
     processes: Any = None        # processes.Table, made on first use (the process service)
@@ -93,12 +94,15 @@ class DataPlane:
 
     async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None,
-                    timeout: float | None = None, output_cap: int | None = None) -> ExecProcess:
+                    timeout: float | None = None, output_cap: int | None = None,
+                    as_user: bool = False) -> ExecProcess:
+        """``as_user``: as the template's user (the user's own commands); file transfers stay root."""
         if t.pausing:
             raise errors.InvalidState(f"sandbox {t.id} is being paused", current="pausing", target="running")
         try:
             proc = await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
-                                           stdin=stdin, timeout=timeout, output_cap=output_cap)
+                                           stdin=stdin, timeout=timeout, output_cap=output_cap,
+                                           **({"user": t.user} if as_user and t.user else {}))
         except RuntimeFailure as exc:   # e.g. its init just died and the monitor has not noticed yet
             raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
                                       current="stopped", target="running") from exc
@@ -131,14 +135,20 @@ class DataPlane:
         if req.cwd is not None:
             _check_path(req.cwd)
         started = time.monotonic()
+        ooms = self._oom_kills(t)
         # The runtime enforces the timeout and the output cap itself, so neither depends on how fast
         # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
-                                timeout=req.timeout, output_cap=req.max_output_bytes)
-        return self._stream(t, proc, started)
+                                timeout=req.timeout, output_cap=req.max_output_bytes, as_user=True)
+        return self._stream(t, proc, started, ooms)
 
-    async def _stream(self, t: Target, proc: ExecProcess, started: float) -> AsyncIterator[bytes]:
+    def _oom_kills(self, t: Target) -> int | None:
+        fn = getattr(self.runtime, "oom_kills", None)
+        return fn(t.handle) if fn is not None else None
+
+    async def _stream(self, t: Target, proc: ExecProcess, started: float,
+                      ooms: int | None = None) -> AsyncIterator[bytes]:
         finished = False
         try:
             yield _line(RunEvent(type="start", pid=proc.pid))
@@ -147,9 +157,13 @@ class DataPlane:
             code = await proc.wait()
             finished = True
             t.active.discard(proc)
+            # SIGKILLed while the memory cgroup's kill count grew: the limit killed it (or its child)
+            oom = (code == 128 + 9 and not proc.timed_out and not t.pausing and ooms is not None
+                   and (self._oom_kills(t) or 0) > ooms)
             yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
                                  duration=round(time.monotonic() - started, 6), truncated=proc.truncated,
-                                 timed_out=proc.timed_out, paused=True if t.pausing else None))
+                                 timed_out=proc.timed_out, paused=True if t.pausing else None,
+                                 oom_killed=True if oom else None))
         finally:
             t.active.discard(proc)
             if not finished:      # the client went away or the stream failed: never leave the command

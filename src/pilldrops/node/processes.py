@@ -221,6 +221,8 @@ class Processes:
         if req.stdin or req.pty is not None:
             send, recv = anyio.create_memory_object_stream[bytes](STDIN_CHUNKS)
         extra: dict[str, Any] = {"pty": (req.pty.rows, req.pty.cols)} if req.pty is not None else {}
+        if t.user:
+            extra["user"] = t.user          # the template's USER, like run
         try:
             proc = await self.runtime.exec(t.handle, argv, env={**t.env, **req.envs}, cwd=req.cwd or t.workdir,
                                            stdin=recv, timeout=req.timeout, **extra)

@@ -68,10 +68,17 @@ class TemplateCache:
                                           f"{self.node_name}: {exc}") from exc
         return SandboxSpec(id=spec.id, layers=tuple(Path(p) for p in tpl.layers), vcpu=spec.vcpu,
                            memory_mb=spec.memory_mb, pids_limit=PIDS_LIMIT,
-                           envs={**dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
-                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation)
+                           envs={**_home(tpl), **dict(tpl.env), **spec.envs}, workdir=tpl.workdir or "/",
+                           hostname=spec.id.replace("_", "-"), isolation=spec.isolation,
+                           user=getattr(tpl, "user", None))
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self.get(spec.template)
-        return Target(id=spec.id, handle=handle, env={**dict(tpl.env), **spec.envs},
-                      workdir=tpl.workdir or "/")
+        return Target(id=spec.id, handle=handle, env={**_home(tpl), **dict(tpl.env), **spec.envs},
+                      workdir=tpl.workdir or "/", user=getattr(tpl, "user", None))
+
+
+def _home(tpl: Any) -> dict[str, str]:
+    """HOME of a template whose commands run as another user (its USER's home), unless its env sets one."""
+    home = getattr(tpl, "home", None)
+    return {"HOME": home} if getattr(tpl, "user", None) and home else {}

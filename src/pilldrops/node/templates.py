@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -39,12 +40,13 @@ import tomllib
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
+from pilldrops.node.rootfs_ops import copy_entries, in_root, mkdirs_owned, resolve_user, tree_entries
 from pilldrops.schema.api import ISOLATION_MODES
 
 log = logging.getLogger("pilldrops.templates")
@@ -83,8 +85,10 @@ class TemplateBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Step:
-    kind: str                     # run | copy | env | workdir
+    kind: str                     # run | copy | env | workdir | user (user: Dockerfile templates)
     value: Any
+    origin: str = ""              # where it came from, for messages ("Dockerfile:12 RUN"); not hashed
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,17 @@ class TemplateSpec:
     steps: tuple[Step, ...]
     path: Path
     isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
+    context: Path | None = None   # copy srcs are relative to this (Dockerfile templates); else to path's folder
+    fixed_hash: str | None = None  # a recorded spec (built from a Dockerfile): its hash as built
 
     @property
     def is_builder(self) -> bool:
-        return self.base in BUILDERS
+        return self.base in BUILDERS or self.base.startswith("debootstrap:")
+
+    @property
+    def root(self) -> Path:
+        """The folder copy sources are relative to."""
+        return self.context if self.context is not None else self.path.parent
 
     def canonical(self) -> dict[str, Any]:
         return {"name": self.name, "from": self.base, "env": self.env, "workdir": self.workdir,
@@ -116,6 +127,8 @@ class Template:
     hash: str
     size: int = 0                 # bytes of every layer (this one and its parents'): what a sandbox sees
     built_at: float = 0.0
+    user: str | None = None       # "uid:gid" its commands run as (a Dockerfile's USER); None = root
+    home: str | None = None       # that user's home (HOME of its commands)
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,56 @@ def parse_spec(path: Path) -> TemplateSpec:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TemplateSpecError(f"{path}: {e}") from e
+    return spec_from_dict(data, path)
+
+
+def spec_document(spec: TemplateSpec) -> dict[str, Any]:
+    """The spec as a plain dict in the shape of its TOML file (what a remote build sends, and what a
+    Dockerfile becomes): the inverse of :func:`spec_from_dict`."""
+    return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
+            "workdir": spec.workdir, "isolation": spec.isolation,
+            "steps": [{s.kind: s.value} for s in spec.steps]}
+
+
+_USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*(:[A-Za-z0-9_.][A-Za-z0-9_.-]*)?$")
+_COPY_EXTRA = {"entries", "chown", "chmod", "extract"}     # a Dockerfile's COPY/ADD (node/dockerfile.py)
+
+
+def _rel_ok(p: str) -> bool:
+    return not p.startswith("/") and ".." not in p.split("/") and "\0" not in p
+
+
+def _check_copy(value: Any, where: str, path: Path) -> dict[str, Any]:
+    if (not isinstance(value, dict) or not {"src", "dest"} <= set(value) or set(value) - {"src", "dest"} - _COPY_EXTRA
+            or not isinstance(value["src"], str) or not isinstance(value["dest"], str) or not value["dest"]):
+        raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
+    if Path(value["src"]).is_absolute():
+        rel = os.path.relpath(value["src"], path.resolve().parent)
+        raise TemplateSpecError(
+            f"{where}: copy src {value['src']!r} is absolute; write it relative to the spec file "
+            f"(e.g. {rel!r}) so that the spec and its files can move together")
+    entries = value.get("entries")
+    # what a Dockerfile's COPY writes, relative to src: never outside it (the document may come from afar)
+    if entries is not None and (not isinstance(entries, list) or not _rel_ok(value["src"])
+                                or not all(isinstance(e, str) and _rel_ok(e) for e in entries)):
+        raise TemplateSpecError(f"{where}: copy entries must be relative paths inside src")
+    if "chown" in value and not (isinstance(value["chown"], str) and _USER_RE.match(value["chown"])):
+        raise TemplateSpecError(f"{where}: copy chown must be user[:group]")
+    if "chmod" in value and not (isinstance(value["chmod"], str) and re.fullmatch(r"[0-7]{3,4}", value["chmod"])):
+        raise TemplateSpecError(f"{where}: copy chmod must be an octal mode")
+    if "extract" in value and not isinstance(value["extract"], bool):
+        raise TemplateSpecError(f"{where}: copy extract must be true or false")
+    return dict(value)
+
+
+def spec_from_dict(data: Any, path: Path, *, context: Path | None = None) -> TemplateSpec:
+    """A spec from its document (a TOML file's table, a Dockerfile's translation, or a remote build's JSON).
+    ``path`` names where it came from; copy sources are relative to ``context``, else to its folder.
+    A step's ``workdir`` and a copy's ``dest`` may be relative: to the workdir in effect at that step."""
+    path = Path(path)
+    if not isinstance(data, dict):
+        raise TemplateSpecError(f"{path}: a template spec must be a table")
+    data = {k: v for k, v in data.items() if v is not None}     # a document's null = the key left out
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise TemplateSpecError(f"{path}: unknown keys {sorted(unknown)}")
@@ -166,33 +229,28 @@ def parse_spec(path: Path) -> TemplateSpec:
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
         if not isinstance(raw, dict) or len(raw) != 1:
-            raise TemplateSpecError(f"{where}: each step has exactly one of run/copy/env/workdir")
+            raise TemplateSpecError(f"{where}: each step has exactly one of run/copy/env/workdir/user")
         (kind, value), = raw.items()
         if kind == "run":
             if not isinstance(value, str) or not value.strip():
                 raise TemplateSpecError(f"{where}: 'run' must be a non-empty string")
         elif kind == "copy":
-            if (not isinstance(value, dict) or set(value) != {"src", "dest"}
-                    or not all(isinstance(x, str) for x in value.values())
-                    or not value["dest"].startswith("/")):
-                raise TemplateSpecError(f"{where}: 'copy' must be {{src = \"rel\", dest = \"/abs\"}}")
-            if Path(value["src"]).is_absolute():
-                rel = os.path.relpath(value["src"], path.resolve().parent)
-                raise TemplateSpecError(
-                    f"{where}: copy src {value['src']!r} is absolute; write it relative to the spec file "
-                    f"(e.g. {rel!r}) so that the spec and its files can move together")
-            value = dict(value)
+            value = _check_copy(value, where, path)
         elif kind == "env":
             value = _str_map(value, where)
         elif kind == "workdir":
-            if not isinstance(value, str) or not value.startswith("/"):
-                raise TemplateSpecError(f"{where}: 'workdir' must be an absolute path")
+            if not isinstance(value, str) or not value or "\0" in value:
+                raise TemplateSpecError(f"{where}: 'workdir' must be a path")
+        elif kind == "user":
+            if not isinstance(value, str) or not _USER_RE.match(value):
+                raise TemplateSpecError(f"{where}: 'user' must be name, uid, name:group or uid:gid")
         else:
             raise TemplateSpecError(f"{where}: unknown step kind {kind!r}")
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve(), isolation=isolation)
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation,
+                        context=Path(context).resolve() if context is not None else None)
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -208,13 +266,53 @@ def _hash_path(h: Any, p: Path) -> None:
 
 
 def spec_hash(spec: TemplateSpec, parent_hash: str) -> str:
+    if spec.fixed_hash:
+        return spec.fixed_hash
     h = hashlib.sha256()
     h.update(json.dumps({"spec": spec.canonical(), "parent": parent_hash, "builder": BUILDER_VERSION},
                         sort_keys=True).encode())
     for s in spec.steps:
-        if s.kind == "copy":
-            _hash_path(h, spec.path.parent / s.value["src"])
+        if s.kind == "copy" and "entries" in s.value:       # exactly what it copies (a Dockerfile's COPY)
+            src = spec.root / s.value["src"]
+            for e in s.value["entries"]:
+                h.update(b"\0" + e.encode())
+                if not e.endswith("/"):
+                    _hash_path(h, src / e if e else src)
+        elif s.kind == "copy":
+            _hash_path(h, spec.root / s.value["src"])
     return h.hexdigest()[:16]
+
+
+DEBIAN_TEMPLATE = re.compile(r"^debian-([a-z]+)$")   # FROM debian:<suite> (not bookworm: that is `base`)
+
+
+def debian_spec(name: str) -> TemplateSpec | None:
+    """The implicit template ``debian-<suite>``: a debootstrap minbase of that suite, workdir /."""
+    m = DEBIAN_TEMPLATE.match(name)
+    if not m:
+        return None
+    return TemplateSpec(name=name, description=f"Debian {m.group(1)} minbase (debootstrap from this machine's "
+                        "apt mirror)", base=f"debootstrap:{m.group(1)}", env={}, workdir="/", steps=(),
+                        path=SPEC_DIR / f"{name}.implicit")
+
+
+RECORDED_SPEC = "spec.json"   # <data>/templates/<name>/spec.json: a spec built from outside the spec dirs
+
+
+def spec_to_json(spec: TemplateSpec, h: str) -> dict[str, Any]:
+    return {"version": 1, "name": spec.name, "description": spec.description, "from": spec.base, "env": spec.env,
+            "workdir": spec.workdir, "isolation": spec.isolation, "hash": h, "path": str(spec.path),
+            "context": str(spec.context) if spec.context else None,
+            "steps": [{"kind": st.kind, "value": st.value, "origin": st.origin, "line": st.line}
+                      for st in spec.steps]}
+
+
+def spec_from_json(d: dict[str, Any]) -> TemplateSpec:
+    return TemplateSpec(name=d["name"], description=d.get("description", ""), base=d["from"], env=dict(d["env"]),
+                        workdir=d.get("workdir"), isolation=d.get("isolation"), path=Path(d["path"]),
+                        context=Path(d["context"]) if d.get("context") else None, fixed_hash=d["hash"],
+                        steps=tuple(Step(st["kind"], st["value"], st.get("origin", ""), st.get("line", 0))
+                                    for st in d["steps"]))
 
 
 def apt_mirror(env: dict[str, str] | None = None, apt_dir: Path | None = None) -> str:
@@ -327,6 +425,13 @@ def build_step_env(env: dict[str, str], ca_in_root: bool) -> dict[str, str]:
     return {**out, **env}
 
 
+def _dir_in_root(root: Path, path: str) -> bool:
+    try:
+        return in_root(root, path).is_dir()
+    except ValueError:          # a symlink loop a build step made: no such folder then
+        return False
+
+
 @contextmanager
 def _host_network_settings(root: Path) -> Iterator[bool]:
     """The host's CA bundle at BUILD_CA and an apt config for its proxy and CA while the steps run; both are
@@ -336,8 +441,8 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
     ca_in_root = False
     ca = host_ca_bundle()
     try:
-        if ca is not None and (root / "tmp").is_dir():
-            dest = root / BUILD_CA.lstrip("/")
+        if ca is not None and _dir_in_root(root, "/tmp"):
+            dest = in_root(root, BUILD_CA)         # inside root even if a parent's step made /tmp a symlink
             shutil.copyfile(ca, dest)
             made.append(dest)
             ca_in_root = True
@@ -345,9 +450,8 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
                  if k in ("http_proxy", "https_proxy")]
         if ca_in_root:
             lines.append(f'Acquire::https::CAInfo "{BUILD_CA}";')
-        apt_dir = root / "etc" / "apt" / "apt.conf.d"
-        if lines and apt_dir.is_dir():
-            conf = root / BUILD_APT_CONF.lstrip("/")
+        if lines and _dir_in_root(root, posixpath.dirname(BUILD_APT_CONF)):
+            conf = in_root(root, BUILD_APT_CONF)
             conf.write_text("\n".join(lines) + "\n")
             made.append(conf)
         yield ca_in_root
@@ -358,8 +462,11 @@ def _host_network_settings(root: Path) -> Iterator[bool]:
 
 @contextmanager
 def _chroot_mounts(root: Path) -> Iterator[None]:
-    """proc + /dev + the host's resolv.conf inside ``root`` for the duration of the build steps."""
+    """proc + /dev + the host's resolv.conf inside ``root`` for the duration of the build steps. A parent
+    template whose /proc, /dev or /etc is a symlink is refused: mounting there would mount on the host."""
     for d in ("proc", "dev", "etc"):
+        if (root / d).is_symlink():
+            raise TemplateBuildError(f"the template's /{d} is a symlink ({os.readlink(root / d)}): refused")
         (root / d).mkdir(exist_ok=True)
     resolv = root / "etc" / "resolv.conf"
     saved: tuple[str, bytes | str] | None = None
@@ -402,13 +509,13 @@ def _build_busybox(layer: Path, progress: Progress | None) -> None:
     (layer / "etc" / "hostname").write_text("sandbox\n")
 
 
-def _build_debootstrap(layer: Path, progress: Progress | None) -> None:
+def _build_debootstrap(layer: Path, progress: Progress | None, suite: str = DEFAULT_SUITE) -> None:
     if not shutil.which("debootstrap"):
         raise TemplateBuildError("debootstrap missing: run `scripts/install-system-deps`")
     mirror = apt_mirror()
     if progress:
-        progress(f"debootstrap --variant=minbase {DEFAULT_SUITE} from {mirror}")
-    _run(["debootstrap", "--variant=minbase", DEFAULT_SUITE, str(layer), mirror], progress)
+        progress(f"debootstrap --variant=minbase {suite} from {mirror}")
+    _run(["debootstrap", "--variant=minbase", suite, str(layer), mirror], progress)
     for pattern in ("var/lib/apt/lists/*", "var/cache/apt/*.bin", "var/cache/apt/archives/*.deb"):
         for p in layer.glob(pattern):
             if p.is_file() or p.is_symlink():
@@ -450,8 +557,9 @@ class TemplateStore:
 
     # specs
     def specs(self) -> dict[str, TemplateSpec]:
-        """Every valid spec by name. A file that does not parse is skipped and kept in :attr:`spec_errors`
-        (logged once): one bad spec in the user's folder never takes the other templates, or a node, down."""
+        """Every valid spec by name: the spec dirs' files, then the specs recorded by :meth:`build_spec`
+        (Dockerfile templates) under names no file defines. A file that does not parse is skipped and kept
+        in :attr:`spec_errors` (logged once): one bad spec never takes the other templates, or a node, down."""
         out: dict[str, TemplateSpec] = {}
         errors: dict[str, str] = {}
         for d in self.spec_dirs:
@@ -462,6 +570,15 @@ class TemplateStore:
                     errors[str(f)] = str(exc)
                     continue
                 out[s.name] = s
+        for f in sorted(self.root.glob(f"*/{RECORDED_SPEC}")) if self.root.is_dir() else ():
+            if f.parent.name in out:
+                continue
+            try:
+                rec = spec_from_json(json.loads(f.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                errors[str(f)] = f"{f}: unreadable recorded spec: {exc}"
+                continue
+            out[rec.name] = rec
         for path, err in errors.items():
             if self._logged_errors.get(path) != err:
                 log.warning("skipping template spec %s: %s", path, err)
@@ -476,16 +593,23 @@ class TemplateStore:
     def spec(self, name: str) -> TemplateSpec:
         specs = self.specs()
         if name not in specs:
+            implicit = debian_spec(name)
+            if implicit is not None:
+                return implicit
             bad = "; ".join(self._logged_errors.values())
             raise TemplateNotFound(f"no template spec named {name!r}" + (f" (skipped invalid specs: {bad})" if bad
                                                                          else ""), details={"template": name})
         return specs[name]
 
     def hash(self, name: str, _seen: tuple[str, ...] = ()) -> str:
-        if name in _seen:
-            raise TemplateSpecError(f"template cycle: {' -> '.join(_seen + (name,))}")
-        s = self.spec(name)
-        parent = f"builder:{s.base}" if s.is_builder else self.hash(s.base, _seen + (name,))
+        return self._hash_of(self.spec(name), _seen)
+
+    def _hash_of(self, s: TemplateSpec, _seen: tuple[str, ...] = ()) -> str:
+        if s.name in _seen:
+            raise TemplateSpecError(f"template cycle: {' -> '.join(_seen + (s.name,))}")
+        if s.fixed_hash:
+            return s.fixed_hash
+        parent = f"builder:{s.base}" if s.is_builder else self.hash(s.base, _seen + (s.name,))
         return spec_hash(s, parent)
 
     # built templates
@@ -501,7 +625,8 @@ class TemplateStore:
         m = json.loads(manifest.read_text())
         layers = tuple(Path(p) for p in m["layers"])
         return Template(name=m["name"], layers=layers, env=m["env"], workdir=m["workdir"], hash=m["hash"],
-                        size=sum(_layer_size(p) for p in layers), built_at=m["built_at"])
+                        size=sum(_layer_size(p) for p in layers), built_at=m["built_at"],
+                        user=m.get("user"), home=m.get("home"))
 
     def list(self) -> list[TemplateStatus]:
         out = []
@@ -516,19 +641,51 @@ class TemplateStore:
         try:
             return self.get(name)
         except TemplateNotFound:
-            if name not in self.specs():
+            if name not in self.specs() and debian_spec(name) is None:
                 raise
             return self.build(name, progress=progress)
 
     def build(self, name: str, progress: Progress | None = None, *, force: bool = False) -> Template:
-        s = self.spec(name)
+        return self._build(self.spec(name), progress, force=force)
+
+    def build_spec(self, spec: TemplateSpec, progress: Progress | None = None, *, force: bool = False) -> Template:
+        """Build a spec that is in no spec dir (a Dockerfile's, from ``node/dockerfile.py``) and record it under
+        ``<data>/templates/<name>/spec.json``, so that ``get``/``list``/``ensure`` find it afterwards like any
+        other template (with the hash it was built with: its build context may be gone by then)."""
+        for d in self.spec_dirs:
+            for f in sorted(Path(d).glob("*.toml")):
+                try:
+                    taken = parse_spec(f).name == spec.name
+                except TemplateSpecError:
+                    continue
+                if taken:
+                    raise TemplateSpecError(f"template name {spec.name!r} is taken by the spec file {f}; "
+                                            "pick another name")
+        if not _NAME_RE.match(spec.name):
+            raise TemplateSpecError(f"template name {spec.name!r} must match {_NAME_RE.pattern}")
+        if spec.base == spec.name:
+            raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
+        return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
+
+    def build_document(self, document: dict[str, Any], context: Path, progress: Progress | None = None, *,
+                       force: bool = False) -> Template:
+        """:meth:`build_spec` of a spec document (``spec_document``'s shape; a Dockerfile's translation) whose
+        copy sources are relative to ``context``."""
+        spec = spec_from_dict(document, Path(context) / "Dockerfile", context=Path(context))
+        return self.build_spec(spec, progress, force=force)
+
+    def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
+        name = s.name
+        record = record or debian_spec(name) is not None
         parent = None if s.is_builder else self.ensure(s.base, progress)
-        h = self.hash(name)
+        h = self._hash_of(s) if not (force and s.fixed_hash) else s.fixed_hash
         final = self._final(name, h)
         (self.root / name).mkdir(parents=True, exist_ok=True)
         with open(self.root / name / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if (final / "manifest.json").exists() and not force:
+                if record:
+                    self._record(s, h)
                 return self.get(name)
             t0 = time.monotonic()
             if progress:
@@ -539,13 +696,13 @@ class TemplateStore:
             logged = _tee(progress, log)
             try:
                 try:
-                    self._build_into(s, parent, tmp, logged)
+                    result = self._build_into(s, parent, tmp, logged)
                 except TemplateBuildError as exc:
                     exc.log_path = log_path
                     raise
                 layers = [str(final / "layer")] + ([str(p) for p in parent.layers] if parent else [])
-                env, workdir = self._resolve_env(s, parent)
-                manifest = {"name": name, "hash": h, "layers": layers, "env": env, "workdir": workdir,
+                manifest = {"name": name, "hash": h, "layers": layers, "env": result.env,
+                            "workdir": result.workdir, "user": result.user, "home": result.home,
                             "size": _tree_size(tmp / "layer"), "built_at": time.time(),
                             "build_seconds": round(time.monotonic() - t0, 3), "from": s.base}
                 (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -554,6 +711,8 @@ class TemplateStore:
                     os.rename(final, old)
                     shutil.rmtree(old, ignore_errors=True)
                 os.rename(tmp, final)
+                if record:
+                    self._record(s, h)
             finally:
                 log.close()
                 if tmp.exists():
@@ -563,8 +722,15 @@ class TemplateStore:
                 progress(f"built template {name} in {time.monotonic() - t0:.2f}s")
             return self.get(name)
 
+    def _record(self, s: TemplateSpec, h: str) -> None:
+        dest = self.root / s.name / RECORDED_SPEC
+        tmp = dest.with_name(f".{RECORDED_SPEC}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(json.dumps(spec_to_json(s, h), indent=2))
+        os.rename(tmp, dest)
+
     @staticmethod
     def _resolve_env(s: TemplateSpec, parent: Template | None) -> tuple[dict[str, str], str]:
+        """The env and workdir of a spec whose steps did not run (a builder's)."""
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
@@ -572,63 +738,102 @@ class TemplateStore:
             if st.kind == "env":
                 env.update(st.value)
             elif st.kind == "workdir":
-                workdir = st.value
+                workdir = posixpath.normpath(posixpath.join(workdir, st.value))
         return env, workdir
 
     def _build_into(self, s: TemplateSpec, parent: Template | None, tmp: Path,
-                    progress: Progress | None) -> None:
+                    progress: Progress | None) -> _Result:
         layer = tmp / "layer"
         layer.mkdir(parents=True)
         if parent is None:
-            {"busybox": _build_busybox, "debootstrap": _build_debootstrap}[s.base](layer, progress)
-            if s.steps:
-                self._run_steps(s, None, layer, progress)
-            return
+            builder, _, suite = s.base.partition(":")
+            if builder == "debootstrap":
+                _build_debootstrap(layer, progress, suite or DEFAULT_SUITE)
+            else:
+                _build_busybox(layer, progress)
+            return self._run_steps(s, None, layer, progress) if s.steps else _Result(*self._resolve_env(s, None),
+                                                                                      None, None)
         work, merged = tmp / "work", tmp / "merged"
         work.mkdir()
         merged.mkdir()
         mount_overlay(merged, list(parent.layers), layer, work)
         try:
-            self._run_steps(s, parent, merged, progress)
+            result = self._run_steps(s, parent, merged, progress)
         finally:
             umount_all_under(merged)
         shutil.rmtree(work, ignore_errors=True)
         merged.rmdir()
+        return result
 
     def _run_steps(self, s: TemplateSpec, parent: Template | None, root: Path,
-                   progress: Progress | None) -> None:
+                   progress: Progress | None) -> _Result:
         env = dict(parent.env) if parent else {}
         env.update(s.env)
         workdir = s.workdir or (parent.workdir if parent else "/")
+        user, home = (parent.user, parent.home) if parent else (None, None)
+        n = len(s.steps)
         with _chroot_mounts(root), _host_network_settings(root) as ca_in_root:
             for i, st in enumerate(s.steps):
+                label = f"step {i + 1}/{n}" + (f" ({st.origin})" if st.origin else "")
                 if progress:
-                    progress(f"[{s.name} step {i + 1}/{len(s.steps)}] {st.kind}: {st.value}")
-                if st.kind == "env":
-                    env.update(st.value)
-                elif st.kind == "workdir":
-                    workdir = st.value
-                elif st.kind == "copy":
-                    src = s.path.parent / st.value["src"]
-                    dest = root / st.value["dest"].lstrip("/")
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    if src.is_dir():
-                        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True)
+                    progress(f"[{s.name} {label}] {st.kind}: {_show(st)}")
+                try:
+                    if st.kind == "env":
+                        env.update(st.value)
+                    elif st.kind == "workdir":
+                        workdir = posixpath.normpath(posixpath.join(workdir, st.value))
+                        mkdirs_owned(root, workdir, user)   # as Docker's WORKDIR: made, owned by the USER
+                    elif st.kind == "user":
+                        user, home = resolve_user(root, st.value)
+                    elif st.kind == "copy":
+                        self._copy(s, st.value, root, workdir, user)
                     else:
-                        shutil.copy2(src, dest / src.name if dest.is_dir() else dest)
-                else:
-                    (root / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
-                    script = f"cd {_shq(workdir)} && {st.value}"
-                    try:
-                        _run(["chroot", str(root), "/bin/sh", "-c", script], progress,
-                             env=build_step_env(env, ca_in_root))
-                    except TemplateBuildError as exc:
-                        failed = TemplateBuildError(
-                            f"template {s.name}: step {i + 1}/{len(s.steps)} `{st.value[:120]}` failed "
-                            f"(exit {exc.exit_code})", exc.output)
-                        failed.exit_code = exc.exit_code
-                        raise failed from None
-        (root / (s.workdir or workdir).lstrip("/")).mkdir(parents=True, exist_ok=True)
+                        self._run(s, st, label, root, workdir, env, ca_in_root, user, home, progress)
+                except (OSError, ValueError) as exc:
+                    raise TemplateBuildError(f"template {s.name}: {label} {st.kind} failed: {exc}") from None
+        mkdirs_owned(root, workdir, None)
+        return _Result(env, workdir, user, home)
+
+    @staticmethod
+    def _run(s: TemplateSpec, st: Step, label: str, root: Path, workdir: str, env: dict[str, str],
+             ca_in_root: bool, user: str | None, home: str | None, progress: Progress | None) -> None:
+        mkdirs_owned(root, workdir, None)      # (inside root even through a symlink a step planted)
+        script = f"cd {_shq(workdir)} && {st.value}"
+        argv = ["chroot", *([f"--userspec={user}"] if user else []), str(root), "/bin/sh", "-c", script]
+        try:
+            _run(argv, progress, env=build_step_env({**({"HOME": home} if home else {}), **env}, ca_in_root))
+        except TemplateBuildError as exc:
+            failed = TemplateBuildError(
+                f"template {s.name}: {label} `{st.value[:120]}` failed (exit {exc.exit_code})", exc.output)
+            failed.exit_code = exc.exit_code
+            raise failed from None
+
+    @staticmethod
+    def _copy(s: TemplateSpec, v: dict[str, Any], root: Path, workdir: str, user: str | None) -> None:
+        src = s.root / v["src"]
+        dest = posixpath.normpath(posixpath.join(workdir, v["dest"]))
+        if "entries" not in v:          # a TOML spec's copy: the source as it is (its symlinks as symlinks)
+            if not src.exists():
+                raise ValueError(f"copy source missing: {src}")
+            copy_entries(src, {**v, "entries": tree_entries(src)}, s.root, root, dest, run=lambda argv: _run(argv, None),
+                         links=True)
+            return
+        copy_entries(src, v, s.root, root, dest, run=lambda argv: _run(argv, None))
+
+
+@dataclass(frozen=True)
+class _Result:
+    env: dict[str, str]
+    workdir: str
+    user: str | None
+    home: str | None
+
+
+def _show(st: Step) -> str:
+    if st.kind == "copy" and "entries" in st.value:
+        n = len(st.value["entries"])
+        return f"{st.value['src']} -> {st.value['dest']}" + (f" ({n} entries)" if st.value["entries"] != [""] else "")
+    return str(st.value).replace("\n", "; ")
 
 
 def _tee(progress: Progress | None, log: Any) -> Progress:

@@ -20,6 +20,10 @@ DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
 # QEMU microVM (own guest kernel). The one list of valid names; a request naming another is a 400.
 ISOLATION_MODES: tuple[str, ...] = ("container", "gvisor", "microvm")
 DEFAULT_ISOLATION = "container"
+# Ports by URL (issue 14): a signed URL's default and longest life, and how many ports a create may make public
+DEFAULT_URL_EXPIRES_S = 3600
+MAX_URL_EXPIRES_S = 7 * 86_400
+MAX_PUBLIC_PORTS = 64
 
 
 class _Request(BaseModel):
@@ -42,6 +46,11 @@ class SandboxState(str, Enum):
     stopped = "stopped"
     failed = "failed"
     lost = "lost"
+
+
+#: States of a sandbox that has not ended: what listings show unless asked for ended ones too.
+LIVE_STATES: tuple[SandboxState, ...] = (SandboxState.starting, SandboxState.running, SandboxState.pausing,
+                                         SandboxState.paused, SandboxState.resuming)
 
 
 class EndReason(str, Enum):
@@ -77,6 +86,13 @@ def check_isolation(v: str | None) -> str | None:
     return v
 
 
+def check_ports(v: list[int]) -> list[int]:
+    bad = [p for p in v if not 1 <= p <= 65535]
+    if bad:
+        raise ValueError(f"port {bad[0]} is out of range 1..65535")
+    return sorted(set(v))
+
+
 def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
     if len(v) > max_items:
         raise ValueError(f"at most {max_items} {what} entries")
@@ -98,6 +114,14 @@ class CreateSandboxRequest(_Request):
     envs: dict[str, str] = Field(default_factory=dict)
     isolation: str | None = Field(None, description="container | gvisor | microvm; default: the template's, "
                                                     "else the deployment's (container)")
+    public_ports: list[int] = Field(default_factory=list, max_length=MAX_PUBLIC_PORTS,
+                                    description="ports served by URL without a token (see POST .../urls)")
+    public: bool = Field(False, description="every port is served by URL without a token")
+
+    @field_validator("public_ports")
+    @classmethod
+    def _public_ports(cls, v: list[int]) -> list[int]:
+        return check_ports(v)
 
     @field_validator("isolation")
     @classmethod
@@ -176,6 +200,9 @@ class SandboxInfo(_Response):
     # Only returned by create and connect (never in listings).
     envd_url: str | None = None
     access_token: str | None = Field(default=None, repr=False)  # a secret: never in repr()/str()
+    # Ports served by URL without a token (``public``: all of them).
+    public_ports: list[int] = Field(default_factory=list)
+    public: bool = False
 
 
 class BatchItem(_Response):
@@ -197,6 +224,22 @@ class SandboxList(_Response):
 
 class SetTimeoutRequest(_Request):
     timeout: int = Field(..., ge=1, le=MAX_TIMEOUT_S, description="seconds from now")
+
+
+class PortURLRequest(_Request):
+    """A URL that reaches ``port`` inside the sandbox through the control plane (HTTP and WebSocket)."""
+
+    port: int = Field(..., ge=1, le=65535)
+    expires_in: int = Field(DEFAULT_URL_EXPIRES_S, ge=1, le=MAX_URL_EXPIRES_S,
+                            description="seconds the URL's token stays valid (a public port's URL has none)")
+    path: str = Field("/", max_length=4096, pattern=r"^/[^\s#]*$", description="path (and query) inside the sandbox")
+
+
+class PortURL(_Response):
+    url: str
+    port: int
+    expires_at: datetime | None = None      # None: a public port, served without a token
+    public: bool = False
 
 
 class RunRequest(_Request):
@@ -241,6 +284,7 @@ class RunEvent(_Response):
     truncated: bool | None = None
     timed_out: bool | None = None
     paused: bool | None = None      # the sandbox was paused while the command ran: it was ended (exit 137)
+    oom_killed: bool | None = None  # the sandbox's memory limit killed it (exit 137): memory_mb was exceeded
     code: str | None = None
     message: str | None = None
 

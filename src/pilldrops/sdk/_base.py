@@ -443,7 +443,9 @@ class RunResult:
     ``stdout_bytes``/``stderr_bytes``. ``duration`` is in seconds. ``truncated`` means output passed
     ``max_output_bytes`` and the rest was dropped; ``timed_out`` means the command hit its ``timeout``
     (``exit_code`` is then 124); ``paused`` means the sandbox was paused while the command ran, which
-    ended it (``exit_code`` 137). A non-zero exit is data; call :meth:`check_returncode` to raise.
+    ended it (``exit_code`` 137); ``oom_killed`` means the sandbox's memory limit (``memory_mb``) killed the
+    command or one of its processes (``exit_code`` 137; the sandbox lives on). A non-zero exit is data; call
+    :meth:`check_returncode` to raise.
     """
 
     exit_code: int
@@ -455,6 +457,7 @@ class RunResult:
     truncated: bool = False
     timed_out: bool = False
     paused: bool = False
+    oom_killed: bool = False
     cmd: str | list[str] | None = field(default=None, compare=False)
 
     @property
@@ -465,6 +468,7 @@ class RunResult:
         """Raise :class:`CommandFailed` (with ``.result``) when ``exit_code`` is not 0; else return self."""
         if self.exit_code != 0:
             what = ("timed out" if self.timed_out else "was ended by a pause of its sandbox" if self.paused
+                    else "was killed by the sandbox's memory limit (memory_mb)" if self.oom_killed
                     else f"exited with code {self.exit_code}")
             tail = self.stderr.strip().splitlines()[-1:] if self.stderr.strip() else []
             msg = f"command {self.cmd!r} {what}" + (f": {tail[0][:300]}" if tail else "")
@@ -475,7 +479,7 @@ class RunResult:
         return (f"RunResult(exit_code={self.exit_code}, stdout={len(self.stdout_bytes)}B, "
                 f"stderr={len(self.stderr_bytes)}B, duration={self.duration:.3f}s"
                 + (", truncated" if self.truncated else "") + (", timed_out" if self.timed_out else "")
-                + (", paused" if self.paused else "") + ")")
+                + (", paused" if self.paused else "") + (", oom_killed" if self.oom_killed else "") + ")")
 
 
 class _Stream:
@@ -563,7 +567,7 @@ class RunDecoder:
             stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
             stdout_bytes=out, stderr_bytes=err, duration=float(ev.duration or 0.0),
             truncated=bool(ev.truncated) or self._out.truncated or self._err.truncated,
-            timed_out=bool(ev.timed_out), paused=bool(ev.paused), cmd=self.cmd,
+            timed_out=bool(ev.timed_out), paused=bool(ev.paused), oom_killed=bool(ev.oom_killed), cmd=self.cmd,
         )
 
 

@@ -12,7 +12,9 @@ per-item errors.
 
 Each item gets its own sandbox, created for it and killed after it whatever happens (a claimed warm-pool
 member when a pool of that shape exists). Creates queue on the server under admission control and wait
-for capacity (``capacity_wait``) instead of failing. A failing item never stops the others.
+for capacity (``capacity_wait``) instead of failing. A failing item never stops the others. Ctrl-C (or any
+exception in the caller's thread) kills the sandboxes still running at once and then raises; items not yet
+started never start.
 
 The blocking ``map`` uses threads and the async ``amap`` tasks: two concurrency models, so each is
 written once here (not generated from the other).
@@ -24,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
@@ -201,9 +203,11 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
                 "capacity_wait": capacity_wait, "api_key": api_key, "api_url": api_url, "transport": transport}
     t0 = time.monotonic()
     fatal: list[BaseException] = []
+    live: dict[int, Sandbox] = {}          # items whose sandbox runs now: what an interrupt kills
+    lock, stopping = threading.Lock(), threading.Event()
 
     def one(i: int, bar: _Progress) -> None:
-        if fatal:
+        if fatal or stopping.is_set():
             return
         started, sb = time.monotonic(), None
         try:
@@ -214,11 +218,18 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
         except Exception as exc:  # noqa: BLE001 - per-item errors are data
             results[i] = errors[i] = exc
         else:
+            with lock:
+                live[i] = sb
             try:
                 with sb:
+                    if stopping.is_set():         # interrupted while it was being created
+                        raise InterruptedError("pilldrops.map was interrupted")
                     results[i] = fn(sb, work[i])
             except Exception as exc:  # noqa: BLE001 - per-item errors are data
                 results[i] = errors[i] = exc
+            finally:
+                with lock:
+                    live.pop(i, None)
         done[i]._finish(sb, started)
         done[i].value, done[i].error = (None, errors[i]) if i in errors else (results[i], None)
         bar.advance(i in errors)
@@ -226,15 +237,41 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
     with _Progress(len(work), progress, f"{template} x{len(work)}") as bar:
         pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(work) or 1)))
         try:
-            for f in [pool.submit(one, i, bar) for i in range(len(work))]:
-                f.result()
+            pending = {pool.submit(one, i, bar) for i in range(len(work))}
+            while pending:      # woken often, so a Ctrl-C is seen at once, not when an item ends
+                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()
+        except BaseException:
+            stopping.set()
+            _kill_live(live, lock)
+            raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)     # Ctrl-C: queued items never start
+            pool.shutdown(wait=True, cancel_futures=True)     # queued items never start
     if fatal:
         raise fatal[0]
     result: MapResult[R] = MapResult(results, dict(sorted(errors.items())), time.monotonic() - t0, done)
     bar.summary(result)
     return result
+
+
+def _kill_live(live: dict[int, Sandbox], lock: threading.Lock) -> None:
+    """Kill every sandbox still running, in parallel, so their items' commands end now; errors ignored
+    (each item's own ``with`` block kills it again on its way out)."""
+    with lock:
+        victims = list(live.values())
+    if not victims:
+        return
+    print(f"pilldrops.map: interrupted: killing {len(victims)} running sandbox(es)", file=sys.stderr)
+
+    def kill(sb: Sandbox) -> None:
+        try:
+            sb.kill()
+        except Exception:  # noqa: BLE001 - best effort: the item's own teardown retries
+            pass
+
+    with ThreadPoolExecutor(max_workers=min(16, len(victims))) as killers:
+        list(killers.map(kill, victims))
 
 
 async def amap(fn: Callable[[AsyncSandbox, T], Awaitable[R]], items: Iterable[T], *, template: str = "base",

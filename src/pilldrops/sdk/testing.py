@@ -77,6 +77,8 @@ from pilldrops.schema.api import (
     PauseInterval,
     PoolInfo,
     PoolSetRequest,
+    PortURL,
+    PortURLRequest,
     Rates,
     RunRequest,
     SandboxInfo,
@@ -461,10 +463,12 @@ class FakeControlPlane:
             return self._list(params)
         if path == "/v1/sandboxes/batch" and method == "POST":
             return self._batch(request)
-        m = re.fullmatch(r"/v1/sandboxes/([^/]+)(/connect|/timeout|/pause|/resume)?", path)
+        m = re.fullmatch(r"/v1/sandboxes/([^/]+)(/connect|/timeout|/pause|/resume|/urls)?", path)
         if m:
             sb = self._sandbox(m.group(1))
             action = m.group(2)
+            if action == "/urls" and method == "POST":
+                return self._port_url(sb, self._body(PortURLRequest, request), request)
             if action is None and method == "GET":
                 return httpx.Response(200, json=self._public(sb, with_token=False))
             if action is None and method == "DELETE":
@@ -524,6 +528,18 @@ class FakeControlPlane:
             return httpx.Response(200, json={"team_id": self.team_id, "team_name": "test", "key_id": key.id})
         raise NotFound(f"no route {method} {path}")
 
+    def _port_url(self, sb: FakeSandbox, req: PortURLRequest, request: httpx.Request) -> httpx.Response:
+        """A URL of the real form; nothing serves it here (there is no sandbox to reach)."""
+        if sb.info.state in (SandboxState.stopped, SandboxState.failed, SandboxState.lost):
+            raise InvalidState(current=sb.info.state.value, target="running")
+        public = sb.info.public or req.port in sb.info.public_ports
+        expires = None if public else self._now + timedelta(seconds=req.expires_in)
+        token = "" if public else f"{'&' if '?' in req.path else '?'}pd_token=v1.fake{secrets.token_hex(8)}"
+        base = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        out = PortURL(url=f"{base}/ports/{sb.info.id}/{req.port}{req.path}{token}", port=req.port,
+                      expires_at=expires, public=public)
+        return httpx.Response(201, json=out.model_dump(mode="json"))
+
     def _create(self, request: httpx.Request) -> httpx.Response:
         req: CreateSandboxRequest = self._body(CreateSandboxRequest, request)
         sb, created = self._create_one(req, request.headers.get("idempotency-key"))
@@ -550,7 +566,8 @@ class FakeControlPlane:
         info = SandboxInfo(id=sandbox_id, template=req.template, state=SandboxState.running, vcpu=req.vcpu,
                            memory_mb=req.memory_mb, timeout=req.timeout, metadata=req.metadata,
                            node_id="node_fake", created_at=self._now, started_at=self._now,
-                           end_at=self._now + timedelta(seconds=req.timeout))
+                           end_at=self._now + timedelta(seconds=req.timeout), public_ports=req.public_ports,
+                           public=req.public)
         sb = FakeSandbox(info=info, access_token=f"tok_{secrets.token_hex(8)}", envs=dict(req.envs),
                          seq=len(self.sandboxes))
         self.sandboxes[sandbox_id] = sb

@@ -18,6 +18,7 @@ from pilldrops.server.service.billing import BillingService, BillingSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
+from pilldrops.server.service.urls import URLService
 from pilldrops.server.store.sql import Store
 
 log = logging.getLogger("pilldrops.server")
@@ -62,7 +63,8 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
                               lost_after: float = 300.0, unreachable_after: float | None = None,
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
-                              default_isolation: str = DEFAULT_ISOLATION) -> ControlPlane:
+                              default_isolation: str = DEFAULT_ISOLATION,
+                              public_host: str | None = None) -> ControlPlane:
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -75,5 +77,6 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,
                                           pools=pools),
-                        billing=billing_service, pools=pools)
+                        billing=billing_service, pools=pools,
+                        urls=URLService(store, clock, public_host))
     return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)

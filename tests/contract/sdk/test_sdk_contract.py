@@ -103,11 +103,12 @@ async def test_list_filters_connect_and_timeout(backend: Backend) -> None:
         made = [await AsyncSandbox.create(metadata={"i": str(i), "even": str(i % 2 == 0)}, **t.opts)
                 for i in range(3)]
         await made[0].kill()
-        everything = await AsyncSandbox.list(page_size=2, **t.opts)
+        everything = await AsyncSandbox.list(page_size=2, include_ended=True, **t.opts)
         assert [s.id for s in everything] == [s.id for s in reversed(made)]   # newest first, across pages
+        assert [s.id for s in await AsyncSandbox.list(**t.opts)] == [made[2].id, made[1].id]   # live only
         assert all(s.access_token is None for s in everything)               # never in listings
         assert {s.id for s in await AsyncSandbox.list(state="running", **t.opts)} == {made[1].id, made[2].id}
-        assert {s.id for s in await AsyncSandbox.list(metadata={"even": "True"}, **t.opts)} == {made[0].id,
+        assert {s.id for s in await AsyncSandbox.list(metadata={"even": "True"}, include_ended=True, **t.opts)} == {made[0].id,
                                                                                                 made[2].id}
         again = await AsyncSandbox.connect(made[1].id, **t.opts)
         assert again.info.access_token == made[1].info.access_token and again.info.envd_url

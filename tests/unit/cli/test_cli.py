@@ -51,6 +51,17 @@ def test_create_json(fake: FakeControlPlane) -> None:
     assert info["id"] in fake.sandboxes and info["template"] == "base"
 
 
+def test_public_ports_and_url(fake: FakeControlPlane) -> None:
+    sid = run("sandbox", "create", "--public-port", "8080", "--public-port", "81").output.strip()
+    assert fake.sandboxes[sid].info.public_ports == [81, 8080] and not fake.sandboxes[sid].info.public
+    url = run("sandbox", "url", sid, "9000", "--expires-in", "60", "--path", "/x?y=1").output.strip()
+    assert url.startswith(f"{fake.api_url}/ports/{sid}/9000/x?y=1&pd_token=")
+    info = json.loads(run("sandbox", "url", sid, "8080", "--json").output)
+    assert info == {"url": f"{fake.api_url}/ports/{sid}/8080/", "port": 8080, "expires_at": None, "public": True}
+    assert run("sandbox", "url", sid, "70000").exit_code == 2          # a usage error, before any request
+    assert fake.sandboxes[run("sandbox", "create", "--public").output.strip()].info.public
+
+
 def test_list_json_and_table(fake: FakeControlPlane) -> None:
     ids = [run("sandbox", "create", "-m", f"i={i}").output.strip() for i in range(3)]
     run("sandbox", "kill", ids[0])

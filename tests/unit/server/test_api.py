@@ -227,6 +227,23 @@ async def test_oom_of_init_is_reported(tmp_path, store_url) -> None:
         assert (await c.get(f"/v1/sandboxes/{sb['id']}")).json()["end_reason"] == "oom"
 
 
+async def test_run_killed_by_the_memory_limit_says_so(tmp_path, store_url) -> None:
+    """exit 137 while the sandbox's OOM-kill count grew: ``oom_killed``; a plain SIGKILL: not."""
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+
+        async def exit_event(cmd: str) -> dict:  # type: ignore[type-arg]
+            r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": cmd, "cwd": "/"})
+            return json.loads(r.text.splitlines()[-1])
+
+        oom = await exit_event("echo 1 > oom_kills; kill -9 $$")   # the fake's stand-in for the OOM killer
+        assert oom["exit_code"] == 137 and oom["oom_killed"] is True
+        plain = await exit_event("kill -9 $$")
+        assert plain["exit_code"] == 137 and not plain.get("oom_killed")
+        grew = await exit_event("echo 2 > oom_kills; exit 3")     # the count grew but it exited on its own
+        assert grew["exit_code"] == 3 and not grew.get("oom_killed")
+
+
 async def test_run_through_control_plane_proxy(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "envs": {"A": "1"}})).json()

@@ -56,17 +56,28 @@ _STREAMS: dict[int, StreamName] = {ord("O"): "stdout", ord("e"): "stderr"}
 
 
 def encode_request(argv: list[str], env: dict[str, str], cwd: str, *, stdin: bool,
-                   pty: tuple[int, int] | None = None, hello: bool = True) -> bytes:
-    """``H`` + ``R`` frames; ``pty`` is (rows, cols) of a new terminal for the command."""
+                   pty: tuple[int, int] | None = None, hello: bool = True, user: str | None = None) -> bytes:
+    """``H`` + ``R`` frames; ``pty`` is (rows, cols) of a new terminal for the command; ``user`` ("uid:gid")
+    the ids it runs as (a template's USER; None: the init's, root)."""
     strs = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
     if any("\0" in s for s in strs):
         raise ValueError("argv, env and cwd must not contain NUL bytes")
-    flags = (1 if stdin or pty else 0) | (2 if pty else 0)
+    flags = (1 if stdin or pty else 0) | (2 if pty else 0) | (4 if user else 0)
     head = struct.pack("<BII", flags, len(argv), len(env))
     if pty:
         head += struct.pack("<HH", *_size(*pty))
+    if user:
+        head += struct.pack("<II", *parse_ids(user))
     body = head + b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strs)
     return (HELLO if hello else b"") + HDR.pack(ord("R"), len(body)) + body
+
+
+def parse_ids(user: str) -> tuple[int, int]:
+    """``"uid:gid"`` as two ints (ValueError otherwise)."""
+    uid, sep, gid = user.partition(":")
+    if not (sep and uid.isdigit() and gid.isdigit()) or int(uid) >= 2**32 or int(gid) >= 2**32:
+        raise ValueError(f"user must be uid:gid, got {user!r}")
+    return int(uid), int(gid)
 
 
 def _size(rows: int, cols: int) -> tuple[int, int]:
@@ -143,7 +154,7 @@ class SupervisorExec(OutputRelay):
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
                  timeout: float | None = None, output_cap: int | None = None,
                  path_fd: int | None = None, sock: socket.socket | None = None,
-                 pty: tuple[int, int] | None = None) -> None:
+                 pty: tuple[int, int] | None = None, user: str | None = None) -> None:
         """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
         once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
         here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
@@ -158,7 +169,7 @@ class SupervisorExec(OutputRelay):
         self._finished = False
         self._killed = False
         self._lock = threading.Lock()          # one writer at a time on the socket (stdin vs kill)
-        self._request = encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty)
+        self._request = encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user)
         self._sock_path = str(sock_path)
         self._connected = False
         self._started = threading.Event()      # the request is sent: stdin frames may follow

@@ -41,6 +41,7 @@ class SandboxSpec:
     workdir: str = "/"
     hostname: str = "sandbox"
     isolation: str = "container"       # which runtime of the node's registry runs it (registry.py)
+    user: str | None = None            # "uid:gid" its commands run as (a template's USER); None = root
 
 
 @dataclass
@@ -87,9 +88,9 @@ class Runtime(Protocol):
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None) -> ExecProcess:
+                   output_cap: int | None = None, user: str | None = None) -> ExecProcess:
         """``timeout`` kills the tree after that many seconds even if nobody reads; ``output_cap`` bounds
-        each stream (the rest is read and dropped)."""
+        each stream (the rest is read and dropped); ``user`` ("uid:gid") is who runs it (default root)."""
 
     async def state(self, handle: Handle) -> RuntimeState: ...
 
@@ -97,6 +98,9 @@ class Runtime(Protocol):
 
     async def list_ids(self) -> list[str]:
         """Ids of every sandbox this runtime instance currently holds (for reaping and leak checks)."""
+
+    # optional: ``oom_kills(handle) -> int | None``, how many processes the sandbox's memory limit has killed
+    # so far (None: this runtime cannot tell cheaply); a run that exits 137 while it grew was OOM-killed
 
     # -- pause / resume (issue 6) ---------------------------------------------------------------------
     def checkpoint_unsupported(self) -> str | None:

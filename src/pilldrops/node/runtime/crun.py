@@ -281,8 +281,9 @@ class CrunRuntime:
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
                    output_cap: int | None = None,
-                   pty: tuple[int, int] | None = None) -> PipeExec | SupervisorExec:
-        """``pty``: (rows, cols) of a terminal for the command (needs the supervisor path, protocol 2)."""
+                   pty: tuple[int, int] | None = None, user: str | None = None) -> PipeExec | SupervisorExec:
+        """``pty``: (rows, cols) of a terminal for the command (needs the supervisor path, protocol 2);
+        ``user``: "uid:gid" to run it as (a template's USER), else root."""
         if not argv:
             raise RuntimeFailure("exec needs a non-empty argv")
         d = self._dir(handle.id)
@@ -300,7 +301,7 @@ class CrunRuntime:
                     try:
                         proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env},
                                                      cwd=cwd or base_cwd, stdin=stdin, timeout=timeout,
-                                                     output_cap=output_cap, pty=pty)
+                                                     output_cap=output_cap, pty=pty, user=user)
                         break
                     except ConnectionRefusedError:
                         # the init is between two connections (gVisor's host sockets queue none): again
@@ -313,14 +314,17 @@ class CrunRuntime:
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
         try:
             return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
-                                                              pid_file),
+                                                              pid_file, user),
                                        pid_file, stdin=stdin, timeout=timeout, output_cap=output_cap)
         except OSError as e:
             raise RuntimeFailure(f"cannot start {self.name} exec in {handle.id}", detail=str(e)) from e
 
-    def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path) -> list[str]:
+    def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
+                  user: str | None = None) -> list[str]:
         """hook: the command line of one ``exec`` without the fast path."""
         args = ["exec", "--no-new-privs"]          # crun exec does not inherit noNewPrivileges
+        if user:
+            args.append(f"--user={user}")
         args += [f"--env={k}={v}" for k, v in env.items()]
         args.append(f"--cwd={cwd}")
         return self._cmd(*args, f"--pid-file={pid_file}", sandbox_id, *argv)
@@ -377,7 +381,8 @@ class CrunRuntime:
 
     def _supervisor_exec(self, d: Path, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str,
                          stdin: AsyncIterable[bytes] | bytes | None, timeout: float | None,
-                         output_cap: int | None, pty: tuple[int, int] | None) -> SupervisorExec | None:
+                         output_cap: int | None, pty: tuple[int, int] | None,
+                         user: str | None = None) -> SupervisorExec | None:
         """The command through pd-init's socket, or None when there is none (sandbox made before the
         fast path, or its init does not listen): the caller falls back to ``crun exec``.
 
@@ -391,7 +396,7 @@ class CrunRuntime:
         try:      # SupervisorExec owns fd from here on
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
                                   init_pid=handle.pid if self.HOST_PIDS else None, timeout=timeout,
-                                  output_cap=output_cap, path_fd=fd, pty=pty)
+                                  output_cap=output_cap, path_fd=fd, pty=pty, user=user)
         except ConnectionRefusedError:
             raise                       # listening, but not accepting right now: the caller retries
         except OSError:
@@ -435,6 +440,10 @@ class CrunRuntime:
         if st.get("status") in ("running", "paused", "created") and same:
             return RuntimeState(status="running", pid=pid, oom_killed=oom)
         return RuntimeState(status="stopped", pid=None, oom_killed=oom)
+
+    def oom_kills(self, handle: Handle) -> int | None:
+        """Processes the sandbox's memory cgroup has OOM-killed so far (one small cgroup file read)."""
+        return cgroups.oom_kill_count(self._cgroup(handle.id))
 
     async def destroy(self, handle: Handle) -> None:
         self._defaults.pop(handle.id, None)

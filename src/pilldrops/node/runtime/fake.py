@@ -8,6 +8,8 @@ env. It keeps the same ``ExecProcess`` semantics as crun (chunks in arrival orde
 Knobs for failure tests: ``fail_create`` (bool, or an exception to raise) makes the next creates fail;
 ``simulate_exit(handle, code)`` / ``simulate_oom(handle)`` make ``state`` report a stopped sandbox;
 ``fail_checkpoint`` / ``fail_restore`` make those fail; ``checkpoint_delay`` slows checkpoints down.
+``oom_kills`` counts what the integer in the sandbox's file ``oom_kills`` says, so a test command can play the
+memory cgroup's OOM killer (``echo 1 > oom_kills; kill -9 $$`` run with ``cwd="/"``).
 
 Checkpoint/restore keeps the sandbox's files (moved into the image) but, unlike CRIU, not its processes:
 commands still running are killed. Unit tests use it for the agent's and control plane's logic only.
@@ -144,7 +146,7 @@ class FakeRuntime:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None) -> PipeExec:
+                   output_cap: int | None = None, user: str | None = None) -> PipeExec:
         box = self._box(handle)
         if box.status != "running":
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
@@ -163,6 +165,12 @@ class FakeRuntime:
             raise RuntimeFailure(f"cannot exec {argv[0]!r}", detail=str(e)) from e
         self._execs.setdefault(handle.id, []).append(proc)
         return proc
+
+    def oom_kills(self, handle: Handle) -> int | None:
+        try:
+            return int((self._box(handle).dir / "oom_kills").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
 
     async def state(self, handle: Handle) -> RuntimeState:
         box = self._reread(handle.id)

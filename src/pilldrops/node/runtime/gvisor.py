@@ -174,8 +174,9 @@ class GvisorRuntime(CrunRuntime):
         config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
         return config
 
-    def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path) -> list[str]:
-        args = [f"--env={k}={v}" for k, v in env.items()]
+    def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
+                  user: str | None = None) -> list[str]:
+        args = [f"--env={k}={v}" for k, v in env.items()] + ([f"--user={user}"] if user else [])
         return self._cmd("exec", *args, f"--cwd={cwd}", f"--internal-pid-file={pid_file}", sandbox_id, *argv)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:

@@ -180,6 +180,10 @@ class RuntimeRegistry:
                 await rt.destroy(Handle(id=handle.id))
         self._owner.pop(handle.id, None)
 
+    def oom_kills(self, handle: Handle) -> int | None:
+        fn = getattr(self._for(handle), "oom_kills", None)
+        return fn(handle) if fn is not None else None
+
     async def list_ids(self) -> list[str]:
         ids: set[str] = set()
         for mode, rt in self.runtimes.items():

@@ -28,11 +28,15 @@ from pilldrops.errors import (
 from pilldrops.schema.api import (
     DEFAULT_OUTPUT_CAP,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_URL_EXPIRES_S,
+    LIVE_STATES,
     BatchCreateRequest,
     BatchCreateResponse,
     CreateSandboxRequest,
     HistoryPage,
     HistoryRecord,
+    PortURL,
+    PortURLRequest,
     RunRequest,
     SandboxInfo,
     SandboxList,
@@ -159,7 +163,8 @@ class Sandbox:
     @classmethod
     def create(cls, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
                      timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
-                     envs: dict[str, str] | None = None, isolation: str | None = None, api_key: str | None = None,
+                     envs: dict[str, str] | None = None, isolation: str | None = None,
+                     public_ports: builtins.list[int] | None = None, public: bool = False, api_key: str | None = None,
                      api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                      transport: Any = None, capacity_wait: float = 120.0) -> Sandbox:
         """Create a sandbox and return it running.
@@ -169,7 +174,8 @@ class Sandbox:
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. ``isolation`` is ``"container"`` (crun, shared host kernel), ``"gvisor"`` (a user-space
         kernel between the sandbox and the host) or ``"microvm"`` (its own guest kernel under QEMU); default:
-        the template's, else the deployment's (``container``). The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
+        the template's, else the deployment's (``container``). ``public_ports`` are served by
+        :meth:`get_url` without a token (``public=True``: every port). The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
         so a retry never makes a second sandbox. ``transport`` is an optional ``httpx`` transport (tests).
 
         When the deployment is full (:class:`CapacityUnavailable`) or rate limits (:class:`RateLimited`),
@@ -179,7 +185,8 @@ class Sandbox:
         """
         capacity_wait = check_capacity_wait(capacity_wait)
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata=metadata or {}, envs=envs or {}, isolation=isolation)
+                           timeout=timeout, metadata=metadata or {}, envs=envs or {}, isolation=isolation,
+                           public_ports=public_ports or [], public=public)
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         resp = client.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json", exclude_none=True),
@@ -192,6 +199,7 @@ class Sandbox:
                           timeout: int = DEFAULT_TIMEOUT_S,
                           metadata: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                           envs: dict[str, str] | None = None, isolation: str | None = None,
+                          public_ports: builtins.list[int] | None = None, public: bool = False,
                           capacity_wait: float = 60.0,
                           return_exceptions: bool = False, api_key: str | None = None, api_url: str | None = None,
                           request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -203,7 +211,8 @@ class Sandbox:
         With ``return_exceptions=False`` (default) the result is all sandboxes, or, if any item failed,
         the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
         failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
-        in the list, and the sandboxes that were made are yours to kill. ``isolation`` as in :meth:`create`.
+        in the list, and the sandboxes that were made are yours to kill. ``isolation``, ``public_ports`` and
+        ``public`` as in :meth:`create`.
 
         ``metadata`` may be a function of the item's index (``lambda i: {"episode": str(i)}``) so that each
         sandbox is findable in history on its own.
@@ -212,7 +221,7 @@ class Sandbox:
         per_item = callable(metadata)
         body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
                            timeout=timeout, metadata={} if per_item else (metadata or {}), envs=envs or {},
-                           isolation=isolation,
+                           isolation=isolation, public_ports=public_ports or [], public=public,
                            capacity_wait=min(capacity_wait, 600.0))
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
@@ -265,15 +274,19 @@ class Sandbox:
                    metadata: dict[str, str] | None = None, api_key: str | None = None,
                    api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                    transport: Any = None, page_size: int = 100,
-                   limit: int | None = None) -> builtins.list[SandboxInfo]:
-        """The caller's sandboxes, newest first, following every page (at most ``limit`` if given).
+                   limit: int | None = None, include_ended: bool = False) -> builtins.list[SandboxInfo]:
+        """The caller's live sandboxes (not yet ended: starting, running, paused, ...), newest first, following
+        every page (at most ``limit`` if given). ``include_ended`` lists ended ones too (for usage and cost,
+        :meth:`history`).
 
-        ``state`` filters by one state or any of several; ``metadata`` keeps sandboxes having every pair.
+        ``state`` filters by one state or any of several instead; ``metadata`` keeps sandboxes having every pair.
         """
         check_limit(limit)
         client = APIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
         states: Any = [state] if isinstance(state, (str, SandboxState)) else state
+        if states is None and not include_ended:
+            states = builtins.list(LIVE_STATES)
         items: builtins.list[SandboxInfo] = []
         cursor: str | None = None
         while True:
@@ -390,6 +403,30 @@ class Sandbox:
         resp = self._client.request("POST", sandbox_path(self.id, "/timeout"),
                                           json=body.model_dump(mode="json"), idempotent=True)
         return self._update(parse_model(SandboxInfo, resp))
+
+    def get_url(self, port: int, *, expires_in: int = DEFAULT_URL_EXPIRES_S, path: str = "/") -> str:
+        """A URL that reaches ``port`` inside the sandbox (a server listening there, on its own loopback),
+        HTTP and WebSocket (``ws://`` / ``wss://`` with the same address), through the control plane.
+
+        It carries a signed token valid for ``expires_in`` seconds (default 3600, at most 7 days) for this
+        sandbox and port only, so it can be pasted into a browser: the first request leaves a cookie for
+        that sandbox and port, so the page's own links and requests work too. A port made public at create
+        (``public_ports`` / ``public``) gets a URL without a token. ``path`` (and query) is the path inside
+        the sandbox's server. Requests for a paused sandbox are refused with 409, for an ended one with 404.
+
+        Example::
+
+            sb.run("setsid -f busybox httpd -p 8080 -h /srv")
+            url = sb.get_url(8080)        # http://host:7070/ports/sb_.../8080/?pd_token=...
+        """
+        return (self.get_url_info(port, expires_in=expires_in, path=path)).url
+
+    def get_url_info(self, port: int, *, expires_in: int = DEFAULT_URL_EXPIRES_S, path: str = "/") -> PortURL:
+        """:meth:`get_url` with its expiry (``expires_at``, None for a public port) and ``public`` flag."""
+        body = build_model(PortURLRequest, port=port, expires_in=expires_in, path=path)
+        resp = self._client.request("POST", sandbox_path(self.id, "/urls"), json=body.model_dump(mode="json"),
+                                          idempotent=True)
+        return parse_model(PortURL, resp)
 
     def kill(self) -> SandboxInfo:
         """Kill the sandbox now. Idempotent; returns the final record (state ``stopped``).

@@ -28,6 +28,8 @@ from pilldrops.schema.api import (
     PoolInfo,
     PoolList,
     PoolSetRequest,
+    PortURL,
+    PortURLRequest,
     Rates,
     SandboxInfo,
     SandboxList,
@@ -46,6 +48,7 @@ from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.service.stats import history_stats
+from pilldrops.server.service.urls import URLService
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Services:
     nodes: NodeService
     billing: BillingService
     pools: PoolService
+    urls: URLService | None = None      # port URLs (made in create_app when not given)
 
 
 class _Relay(StreamingResponse):
@@ -93,6 +97,8 @@ def _states(states: list[str] | None) -> list[str]:
 def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="PillDrops control plane", version=VERSION,
                   description="Disposable sandboxes for RL rollouts. See docs/api.md.")
+    if services.urls is None and services.sandboxes is not None:
+        services.urls = URLService(services.sandboxes.store, services.sandboxes.clock)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
     install_error_handlers(app)
@@ -155,6 +161,13 @@ def create_app(services: Services) -> FastAPI:
     @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def kill(sandbox_id: str, p: Caller) -> SandboxInfo:
         return await sbx.info(await sbx.kill(p.team_id, sandbox_id))
+
+    @api.post("/sandboxes/{sandbox_id}/urls", response_model=PortURL, status_code=201)
+    async def port_url(sandbox_id: str, body: PortURLRequest, p: Caller, request: Request) -> PortURL:
+        """A URL (signed, expiring; none needed for a public port) that reaches ``port`` inside the sandbox,
+        HTTP and WebSocket, through this control plane."""
+        assert services.urls is not None
+        return await services.urls.create(await sbx.get_row(p.team_id, sandbox_id), body, str(request.base_url))
 
     @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
     async def pause(sandbox_id: str, p: Caller) -> SandboxInfo:

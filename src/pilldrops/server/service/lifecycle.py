@@ -70,6 +70,7 @@ class Lifecycle:
             vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
             cost_usd=round(cost, 12), paused_at=row.paused_at, checkpoint_bytes=row.checkpoint_bytes,
             timeout_left=round(row.timeout_left, 3) if row.timeout_left is not None else None,
+            public_ports=list(row.public_ports or []), public=bool(row.public),
         )
 
     async def list(self, team_id: str, *, states: list[str], labels: dict[str, str], limit: int,
@@ -110,7 +111,8 @@ class Lifecycle:
             id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
             timeout=req.timeout, state=S.starting.value, metadata=dict(req.metadata), envs=dict(req.envs),
             access_token=secrets.token_urlsafe(24), idempotency_key=idempotency_key, request_hash=req_hash,
-            created_at=now, end_at=now + timedelta(seconds=req.timeout))
+            created_at=now, end_at=now + timedelta(seconds=req.timeout), public_ports=list(req.public_ports),
+            public=req.public)
         specs = await ctx.pools.specs() if ctx.pools else []
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:

@@ -93,6 +93,8 @@ class SandboxRecord(Protocol):
     pause_count: int | None
     checkpoint_bytes: int | None
     timeout_left: float | None
+    public_ports: list[int] | None
+    public: bool
 
 
 class PauseRecord(Protocol):
@@ -131,6 +133,8 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    public_ports: list[int] = field(default_factory=list)
+    public: bool = False
 
 
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
@@ -200,6 +204,9 @@ class Store(Protocol):
     async def paused_before(self, cutoff: datetime, limit: int = 500) -> list[Any]: ...
     async def usage_totals(self, team_id: str, since: datetime | None, until: datetime | None
                            ) -> tuple[int, float, float, float, float]: ...
+
+    # secrets the deployment's control-plane processes share
+    async def shared_secret(self, name: str, new_value: str, now: datetime) -> str: ...
 
     # warm pools
     async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None: ...

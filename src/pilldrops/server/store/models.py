@@ -126,12 +126,25 @@ class Sandbox(Base):
     paused_s: Mapped[float] = mapped_column(Float, default=0.0)
     pause_count: Mapped[int] = mapped_column(Integer, default=0)
     op_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)   # pausing/resuming since
+    # ports served by URL without a token (issue 14); ``public``: every port
+    public_ports: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    public: Mapped[bool] = mapped_column(default=False)
 
     __table_args__ = (
         Index("ix_sandboxes_team_created", "team_id", "created_at", "id"),
         Index("ix_sandboxes_state_paused", "state", "paused_at"),
         Index("ux_sandboxes_team_idem", "team_id", "idempotency_key", unique=True),
     )
+
+
+class ServerSecret(Base):
+    """Secrets every control-plane process of a deployment shares (e.g. the key that signs port URLs),
+    made once by whichever process needs one first."""
+
+    __tablename__ = "server_secrets"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 class SandboxLabel(Base):

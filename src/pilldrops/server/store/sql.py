@@ -37,6 +37,7 @@ from pilldrops.server.store.models import (
     Sandbox,
     SandboxLabel,
     SandboxPause,
+    ServerSecret,
     Team,
     UsageEntry,
 )
@@ -381,7 +382,8 @@ class Store:
                   "memory_mb": new.memory_mb, "timeout": new.timeout, "state": new.state,
                   "metadata_": dict(new.metadata), "envs": dict(new.envs), "access_token": new.access_token,
                   "idempotency_key": new.idempotency_key, "request_hash": new.request_hash,
-                  "created_at": new.created_at, "end_at": new.end_at}
+                  "created_at": new.created_at, "end_at": new.end_at,
+                  "public_ports": list(new.public_ports) or None, "public": new.public}
 
         def go(c: Connection) -> tuple[Node, Sandbox]:
             _write_lock_sync(c)
@@ -418,6 +420,24 @@ class Store:
             node = choose(nodes, allocs)
             sb.node_id = node.id
         return node
+
+    # ---- shared secrets ------------------------------------------------------------------------------
+
+    async def shared_secret(self, name: str, new_value: str, now: datetime) -> str:
+        """The secret ``name``; the first caller's ``new_value`` is stored (a racing process reads it back)."""
+        async with self.session() as s:
+            row = await s.get(ServerSecret, name)
+        if row is not None:
+            return row.value
+        try:
+            async with self.session.begin() as s:
+                s.add(ServerSecret(name=name, value=new_value, created_at=now))
+            return new_value
+        except IntegrityError:
+            async with self.session() as s:
+                row = await s.get(ServerSecret, name)
+            assert row is not None
+            return row.value
 
     # ---- sandboxes -----------------------------------------------------------------------------------
 

@@ -382,13 +382,15 @@ def test_list_follows_cursors_and_filters(fake: FakeControlPlane, opts: dict[str
     made = [Sandbox.create(metadata={"i": str(i), "even": str(i % 2 == 0)}, **opts)
             for i in range(5)]
     made[0].kill()
-    everything = Sandbox.list(page_size=2, **opts)
+    everything = Sandbox.list(page_size=2, include_ended=True, **opts)
     assert [s.id for s in everything] == [s.id for s in reversed(made)]
     assert len(fake.requests_to("GET", "/v1/sandboxes")) == 3
+    live = Sandbox.list(**opts)                 # by default the ones that have not ended
+    assert [s.id for s in live] == [s.id for s in reversed(made[1:])]
     running = Sandbox.list(state="running", **opts)
     assert {s.id for s in running} == {s.id for s in made[1:]}
     assert {s.id for s in Sandbox.list(state=[SandboxState.stopped], **opts)} == {made[0].id}
-    even = Sandbox.list(metadata={"even": "True"}, **opts)
+    even = Sandbox.list(metadata={"even": "True"}, include_ended=True, **opts)
     assert {s.id for s in even} == {made[0].id, made[2].id, made[4].id}
     assert all(s.access_token is None for s in everything)
 

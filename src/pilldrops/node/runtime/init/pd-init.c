@@ -14,8 +14,9 @@
  * connection. Every frame, both ways, is  u8 type | u32 length (little endian) | payload.
  *
  *   agent -> pd-init   'H' u32 the agent's protocol version (optional, before 'R'; a v1 agent sends none)
- *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY) | u32 argc | u32 envc |
- *                          [u16 rows | u16 cols, with flag 2] | cwd\0 argv[0]\0 ... env[0]\0 ...
+ *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY, 4 = user) | u32 argc |
+ *                          u32 envc | [u16 rows | u16 cols, with flag 2] | [u32 uid | u32 gid, with flag 4] |
+ *                          cwd\0 argv[0]\0 ... env[0]\0 ...
  *                          (exactly once)
  *                      'I' stdin bytes        'E' stdin EOF        'K' kill the command's process group
  *                      'S' i32 signal for the command's process group (v2)
@@ -31,7 +32,8 @@
  * no path is looked up) as its controlling terminal and stdin/stdout/stderr; Ctrl-C (0x03 in 'I') reaches
  * its foreground process group through the terminal's line discipline, and 'W' raises SIGWINCH there.
  *
- * The child does setsid() (so -pid names its process group), chdir(cwd) (failure: message on stderr,
+ * The child does setsid() (so -pid names its process group), with flag 4 drops to uid:gid (no supplementary
+ * groups; failure: message on stderr, exit 126; a template's USER), chdir(cwd) (failure: message on stderr,
  * exit 126), dup2s the pipes and execvp()s argv with environ = env, so PATH comes from env (failure:
  * message on stderr, exit 127). It inherits every restriction of the sandbox (namespaces, cgroup,
  * capabilities, seccomp, no_new_privs) because it is a plain fork of the sandbox's init.
@@ -43,6 +45,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stddef.h>
@@ -158,7 +161,8 @@ static void flush(struct slot *s) {
     }
 }
 
-static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty) {
+static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
+                  const uint32_t *ids) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_UNBLOCK, &all, NULL);
@@ -169,6 +173,10 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
     }
     if (in_r < 0) in_r = open("/dev/null", O_RDONLY | O_CLOEXEC);
     dup2(in_r, 0); dup2(out_w, 1); dup2(err_w, 2);
+    if (ids && (setgroups(0, NULL) != 0 || setgid(ids[1]) != 0 || setuid(ids[0]) != 0)) {
+        dprintf(2, "pd-init: cannot run as %u:%u: %s\n", ids[0], ids[1], strerror(errno));
+        _exit(126);
+    }
     if (chdir(cwd) != 0) {
         dprintf(2, "pd-init: chdir to `%s`: %s\n", cwd, strerror(errno));
         _exit(126);
@@ -183,17 +191,25 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
 static int start(struct slot *s) {
     char *p = s->req, *end = s->req + s->req_len;
     if (s->req_len < 9) return -1;
-    int has_stdin = p[0] & 1, pty = p[0] & 2;
+    int has_stdin = p[0] & 1, pty = p[0] & 2, has_user = p[0] & 4;
     uint32_t argc = get_u32((unsigned char *)p + 1), envc = get_u32((unsigned char *)p + 5);
-    if (argc == 0 || argc > s->req_len || envc > s->req_len || (pty && s->req_len < 13)) return -1;
+    if (argc == 0 || argc > s->req_len || envc > s->req_len ||
+        s->req_len < 9 + (pty ? 4 : 0) + (has_user ? 8 : 0)) return -1;
     struct winsize ws = {0};
+    uint32_t ids_buf[2], *ids = NULL;
+    unsigned char *q = (unsigned char *)p + 9;
     if (pty) {
-        unsigned char *q = (unsigned char *)p + 9;
         ws.ws_row = q[0] | q[1] << 8;
         ws.ws_col = q[2] | q[3] << 8;
-        p += 4;
+        q += 4;
     }
-    p += 9;
+    if (has_user) {
+        ids_buf[0] = get_u32(q);
+        ids_buf[1] = get_u32(q + 4);
+        ids = ids_buf;
+        q += 8;
+    }
+    p = (char *)q;
     char **vec = calloc(argc + envc + 2, sizeof(char *));
     if (!vec) return -1;
     char *cwd = NULL;
@@ -214,11 +230,11 @@ static int start(struct slot *s) {
             (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
             (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
             pid = fork();
-            if (pid == 0) child(-1, -1, -1, cwd, vec, vec + argc + 1, tty);
+            if (pid == 0) child(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
         pid = fork();
-        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1);
+        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids);
     }
     free(vec);
     free(s->req);
