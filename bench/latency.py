@@ -14,6 +14,12 @@ Needs root and crun. What it does:
    limits, pd-init as PID 1; only the crun call is timed, stdio on /dev/null, stderr to a file — a detached
    crun inherits its stdio), raw ``crun exec <id> true``, raw ``crun delete --force``, and host fork+exec of
    ``/bin/true``. Raw containers use their own ``crun --root`` and cgroup parent ``pilldrops-benchraw<pid>``.
+   With egress (``--egress``, default on; issue 14), each iteration also creates and kills a sandbox with
+   ``network.allow_out`` (a veth pair, NAT and its own nft chain; nothing is ever contacted): its create
+   and kill are compared with the loopback-only ones of the same run. The warm phase likewise claims
+   members with egress attached at claim time, and times ``nft -f`` of one sandbox's rules alone (what a
+   pool of pre-networked members per policy would still pay at claim).
+   The bench's agent gets a free 10.x pool, no DNS, no uplink and an egress cap of 198.18.0.0/15.
 4. Prints a table (p50/p99, ratio and overhead vs the baseline) and optionally writes raw numbers as JSON.
 5. Checks that nothing is left: no crun containers in either root, no mounts under the data dir, no
    ``pilldrops-bench*`` cgroups; then removes the temp dirs.
@@ -77,6 +83,73 @@ def iteration(i: str, up: Up, raw: Raw, template: str, runs: int, out: dict[str,
         rec("host_true", host_true())
 
 
+EGRESS = {"allow_out": ["198.18.255.254"]}      # benchmark range, never contacted
+
+
+def egress_iteration(up: Up, template: str, out: dict[str, list[float]] | None, key: str) -> None:
+    """create with egress → run("true") → kill."""
+    t = time.perf_counter()
+    sb = Sandbox.create(template=template, memory_mb=MEMORY_MB, api_url=up.url, api_key=up.key, network=EGRESS)
+    dt = time.perf_counter() - t
+    try:
+        assert sb.run("true").exit_code == 0
+    finally:
+        t = time.perf_counter()
+        sb.kill()
+        dk = time.perf_counter() - t
+    if out is not None:
+        out[key].append(dt * 1000)
+        if key == "pd_create_egress":
+            out["pd_kill_egress"].append(dk * 1000)
+
+
+def free_pool() -> str:
+    """A 10.x /24 no host route overlaps (the bench agent's egress pool)."""
+    import ipaddress
+    routes = json.loads(subprocess.run(["ip", "-j", "-4", "route", "show", "table", "all"], capture_output=True,
+                                       check=True).stdout or b"[]")
+    taken = [ipaddress.IPv4Network(r["dst"], strict=False) for r in routes if r.get("dst") not in (None, "default")]
+    for i in range(256):
+        net = ipaddress.IPv4Network(f"10.211.{(PID + i) % 256}.0/24")
+        if not any(net.overlaps(t) for t in taken):
+            return str(net)
+    raise RuntimeError("no free 10.211.x.0/24 for the egress pool")
+
+
+def raw_nft(n: int) -> list[float]:
+    """``nft -f`` of one sandbox chain + map element into a scratch table of our own (then removed)."""
+    import ipaddress
+
+    from pilldrops.node.egress import rules
+    from pilldrops.node.egress.config import EgressConfig
+    from pilldrops.schema.node import NodeNetwork
+    cfg = EgressConfig(tag=f"b{PID % 100000:x}"[:6], pool=ipaddress.IPv4Network("10.211.255.0/24"))
+    net = NodeNetwork(allow_out=EGRESS["allow_out"], cap=["198.18.0.0/15"])
+    subprocess.run(["nft", "-f", "-"], input=rules.base(cfg).encode(), check=True)
+    out = []
+    try:
+        for i in range(n):
+            script = rules.sandbox(cfg, i % 64, net).encode()
+            t = time.perf_counter()
+            subprocess.run(["nft", "-f", "-"], input=script, capture_output=True, check=True)
+            out.append((time.perf_counter() - t) * 1000)
+            subprocess.run(["nft", "-f", "-"], input=rules.remove_sandbox(cfg, i % 64).encode(), check=True)
+    finally:
+        subprocess.run(["nft", "delete", "table", "inet", cfg.table], check=False)
+    return out
+
+
+def net_leftovers(tmp: Path) -> list[str]:
+    """Egress links and the agent's nft table left after `up` stopped."""
+    try:
+        tag = (tmp / "data" / "node" / "instance").read_text().strip()[:4]
+    except OSError:
+        return []
+    left = [f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(f"pd{tag}")]
+    r = subprocess.run(["nft", "list", "table", "inet", f"pd_{tag}"], capture_output=True, check=False)
+    return left + ([f"nft table pd_{tag}"] if r.returncode == 0 else [])
+
+
 def set_pool(up: Up, template: str, size: int) -> None:
     """A warm pool of the benchmark's shape (the `up` key is the operator's admin key)."""
     r = httpx.put(f"{up.url}/v1/pools", headers={"Authorization": f"Bearer {up.key}"}, timeout=30,
@@ -90,7 +163,7 @@ def pool_stats(up: Up, template: str) -> dict[str, object]:
     return items[0] if items else {}
 
 
-def warm_iteration(up: Up, template: str, out: dict[str, list[float]] | None) -> None:
+def warm_iteration(up: Up, template: str, out: dict[str, list[float]] | None, egress: bool = False) -> None:
     """create (a claim from the warm pool) → run("true") → kill; the pool refills in the pause before."""
     time.sleep(0.1)
     t = time.perf_counter()
@@ -102,6 +175,9 @@ def warm_iteration(up: Up, template: str, out: dict[str, list[float]] | None) ->
         sb.kill()
     if out is not None:
         out["pd_create_warm"].append(dt * 1000)
+    if egress:
+        time.sleep(0.1)
+        egress_iteration(up, template, out, "pd_create_warm_egress")
 
 
 def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str]) -> None:
@@ -114,9 +190,14 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
             ("create→ready, warm pool", "pd_create_warm", "crun run --detach", "raw_run"),
             ('run("true")', "pd_run", "crun exec <id> true", "raw_exec"),
             ('run("true")', "pd_run", "host fork+exec /bin/true", "host_true"),
-            ("kill", "pd_kill", "crun delete --force", "raw_delete")]
+            ("kill", "pd_kill", "crun delete --force", "raw_delete"),
+            ("create→ready, egress", "pd_create_egress", "create→ready, loopback only", "pd_create"),
+            ("kill, egress", "pd_kill_egress", "kill, loopback only", "pd_kill"),
+            ("warm claim + egress attached", "pd_create_warm_egress", "warm claim, loopback only",
+             "pd_create_warm"),
+            ("nft -f one sandbox's rules", "raw_nft", "warm claim, loopback only", "pd_create_warm")]
     for name, pk, bname, bk in rows:
-        if not res.get(pk):
+        if not res.get(pk) or not res.get(bk):
             continue
         p50, p99, b50, b99 = pct(res[pk], 50), pct(res[pk], 99), pct(res[bk], 50), pct(res[bk], 99)
         t.add_row(name, f"{p50:.1f} ms", f"{p99:.1f} ms", bname, f"{b50:.1f} ms", f"{b99:.1f} ms",
@@ -145,18 +226,25 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     ap.add_argument("--json", type=Path, help="write raw numbers (ms) here")
     ap.add_argument("--pool", type=int, default=4, help="warm pool size for the warm-create phase (0: skip it)")
+    ap.add_argument("--egress", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time creates with egress (veth + NAT + rules) in the same run")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/latency.py needs root (crun, mounts, cgroups)")
     tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
     up = raw = None
     res: dict[str, list[float]] = {k: [] for k in ("pd_create", "pd_run", "pd_kill", "raw_run", "raw_exec",
-                                                   "raw_delete", "host_true", "pd_create_warm")}
+                                                   "raw_delete", "host_true", "pd_create_warm",
+                                                   "pd_create_egress", "pd_kill_egress", "pd_create_warm_egress",
+                                                   "raw_nft")}
     info = machine()
     code = 0
     try:
         console.print(f"starting pilldrops up (data in {tmp}) ...")
-        up = Up(tmp, a.template)
+        if a.egress:      # the bench agent's egress: its own pool, no DNS, no uplink, capped (nothing leaves)
+            os.environ.update(PILLDROPS_EGRESS_POOL=free_pool(), PILLDROPS_EGRESS_DNS="none",
+                              PILLDROPS_EGRESS_UPLINKS="")
+        up = Up(tmp, a.template, ["--egress-allow", "198.18.0.0/15"] if a.egress else None)
         raw = Raw(up.data, a.template, MEMORY_MB)
         for i in range(a.warmup):
             iteration(f"w{i}", up, raw, a.template, a.runs, None)
@@ -164,19 +252,23 @@ def main() -> int:
             for i in range(a.n):
                 st.update(f"iteration {i + 1}/{a.n}")
                 iteration(str(i), up, raw, a.template, a.runs, res)
+                if a.egress:
+                    egress_iteration(up, a.template, res, "pd_create_egress")
             if a.pool:
                 set_pool(up, a.template, a.pool)
                 time.sleep(3)                       # let it fill
                 for i in range(a.warmup):
-                    warm_iteration(up, a.template, None)
+                    warm_iteration(up, a.template, None, a.egress)
                 for i in range(a.n):
                     st.update(f"warm iteration {i + 1}/{a.n}")
-                    warm_iteration(up, a.template, res)
+                    warm_iteration(up, a.template, res, a.egress)
                 time.sleep(6)                       # one heartbeat: the node reports its hits and misses
                 ps = pool_stats(up, a.template)
                 info["pool"] = (f"size {a.pool}, hits {ps.get('hits')}, misses {ps.get('misses')}, "
                                 f"hit rate {ps.get('hit_rate')}")
                 set_pool(up, a.template, 0)
+            if a.egress:
+                res["raw_nft"] = raw_nft(a.n)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: cleaning up")
         code = 130
@@ -190,7 +282,7 @@ def main() -> int:
                 code = code or 1
         roots = [tmp / "data" / "node" / "crun", tmp / "data" / "benchraw" / "crun"]
         for _ in range(50):                         # teardown may settle for a moment
-            if not (left := leftovers(tmp, roots)):
+            if not (left := leftovers(tmp, roots) + net_leftovers(tmp)):
                 break
             time.sleep(0.1)
         if left:

@@ -6,9 +6,12 @@
   and gofer processes), and files left in the root;
 - ``/proc/self/mountinfo`` mount points containing ``match``;
 - cgroup dirs whose name contains ``match`` under ``/sys/fs/cgroup/*`` (depth <= 3);
+- loop devices whose backing file's path contains ``match`` (a sandbox's disk image, issue 16);
 - live processes whose ``/proc/<pid>/cgroup`` mentions ``match``. Zombies are ignored: a killed sandbox
   init is re-parented to the host's pid 1, and on this machine kind pid 1 (process_api) reaps only every
   few seconds; a zombie holds no memory, mount or cgroup.
+- with ``net_prefix`` (sandbox egress, issue 14): network links and named netns whose name starts with it;
+  with ``nft_table``: that ``inet`` table, its per-sandbox chains (``sb*``) and its verdict-map elements.
 ``match`` defaults to "pilldrops"; tests scope it to their session's unique name so that other
 PillDrops processes on the same machine cannot make them fail.
 """
@@ -58,6 +61,18 @@ def _runsc(roots: list[Path]) -> set[str]:
         if any(w in cmd for w in wanted):
             argv0 = cmd.split(b"\0")[0].decode(errors="replace")
             out.add(f"proc:{name}:{argv0}")
+    return out
+
+
+def _loops(match: str) -> set[str]:
+    out = set()
+    for dev in Path("/sys/block").glob("loop*"):
+        try:
+            backing = (dev / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue                    # not attached
+        if match in backing:
+            out.add(f"loop:{dev.name}:{backing}")
     return out
 
 
@@ -141,19 +156,49 @@ def _qemu(dirs: list[Path]) -> set[str]:
     return out
 
 
+def _net(prefix: str | None, table: str | None) -> set[str]:
+    out: set[str] = set()
+    if prefix:
+        out |= {f"link:{n}" for n in os.listdir("/sys/class/net") if n.startswith(prefix)}
+        netns = Path("/run/netns")
+        if netns.is_dir():
+            out |= {f"netns:{n}" for n in os.listdir(netns) if n.startswith(prefix)}
+    if table:
+        p = subprocess.run(["nft", "-j", "list", "table", "inet", table], capture_output=True, check=False)
+        if p.returncode == 0:
+            out.add(f"nft:{table}")
+            for obj in json.loads(p.stdout or b"{}").get("nftables", []):
+                if "chain" in obj and obj["chain"]["name"].startswith("sb"):
+                    out.add(f"nftchain:{table}:{obj['chain']['name']}")
+                if "map" in obj:
+                    for elem in obj["map"].get("elem") or []:
+                        out.add(f"nftelem:{table}:{json.dumps(elem[0] if isinstance(elem, list) else elem)}")
+    return out
+
+
 def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops",
-             runsc_roots: list[Path] | None = None, *, qemu_dirs: list[Path] | None = None) -> dict[str, object]:
+             runsc_roots: list[Path] | None = None, *, qemu_dirs: list[Path] | None = None,
+             net_prefix: str | None = None, nft_table: str | None = None) -> dict[str, object]:
     roots = [Path(r) for r in (crun_roots or [])]
     gv = [Path(r) for r in (runsc_roots or [])]
     qdirs = [Path(d) for d in (qemu_dirs or [])]
-    items = _containers(roots) | _runsc(gv) | _mounts(match) | _cgroups(match) | _procs(match) | _qemu(qdirs)
-    return {"roots": roots, "match": match, "runsc_roots": gv, "qemu_dirs": qdirs, "items": items}
+    items = (_containers(roots) | _runsc(gv) | _mounts(match) | _loops(match) | _cgroups(match) | _procs(match)
+             | _qemu(qdirs) | _net(net_prefix, nft_table))
+    return {"roots": roots, "match": match, "runsc_roots": gv, "qemu_dirs": qdirs, "net_prefix": net_prefix,
+            "nft_table": nft_table, "items": items}
 
 
 def leaks(before: dict[str, object]) -> set[str]:
     now = snapshot(before["roots"], before["match"], before.get("runsc_roots"),  # type: ignore[arg-type]
-                   qemu_dirs=before.get("qemu_dirs"))  # type: ignore[arg-type]
+                   qemu_dirs=before.get("qemu_dirs"), net_prefix=before.get("net_prefix"),  # type: ignore[arg-type]
+                   nft_table=before.get("nft_table"))  # type: ignore[arg-type]
     return now["items"] - before["items"]  # type: ignore[operator]
+
+
+def assert_none_left(*, net_prefix: str, nft_table: str, settle: float = 5.0) -> None:
+    """Fail if any link, netns or nft object of that prefix/table exists (after an agent's exit)."""
+    assert_no_leaks({"roots": [], "match": "\0never", "net_prefix": net_prefix, "nft_table": nft_table,
+                     "items": set()}, settle=settle)
 
 
 def assert_no_leaks(before: dict[str, object], *, settle: float = 2.0) -> None:

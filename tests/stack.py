@@ -16,6 +16,7 @@ from pilldrops._internal.clock import Clock
 from pilldrops.node.agent import NodeAgent, Settings
 from pilldrops.node.api import create_node_app
 from pilldrops.node.runtime.fake import FakeRuntime
+from pilldrops.schema.node import NodeNetwork
 from pilldrops.server.main import ControlPlane, build_control_plane
 from pilldrops.server.service.billing import BillingSettings
 from pilldrops.server.store.sql import sqlite_url
@@ -34,6 +35,8 @@ class FakeTemplate:
     built: bool = True
     description: str = ""
     isolation: str | None = None
+    disk_mb: int | None = None
+    network: dict[str, Any] | None = None     # a template's [network] default (issue 14)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", self.env or {"PD_TEMPLATE": self.name})
@@ -145,3 +148,37 @@ class _Lazy:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         host = dict(scope.get("headers") or []).get(b"host", b"node").decode().split(":")[0]
         await self.holder[host](scope, receive, send)
+
+
+class FakeEgress:
+    """The node's egress, recording what it was asked (attach, release)."""
+
+    def __init__(self) -> None:
+        self.attached: dict[str, NodeNetwork] = {}
+        self.released: list[str] = []
+
+    def unavailable(self) -> str | None:
+        return None
+
+    async def attach(self, sandbox_id: str, pid: int, rootfs: Path | None, net: NodeNetwork) -> int:
+        self.attached[sandbox_id] = net
+        return 0
+
+    async def release(self, sandbox_id: str) -> None:
+        self.released.append(sandbox_id)
+
+    async def detach(self, sandbox_id: str) -> None: ...
+
+    def forget(self, sandbox_id: str) -> None: ...
+
+    async def recover(self, *a: Any) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def fake_egress(st: Any) -> FakeEgress:
+    """Replace the first node's egress with a recording fake (the fake runtime has no netns)."""
+    fake = FakeEgress()
+    st.agent.egress = fake
+    st.agent.transfer.egress = fake
+    return fake

@@ -7,6 +7,7 @@
  * ├─ InvalidRequest        400 invalid_request
  * ├─ AuthenticationError   401 unauthenticated
  * ├─ PermissionDenied      403 permission_denied
+ * │   └─ EgressForbidden   403 egress_forbidden   (the deployment gives no / less egress)
  * ├─ NotFound              404 not_found
  * │   ├─ SandboxNotFound   404 sandbox_not_found
  * │   ├─ FileNotFound      404 file_not_found
@@ -15,11 +16,13 @@
  * │   └─ InvalidState      409 invalid_state       (details: from, to)
  * ├─ InsufficientCredits   402 insufficient_credits
  * ├─ PayloadTooLarge       413 payload_too_large
+ * │   └─ DiskQuotaExceeded 413 disk_quota_exceeded
  * ├─ RateLimited           429 rate_limited        (retryable)
  * ├─ ServerError           500 internal            (retryable for idempotent calls)
  * ├─ NotSupported          501 not_supported
  * ├─ NodeUnavailable       502 node_unavailable    (retryable)
  * ├─ CapacityUnavailable   503 capacity_unavailable (retryable)
+ * ├─ TemplateBuildFailed   422 template_build_failed
  * ├─ TransportError        —   no response at all  (retryable)
  * │   └─ RequestTimeout    —   client-side deadline
  * ├─ AbortError            —   the caller's AbortSignal fired (name "AbortError", cause: the signal's reason)
@@ -85,8 +88,12 @@ export class URLTokenExpired extends AuthenticationError {
   static override readonly code = 'url_token_expired'
 }
 export class PermissionDenied extends PillDropsError {
-  static override readonly code = 'permission_denied'
+  static override readonly code: string = 'permission_denied'
   static override readonly status = 403
+}
+/** The create asks for egress the deployment does not give (`--no-egress`, or outside its `--egress-allow`). */
+export class EgressForbidden extends PermissionDenied {
+  static override readonly code = 'egress_forbidden'
 }
 export class NotFound extends PillDropsError {
   static override readonly code: string = 'not_found'
@@ -115,8 +122,12 @@ export class InsufficientCredits extends PillDropsError {
   static override readonly status = 402
 }
 export class PayloadTooLarge extends PillDropsError {
-  static override readonly code = 'payload_too_large'
+  static override readonly code: string = 'payload_too_large'
   static override readonly status = 413
+}
+/** An upload or file write does not fit in the sandbox's disk (`diskMb`); `details.free_bytes` is what is left. */
+export class DiskQuotaExceeded extends PayloadTooLarge {
+  static override readonly code = 'disk_quota_exceeded'
 }
 export class RateLimited extends PillDropsError {
   static override readonly code = 'rate_limited'
@@ -152,6 +163,11 @@ export class CapacityUnavailable extends PillDropsError {
   static override readonly status = 503
   static override readonly retryable = true
 }
+/** A template build ran and failed (a step's exit status, a bad spec, a layer that did not verify). */
+export class TemplateBuildFailed extends PillDropsError {
+  static override readonly code = 'template_build_failed'
+  static override readonly status = 422
+}
 /** No HTTP response was received (connection refused, reset, DNS, ...). */
 export class TransportError extends PillDropsError {
   static override readonly code: string = 'transport_error'
@@ -183,10 +199,10 @@ export class CommandFailed extends PillDropsError {
 type ErrorClass = new (message?: string, options?: { details?: unknown; requestId?: string | null }) => PillDropsError
 
 const ALL: (ErrorClass & typeof PillDropsError)[] = [
-  InvalidRequest, AuthenticationError, PermissionDenied, NotFound, SandboxNotFound, FileNotFound,
+  InvalidRequest, AuthenticationError, PermissionDenied, EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
   TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError,
-  NodeUnavailable, CapacityUnavailable, NotSupported, URLTokenRequired, URLTokenInvalid, URLTokenExpired,
-  PortNotOpen, GatewayTimeout,
+  NodeUnavailable, CapacityUnavailable, NotSupported, TemplateBuildFailed, URLTokenRequired, URLTokenInvalid,
+  URLTokenExpired, PortNotOpen, GatewayTimeout, DiskQuotaExceeded,
 ]
 /** The error class of each stable code the server sends. */
 export const BY_CODE: ReadonlyMap<string, ErrorClass> = new Map(ALL.map((c) => [c.code, c]))

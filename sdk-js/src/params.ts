@@ -96,6 +96,12 @@ export interface SpecArgs {
   vcpu?: number
   /** Memory limit in MiB (default 512). */
   memoryMb?: number
+  /**
+   * Size of the writable layer in MiB: writes past it fail with ENOSPC inside the sandbox (default: the
+   * template's, else the deployment's, 10240; past the deployment's maximum: `InvalidRequest`). Sent only
+   * when given. `info().diskUsedBytes` is what it holds.
+   */
+  diskMb?: number
   /** Seconds until the sandbox is killed (default 300, max 86400); extend with `setTimeout`. */
   timeout?: number
   /** Free-form labels, filterable in `Sandbox.list` / `Sandbox.history`. */
@@ -112,6 +118,37 @@ export interface SpecArgs {
   publicPorts?: number[]
   /** Every port is served by URL without a token (default false). */
   public?: boolean
+  /**
+   * Egress to the internet (NAT through the node, DNS through its resolver). Default: the template's
+   * `[network]`, else none (loopback only). Sent only when given.
+   */
+  allowInternetAccess?: boolean
+  /**
+   * `allowOut`: IPv4 CIDRs or addresses always reachable (even without `allowInternetAccess`); `denyOut`: never
+   * reachable unless also in `allowOut` (allow wins). The node itself, other sandboxes and 169.254.0.0/16 are
+   * never reachable. Sent only when given.
+   */
+  network?: NetworkPolicy
+}
+
+/** Where a sandbox may connect to (besides its own loopback). */
+export interface NetworkPolicy {
+  allowOut?: string[]
+  denyOut?: string[]
+}
+
+const CIDR = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})(\/(\d{1,2}))?$/
+
+function cidrList(v: unknown, what: string): string[] {
+  if (v === undefined) return []
+  if (!Array.isArray(v) || v.length > 64) throw new InvalidRequest(`${what} must be a list of at most 64 IPv4 CIDRs`)
+  for (const c of v) {
+    const m = typeof c === 'string' ? CIDR.exec(c.trim()) : null
+    if (!m || m.slice(1, 5).some((o) => Number(o) > 255) || (m[6] !== undefined && Number(m[6]) > 32)) {
+      throw new InvalidRequest(`${what}: ${JSON.stringify(c)} is not an IPv4 address or CIDR`)
+    }
+  }
+  return v as string[]
 }
 
 /** The isolation modes a sandbox can ask for. */
@@ -130,11 +167,23 @@ export function createBody(spec: SpecArgs): Record<string, unknown> {
   num(body.vcpu, 'vcpu', 0, 64, false, true)
   num(body.memory_mb, 'memoryMb', 16, 262_144, true)
   num(body.timeout, 'timeout', 1, 86_400, true)
+  if (spec.diskMb !== undefined) {
+    num(spec.diskMb, 'diskMb', 16, 4_194_304, true)
+    body.disk_mb = spec.diskMb
+  }
   if (spec.isolation !== undefined) {
     if (!(ISOLATION_MODES as readonly string[]).includes(spec.isolation)) {
       throw new InvalidRequest(`unknown isolation mode ${JSON.stringify(spec.isolation)}; valid modes: ${ISOLATION_MODES.join(', ')}`)
     }
     body.isolation = spec.isolation
+  }
+  if (spec.allowInternetAccess !== undefined) {
+    if (typeof spec.allowInternetAccess !== 'boolean') throw new InvalidRequest('allowInternetAccess must be a boolean')
+    body.allow_internet_access = spec.allowInternetAccess
+  }
+  if (spec.network !== undefined) {
+    body.network = { allow_out: cidrList(spec.network.allowOut, 'network.allowOut'),
+      deny_out: cidrList(spec.network.denyOut, 'network.denyOut') }
   }
   if (spec.publicPorts !== undefined) {
     if (!Array.isArray(spec.publicPorts)) throw new InvalidRequest('publicPorts must be an array of ports')

@@ -13,6 +13,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   ├─ URLTokenInvalid   401 url_token_invalid   (forged, or another sandbox's or port's)
     │   └─ URLTokenExpired   401 url_token_expired
     ├─ PermissionDenied      403 permission_denied
+    │   └─ EgressForbidden   403 egress_forbidden    (details: reason "disabled" | "outside_cap")
     ├─ NotFound              404 not_found
     │   ├─ SandboxNotFound   404 sandbox_not_found
     │   ├─ FileNotFound      404 file_not_found
@@ -21,6 +22,7 @@ The tree (callers branch on *what they can do*, not on HTTP numbers)::
     │   └─ InvalidState      409 invalid_state       (details: from, to)
     ├─ InsufficientCredits   402 insufficient_credits
     ├─ PayloadTooLarge       413 payload_too_large
+    │   └─ DiskQuotaExceeded 413 disk_quota_exceeded (an upload or write past the sandbox's disk_mb)
     ├─ RateLimited           429 rate_limited        (retryable)
     ├─ ServerError           500 internal            (retryable for idempotent calls)
     ├─ NodeUnavailable       502 node_unavailable    (retryable)
@@ -94,6 +96,13 @@ class PermissionDenied(PillDropsError):
     status = 403
 
 
+class EgressForbidden(PermissionDenied):
+    """The create asks for egress this deployment does not give (``--no-egress``, or outside its
+    ``--egress-allow`` cap)."""
+
+    code = "egress_forbidden"
+
+
 class NotFound(PillDropsError):
     code = "not_found"
     status = 404
@@ -142,6 +151,12 @@ class PayloadTooLarge(PillDropsError):
     status = 413
 
 
+class DiskQuotaExceeded(PayloadTooLarge):
+    """An upload or file write does not fit in the sandbox's disk (``disk_mb``); details: free bytes."""
+
+    code = "disk_quota_exceeded"
+
+
 class RateLimited(PillDropsError):
     code = "rate_limited"
     status = 429
@@ -182,6 +197,14 @@ class CapacityUnavailable(PillDropsError):
     retryable = True
 
 
+class TemplateBuildFailed(PillDropsError):
+    """A template build ran and failed (a step's exit status, a bad spec, a layer that did not verify); the
+    message names the step and its last output line."""
+
+    code = "template_build_failed"
+    status = 422
+
+
 class TransportError(PillDropsError):
     """No HTTP response was received (connection refused, reset, DNS, ...)."""
 
@@ -207,9 +230,9 @@ class CommandFailed(PillDropsError):
 
 _ALL: tuple[type[PillDropsError], ...] = (
     InvalidRequest, AuthenticationError, URLTokenRequired, URLTokenInvalid, URLTokenExpired, PermissionDenied,
-    NotFound, SandboxNotFound, FileNotFound,
+    EgressForbidden, NotFound, SandboxNotFound, FileNotFound,
     TemplateNotFound, Conflict, InvalidState, InsufficientCredits, PayloadTooLarge, RateLimited, ServerError, NodeUnavailable,
-    CapacityUnavailable, NotSupported, GatewayTimeout, PortNotOpen,
+    CapacityUnavailable, NotSupported, TemplateBuildFailed, GatewayTimeout, PortNotOpen, DiskQuotaExceeded,
 )
 BY_CODE: dict[str, type[PillDropsError]] = {cls.code: cls for cls in _ALL}
 BY_STATUS: dict[int, type[PillDropsError]] = {

@@ -118,10 +118,17 @@ async def test_exec_stdin_bytes_and_stream(case: RuntimeCase, runtime: Runtime) 
 
 async def test_timeout_kills_the_whole_tree(case: RuntimeCase, runtime: Runtime) -> None:
     h = await runtime.create(case.spec("c-timeout"))
-    proc = await runtime.exec(h, ["/bin/sh", "-c", "sleep 60 & echo $! > bg.pid; sleep 60"], env={}, cwd=None,
-                              timeout=1.0)
-    code, _, _ = await collect(proc)
-    assert proc.timed_out and code != 0
+    # a timeout that fires before the shell got to start its child proves nothing: longer ones then
+    # (a microVM under TCG can take more than a second to get there)
+    for limit in (1.0, 3.0, 9.0):
+        proc = await runtime.exec(h, ["/bin/sh", "-c", "sleep 60 & echo $! > bg.pid; sleep 60"], env={},
+                                  cwd=None, timeout=limit)
+        code, _, _ = await collect(proc)
+        assert proc.timed_out and code != 0
+        if (await sh(runtime, h, "[ -s bg.pid ] && echo started"))[1].strip() == "started":
+            break
+    else:
+        pytest.fail("the command never got to start its background child")
     assert await gone_soon(runtime, h, "bg.pid"), "the timed-out command's background child survived"
     await runtime.destroy(h)
 

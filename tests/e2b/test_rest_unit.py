@@ -123,3 +123,31 @@ async def test_sandbox_traffic_routing(st: Stack) -> None:
         assert r.status_code == 502                            # killed: gone at once
     async with st.client() as ours:                           # our own API is untouched
         assert (await ours.get("/v1/whoami")).status_code == 200
+
+
+async def test_egress_fields_map_onto_the_policy(st: Stack) -> None:
+    """E2B's allow_internet_access (absent: off, our default) and network.allowOut/denyOut (allow wins)."""
+    from tests.stack import fake_egress
+    fake = fake_egress(st)
+    async with e2b(st) as c:
+        plain = (await c.post("/v2/sandboxes", json={"templateID": "base"})).json()
+        d = (await c.get(f"/sandboxes/{plain['sandboxID']}")).json()
+        assert d["allowInternetAccess"] is False and d["network"] is None
+        r = await c.post("/v2/sandboxes", json={"templateID": "base", "allow_internet_access": True,
+                                                "network": {"allowOut": ["198.18.0.1"], "denyOut": ["0.0.0.0/0"],
+                                                            "allowPublicTraffic": True}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        d = (await c.get(f"/sandboxes/{sid}")).json()
+        assert d["allowInternetAccess"] is True
+        assert d["network"] == {"allowOut": ["198.18.0.1/32"], "denyOut": ["0.0.0.0/0"]}
+        net = fake.attached["sb_" + sid[2:]]
+        assert net.allow_internet_access and net.allow_out == ["198.18.0.1/32"] and net.deny_out == ["0.0.0.0/0"]
+        r = await c.post("/v2/sandboxes", json={"templateID": "base", "network": {"allowOut": ["bad"]}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        st.cp.services.sandboxes.ctx.egress = type(st.cp.services.sandboxes.ctx.egress)(enabled=False)
+        legacy = await c.post("/sandboxes", json={"templateID": "base", "allow_internet_access": True})
+        assert legacy.status_code == 201                      # older SDKs always send true: ignored here
+        assert (await c.get(f"/sandboxes/{legacy.json()['sandboxID']}")).json()["allowInternetAccess"] is False
+        r = await c.post("/v2/sandboxes", json={"templateID": "base", "network": {"allowOut": ["198.18.0.1"]}})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "egress_forbidden"

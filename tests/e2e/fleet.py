@@ -10,10 +10,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tests import leakcheck
 
 
 def free_port() -> int:
@@ -25,7 +29,10 @@ def free_port() -> int:
 def clean_env(config_home: Path, **extra: str) -> dict[str, str]:
     """This process's environment for a PillDrops process of its own: its own config dir, and none of the
     caller's PillDrops/E2B credentials or node token leaking in."""
-    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), **extra}
+    # sandbox egress (issue 14) never touches this machine's own uplinks or resolver in tests: no uplink to
+    # turn forwarding on for and no DNS, unless a test (tests/network) names its own
+    env = {**os.environ, "XDG_CONFIG_HOME": str(config_home), "PILLDROPS_EGRESS_UPLINKS": "",
+           "PILLDROPS_EGRESS_DNS": "none", "PILLDROPS_EGRESS_POOL": f"10.213.{os.getpid() % 256}.0/24", **extra}
     for k in ("PILLDROPS_API_KEY", "PILLDROPS_API_URL", "E2B_API_KEY", "PILLDROPS_NODE_TOKEN"):
         env.pop(k, None)
     return env
@@ -106,11 +113,12 @@ class Fleet:
             self.key = re.search(r"PILLDROPS_API_KEY=(\S+)", out).group(1)  # type: ignore[union-attr]
             self.token = re.search(r"PILLDROPS_NODE_TOKEN=(\S+)", out).group(1)  # type: ignore[union-attr]
 
-    def add_node(self, *, capacity_vcpu: float | None = None) -> Proc:
+    def add_node(self, *, capacity_vcpu: float | None = None, templates: str = "tiny") -> Proc:
+        """``templates=""``: a node that builds nothing itself (it fetches from the template store)."""
         i = len(self.nodes)
         name = f"{self.name}-n{i}"
         args = ["node", "--control-plane", self.url, "--node-token", self.token, "--port", str(free_port()),
-                "--data-dir", str(self.root / f"node{i}"), "--name", name, "--templates", "tiny"]
+                "--data-dir", str(self.root / f"node{i}"), "--name", name, "--templates", templates]
         if capacity_vcpu:
             args += ["--capacity-vcpu", str(capacity_vcpu)]
         p = Proc(args, self.root / f"node{i}.log")
@@ -122,12 +130,13 @@ class Fleet:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
 
-    def wait_nodes_ready(self, n: int, timeout: float = 30) -> None:
+    def wait_nodes_ready(self, n: int, timeout: float = 30, template: str | None = "tiny") -> None:
         deadline = time.monotonic() + timeout
         with self.api() as c:
             while time.monotonic() < deadline:
                 items = c.get("/v1/nodes").json()["items"]
-                if sum(1 for x in items if x["state"] == "ready" and "tiny" in x["templates"]) >= n:
+                if sum(1 for x in items if x["state"] == "ready"
+                       and (template is None or template in x["templates"])) >= n:
                     return
                 time.sleep(0.1)
         raise AssertionError(f"{n} ready nodes not seen in {timeout}s")
@@ -139,3 +148,17 @@ class Fleet:
         for p in [*self.nodes, self.cp]:
             if p is not None and p.proc is not None:
                 p.proc.wait(timeout=60)
+
+
+@contextmanager
+def running_fleet(root: Path, name: str, match: str, db: str | None = None) -> Iterator[Fleet]:
+    """A fleet under ``root`` (its processes stopped at the end), checked for leaks of sandboxes whose
+    names contain ``match``."""
+    root.mkdir()
+    f = Fleet(root, name, db=db)
+    before = leakcheck.snapshot(f.crun_roots(), match=match)
+    try:
+        yield f
+    finally:
+        f.stop()
+    leakcheck.assert_no_leaks(before, settle=5)

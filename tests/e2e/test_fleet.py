@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from pilldrops import Sandbox
-from tests import leakcheck
 from tests.e2e.conftest import MATCH, _why_not_runnable
-from tests.e2e.fleet import Fleet
+from tests.e2e.fleet import Fleet, running_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +28,8 @@ def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     if why:
         pytest.skip(why)
     db = request.getfixturevalue("postgres").new_database() if request.param == "postgres" else None
-    root = tmp_path / f"{MATCH}-fleet"
-    root.mkdir()
-    f = Fleet(root, f"{MATCH.split('-', 1)[1]}{request.param[:2]}", db=db)
-    before = leakcheck.snapshot(f.crun_roots(), match=MATCH)
-    try:
+    with running_fleet(tmp_path / f"{MATCH}-fleet", f"{MATCH.split('-', 1)[1]}{request.param[:2]}", MATCH, db) as f:
         yield f
-    finally:
-        f.stop()
-    leakcheck.assert_no_leaks(before, settle=5)
 
 
 def _pid(f: Fleet, node: int, sid: str) -> int:

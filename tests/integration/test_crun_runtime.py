@@ -121,7 +121,7 @@ async def test_sandboxes_are_isolated(runtime, tiny):  # type: ignore[no-untyped
     _, ps, _ = await run(runtime, b, ["ps"])
     assert "1234" not in ps
     _, ls, _ = await run(runtime, b, ["sh", "-c", "ls /proc | grep -E '^[0-9]+$'"])
-    assert len(ls.split()) <= 4, ls                 # init, sh, ls, grep
+    assert len(ls.split()) <= 5, ls                 # init, shepherd, sh, ls, grep
     _, ls_a, _ = await run(runtime, a, ["ps"])
     assert "sleep 1234" in ls_a
     # network: loopback only and up
@@ -193,7 +193,7 @@ async def test_kill_kills_the_whole_tree(runtime, tiny):  # type: ignore[no-unty
     h = await runtime.create(spec(tiny, "tree"))
     p = await runtime.exec(h, ["sh", "-c", "sleep 100 & sleep 100 & wait"], env={}, cwd=None)
     with anyio.fail_after(5):
-        while len(cgroup_procs(h)) < 4:           # init + sh + 2 sleeps
+        while len(cgroup_procs(h)) < 5 or p.pid is None:     # init + shepherd + sh + 2 sleeps; the pid frame
             await anyio.sleep(0.01)
     assert p.pid is not None
     await p.kill()

@@ -60,7 +60,7 @@ async def test_is_gvisor_with_crun_bundle_limits_and_both_exec_paths(gvisor, tin
         assert code != 0
         # the host's processes are invisible; writes land in the sandbox's own writable layer
         code, out, _, _ = await run(gvisor, h, ["/bin/sh", "-c", "ps -o pid,comm | wc -l; echo hi > /root/f"])
-        assert code == 0 and int(out) <= 5        # header, init, sh, ps, wc
+        assert code == 0 and int(out) <= 6        # header, init, shepherd, sh, ps, wc
         assert (Path(h.bundle) / "upper" / "root" / "f").read_text() == "hi\n"
         assert (await gvisor.state(h)).status == "running"
         assert await gvisor.list_ids() == [h.id]

@@ -107,7 +107,7 @@ async def test_signals(env):  # type: ignore[no-untyped-def]
     # non-interactive shell starts `&` jobs with SIGINT ignored)
     m, reader = await procs.start(t, req("sleep 100 & sleep 100; wait"))
     with anyio.fail_after(5):
-        while len(cgroup_procs(t.handle)) < 4:
+        while len(cgroup_procs(t.handle)) < 5:     # init + shepherd + sh + 2 sleeps
             await anyio.sleep(0.01)
     assert await procs.signal(m, signal.SIGTERM)
     with anyio.fail_after(10):

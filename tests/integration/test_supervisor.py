@@ -144,7 +144,7 @@ async def test_kill_tree_timeout_and_background(runtime, box):  # type: ignore[n
     h = box
     p = await runtime.exec(h, ["sh", "-c", "sleep 100 & sleep 100 & wait"], env={}, cwd=None)
     with anyio.fail_after(5):
-        while len(cgroup_procs(h)) < 4:
+        while len(cgroup_procs(h)) < 5:           # init + shepherd + sh + 2 sleeps
             await anyio.sleep(0.01)
     await p.kill()
     assert await p.wait() == 137

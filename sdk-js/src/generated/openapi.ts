@@ -390,6 +390,44 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/templates/builds": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Build Template
+         * @description Build once into the template store; the answer streams the build (NDJSON: ``status``/``log``
+         *     events, then ``done`` with the template, or ``error``).
+         */
+        post: operations["build_template_v1_templates_builds_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/templates/contexts/{digest}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /** Put Context */
+        put: operations["put_context_v1_templates_contexts__digest__put"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/usage": {
         parameters: {
             query?: never;
@@ -440,6 +478,12 @@ export interface components {
          */
         BatchCreateRequest: {
             /**
+             * Allow Internet Access
+             * @description egress to the internet (NAT through the node); unset: the template's [network] default, else off
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
              * Capacity Wait
              * @description seconds each item may wait for capacity
              * @default 60
@@ -447,6 +491,11 @@ export interface components {
             capacity_wait: number;
             /** Count */
             count: number;
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -473,6 +522,8 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /** @description allow_out / deny_out CIDRs; unset: the template's */
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /**
              * Public
              * @description every port is served by URL without a token
@@ -518,8 +569,26 @@ export interface components {
             index: number;
             sandbox?: components["schemas"]["SandboxInfo"] | null;
         };
+        /** ContextUploaded */
+        ContextUploaded: {
+            /** Digest */
+            digest: string;
+            /** Size */
+            size: number;
+        };
         /** CreateSandboxRequest */
         CreateSandboxRequest: {
+            /**
+             * Allow Internet Access
+             * @description egress to the internet (NAT through the node); unset: the template's [network] default, else off
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
+             * Disk Mb
+             * @description size of the writable layer in MiB (writes past it fail with ENOSPC); default: the template's, else the deployment's (10240); past the deployment's maximum: 400 invalid_request
+             */
+            disk_mb?: number | null;
             /** Envs */
             envs?: {
                 [key: string]: string;
@@ -539,6 +608,8 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            /** @description allow_out / deny_out CIDRs; unset: the template's */
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /**
              * Public
              * @description every port is served by URL without a token
@@ -631,6 +702,11 @@ export interface components {
          * @description One sandbox in the usage history (running ones with their cost so far).
          */
         HistoryRecord: {
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
             /** Cost Usd */
             cost_usd: number;
             end_reason?: components["schemas"]["EndReason"] | null;
@@ -651,6 +727,7 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /** Pauses */
             pauses?: components["schemas"]["PauseInterval"][];
             /** Started At */
@@ -777,6 +854,24 @@ export interface components {
             revoked_at?: string | null;
             /** Team Id */
             team_id: string;
+        };
+        /**
+         * NetworkPolicy
+         * @description Where a sandbox may connect to besides its own loopback. ``allow_out`` is reachable even when
+         *     ``allow_internet_access`` is off; ``deny_out`` is cut out of the internet; allow wins over deny (as E2B).
+         *     Never reachable whatever the policy: the node itself, other sandboxes, 169.254.0.0/16.
+         */
+        NetworkPolicy: {
+            /**
+             * Allow Out
+             * @description IPv4 CIDRs or addresses always reachable
+             */
+            allow_out?: string[];
+            /**
+             * Deny Out
+             * @description IPv4 CIDRs or addresses never reachable (unless also in allow_out)
+             */
+            deny_out?: string[];
         };
         /**
          * NodeInfo
@@ -1057,6 +1152,11 @@ export interface components {
         SandboxInfo: {
             /** Access Token */
             access_token?: string | null;
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
             /** Checkpoint Bytes */
             checkpoint_bytes?: number | null;
             /**
@@ -1069,6 +1169,10 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Disk Mb */
+            disk_mb?: number | null;
+            /** Disk Used Bytes */
+            disk_used_bytes?: number | null;
             /** End At */
             end_at?: string | null;
             end_reason?: components["schemas"]["EndReason"] | null;
@@ -1096,6 +1200,7 @@ export interface components {
             metadata?: {
                 [key: string]: string;
             };
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /** Node Id */
             node_id?: string | null;
             /** Paused At */
@@ -1173,8 +1278,31 @@ export interface components {
              */
             timeout: number;
         };
+        /**
+         * TemplateBuildRequest
+         * @description ``POST /v1/templates/builds``: build a spec document (the TOML spec's table, as JSON) once, on a node
+         *     the scheduler picks, into the template store. ``context`` names a build context uploaded before with
+         *     ``PUT /v1/templates/contexts/{digest}`` (the files ``copy`` steps read, relative to its root).
+         */
+        TemplateBuildRequest: {
+            /** Context */
+            context?: string | null;
+            /**
+             * Force
+             * @default false
+             */
+            force: boolean;
+            /** Spec */
+            spec: {
+                [key: string]: unknown;
+            };
+        };
         /** TemplateInfo */
         TemplateInfo: {
+            /** Build Seconds */
+            build_seconds?: number | null;
+            /** Builder */
+            builder?: string | null;
             /** Built At */
             built_at?: string | null;
             /**
@@ -1182,12 +1310,19 @@ export interface components {
              * @default
              */
             description: string;
+            /** Digest */
+            digest?: string | null;
+            /** Disk Mb */
+            disk_mb?: number | null;
             /** Isolation */
             isolation?: string | null;
+            /** Key */
+            key?: string | null;
             /** Layers */
             layers?: string[];
             /** Name */
             name: string;
+            network?: components["schemas"]["TemplateNetwork"] | null;
             /** Nodes */
             nodes?: string[];
             /**
@@ -1195,6 +1330,8 @@ export interface components {
              * @default 0
              */
             size_bytes: number;
+            /** Version */
+            version?: number | null;
             /** Workdir */
             workdir?: string | null;
         };
@@ -1202,6 +1339,27 @@ export interface components {
         TemplateList: {
             /** Items */
             items: components["schemas"]["TemplateInfo"][];
+        };
+        /**
+         * TemplateNetwork
+         * @description A template's ``[network]`` table: the default egress of its sandboxes (a create's own fields win).
+         */
+        TemplateNetwork: {
+            /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
+             * Allow Out
+             * @description IPv4 CIDRs or addresses always reachable
+             */
+            allow_out?: string[];
+            /**
+             * Deny Out
+             * @description IPv4 CIDRs or addresses never reachable (unless also in allow_out)
+             */
+            deny_out?: string[];
         };
         /** UsageSummary */
         UsageSummary: {
@@ -2094,6 +2252,68 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["TemplateList"];
+                };
+            };
+        };
+    };
+    build_template_v1_templates_builds_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["TemplateBuildRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    put_context_v1_templates_contexts__digest__put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                digest: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextUploaded"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };

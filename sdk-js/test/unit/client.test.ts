@@ -2,8 +2,8 @@ import assert from 'node:assert/strict'
 import { afterEach, beforeEach, describe, test } from 'node:test'
 
 import {
-  AbortError, AuthenticationError, CapacityUnavailable, CommandFailed, InvalidRequest, InvalidState,
-  NodeUnavailable, PayloadTooLarge, RequestTimeout, Sandbox, SandboxNotFound, ServerError, TransportError,
+  AbortError, AuthenticationError, CapacityUnavailable, CommandFailed, EgressForbidden, InvalidRequest, InvalidState,
+  NodeUnavailable, PayloadTooLarge, PermissionDenied, RequestTimeout, Sandbox, SandboxNotFound, ServerError, TransportError,
   SandboxInfo,
 } from '../../src/index.js'
 import { FakeFetch, OPTS, b64, json, ndjson, recordSleeps, refused, reset, wireInfo } from './fake.js'
@@ -43,6 +43,25 @@ describe('create', () => {
     f.queue('POST', '/v1/sandboxes', () => json(201, wireInfo('sb_3')))
     await Sandbox.create({ ...opts(f), isolation: 'gvisor' })
     assert.equal(JSON.parse(f.calls[5]!.body).isolation, 'gvisor')
+    assert.equal(JSON.parse(f.calls[5]!.body).disk_mb, undefined)
+    // so is the disk size
+    f.queue('POST', '/v1/sandboxes', () => json(201, { ...wireInfo('sb_4'), disk_mb: 64, disk_used_bytes: 4096 }))
+    const disk = await Sandbox.create({ ...opts(f), diskMb: 64 })
+    assert.equal(JSON.parse(f.calls[6]!.body).disk_mb, 64)
+    assert.equal(disk.info.diskMb, 64)
+    assert.equal(disk.info.diskUsedBytes, 4096)
+    // egress: sent only when given, in the wire's snake_case; the typed 403 is EgressForbidden
+    f.queue('POST', '/v1/sandboxes', () => json(201, wireInfo('sb_4')))
+    await Sandbox.create({ ...opts(f), allowInternetAccess: true, network: { allowOut: ['198.18.0.1'], denyOut: ['10.0.0.0/8'] } })
+    const eb = JSON.parse(f.calls[7]!.body)
+    assert.equal(eb.allow_internet_access, true)
+    assert.deepEqual(eb.network, { allow_out: ['198.18.0.1'], deny_out: ['10.0.0.0/8'] })
+    assert.equal('allow_internet_access' in body, false)
+    f.queue('POST', '/v1/sandboxes', () => json(403, { error: { code: 'egress_forbidden', message: 'no egress',
+      details: { reason: 'disabled' } } }))
+    const denied = await Sandbox.create({ ...opts(f), allowInternetAccess: true }).catch((e) => e)
+    assert.ok(denied instanceof EgressForbidden && denied instanceof PermissionDenied)
+    assert.equal(denied.code, 'egress_forbidden')
   })
 
   test('capacityWait bounds the waiting, then the capacity error is thrown', async () => {
@@ -60,7 +79,8 @@ describe('create', () => {
     const f = new FakeFetch().on('POST', '/v1/sandboxes', () =>
       json(401, { error: { code: 'unauthenticated', message: 'bad key' } }, { 'x-request-id': 'req-9' }))
     for (const bad of [{ template: 'Bad!' }, { vcpu: 0 }, { memoryMb: 1.5 }, { timeout: 90000 },
-      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }, { isolation: 'vm' }]) {
+      { envs: { 'A=B': 'x' } }, { capacityWait: -1 }, { isolation: 'vm' }, { diskMb: 8 }, { diskMb: 64.5 },
+      { network: { allowOut: ['nope'] } }, { network: { denyOut: ['10.0.0.0/33'] } }]) {
       await assert.rejects(Sandbox.create(opts(f, bad)), InvalidRequest)
     }
     assert.equal(f.calls.length, 0)

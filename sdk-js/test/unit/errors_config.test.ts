@@ -5,7 +5,7 @@ import { join } from 'node:path'
 import { after, describe, test } from 'node:test'
 
 import {
-  AuthenticationError, CapacityUnavailable, InvalidRequest, Conflict, InvalidState, NotFound, PillDropsError, RateLimited,
+  AuthenticationError, CapacityUnavailable, DiskQuotaExceeded, InvalidRequest, Conflict, InvalidState, PayloadTooLarge, NotFound, PillDropsError, RateLimited,
   SandboxNotFound, ServerError, TemplateNotFound, TransportError, RequestTimeout, VERSION, fromWire, resolveConfig,
 } from '../../src/index.js'
 import { backoffDelay, parseRetryAfter, RetryPolicy } from '../../src/retry.js'
@@ -23,6 +23,9 @@ describe('errors', () => {
     assert.ok(fromWire(409, { error: { code: 'invalid_state', message: 'x' } }) instanceof InvalidState)
     assert.ok(fromWire(409, { error: { code: 'invalid_state' } }) instanceof Conflict)
     assert.ok(fromWire(404, { error: { code: 'template_not_found' } }) instanceof TemplateNotFound)
+    const full = fromWire(413, { error: { code: 'disk_quota_exceeded', details: { free_bytes: 0 } } })
+    assert.ok(full instanceof DiskQuotaExceeded && full instanceof PayloadTooLarge)
+    assert.equal(full.code, 'disk_quota_exceeded')
     assert.ok(fromWire(503, null) instanceof CapacityUnavailable)
     assert.ok(fromWire(429, 'nope') instanceof RateLimited)
     assert.ok(fromWire(599, {}) instanceof ServerError)

@@ -16,7 +16,14 @@ from typing import Any
 
 import click
 
-from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES
+from pilldrops.schema.api import (
+    DEFAULT_DISK_MB,
+    DEFAULT_ISOLATION,
+    DEFAULT_MAX_DISK_MB,
+    DISK_MB_CAP,
+    ISOLATION_MODES,
+    MIN_DISK_MB,
+)
 
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 DEFAULT_TEMPLATES = "code-interpreter"
@@ -55,6 +62,18 @@ def _control_plane_options(f: Any) -> Any:
         click.option("--default-isolation", type=click.Choice(ISOLATION_MODES), default=DEFAULT_ISOLATION,
                      show_default=True, envvar="PILLDROPS_DEFAULT_ISOLATION",
                      help="isolation of sandboxes whose create and template name none"),
+        click.option("--default-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_DISK_MB,
+                     show_default=True, envvar="PILLDROPS_DEFAULT_DISK_MB",
+                     help="MiB of writable layer of sandboxes whose create and template name none"),
+        click.option("--max-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_MAX_DISK_MB,
+                     show_default=True, envvar="PILLDROPS_MAX_DISK_MB",
+                     help="the largest disk_mb a create may ask for (past it: 400 invalid_request)"),
+        click.option("--no-egress", is_flag=True, envvar="PILLDROPS_NO_EGRESS",
+                     help="give sandboxes no network at all: a create asking for allow_internet_access or "
+                          "network.allow_out is refused (egress_forbidden)"),
+        click.option("--egress-allow", "egress_allow", multiple=True, metavar="CIDR",
+                     help="cap egress (repeatable): sandboxes can only ever reach inside these CIDRs, whatever "
+                          "their own policy; an allow_out outside them is refused (egress_forbidden)"),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -64,7 +83,17 @@ def _control_plane_options(f: Any) -> Any:
 def _liveness(kw: dict[str, Any]) -> dict[str, Any]:
     return {"heartbeat_interval": kw.pop("heartbeat_interval"), "unreachable_after": kw.pop("unreachable_after"),
             "lost_after": kw.pop("lost_after"), "paused_retention_s": kw.pop("paused_retention"),
-            "default_isolation": kw.pop("default_isolation"), "public_host": kw.pop("public_host")}
+            "default_isolation": kw.pop("default_isolation"), "default_disk_mb": kw.pop("default_disk_mb"),
+            "max_disk_mb": kw.pop("max_disk_mb"), "public_host": kw.pop("public_host"),
+            "egress": _egress(kw)}
+
+
+def _egress(kw: dict[str, Any]) -> Any:
+    from pilldrops.server.service.egress import EgressSettings
+    try:
+        return EgressSettings.of(kw.pop("no_egress"), kw.pop("egress_allow"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--egress-allow") from None
 
 
 def _billing(kw: dict[str, Any], credits_usd: float | None) -> Any:
@@ -83,6 +112,16 @@ def _templates_dir_option(f: Any) -> Any:
     return click.option("--templates-dir", "templates_dirs", multiple=True, type=click.Path(path_type=Path),
                         help="extra directory of template specs (*.toml); ~/.config/pilldrops/templates is "
                              "always read")(f)
+
+
+def _template_store_options(f: Any) -> Any:
+    f = click.option("--template-context-max-mb", type=int, default=256, show_default=True,
+                     help="largest build context a `template build` may upload (MiB)")(f)
+    return click.option("--template-store", type=click.Path(path_type=Path), default=None,
+                        envvar="PILLDROPS_TEMPLATE_STORE",
+                        help="directory of the template store: the layers of templates built once and "
+                             "fetched by every node [default: DATA_DIR/template-store]; every control-plane "
+                             "process of a fleet must name the same (shared) directory")(f)
 
 
 _HELD: list[int] = []     # data-dir lock fds, held until the process exits
@@ -204,10 +243,12 @@ async def _bootstrap_key(cp: Any, api_url: str) -> None:
 @click.option("--credits", "credits_usd", type=float, default=None, metavar="USD",
               help="give teams this many USD of credits and refuse creates at zero [default: no credit "
                    "limit on your own machine]")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def up(host: str, port: int, node_port: int | None, data_dir: Path, template_names: str,
        keep_sandboxes: bool, node_name: str | None, capacity_vcpu: float | None, capacity_memory_mb: int | None,
-       templates_dirs: tuple[Path, ...], credits_usd: float | None, verbose: bool, **billing: Any) -> None:
+       templates_dirs: tuple[Path, ...], credits_usd: float | None, template_store: Path | None,
+       template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane and one node agent on this machine (SQLite), in the foreground.
 
     It is one person's machine: there is no credit limit unless --credits USD is given."""
@@ -220,6 +261,8 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     cpu, mem = default_capacity()
     run_served(_up, host, port, node_port or port + 1, data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
@@ -249,6 +292,7 @@ async def _up(host: str, port: int, node_port: int, data_dir: Path, keep: bool, 
     argv = ["--control-plane", api_url, "--host", host, "--port", str(node_port), "--name", name,
             "--capacity-vcpu", repr(capacity[0]), "--capacity-memory-mb", str(capacity[1]),
             "--data-dir", str(data_dir), "--templates", "",
+            "--default-disk-mb", str(liveness["default_disk_mb"]), "--max-disk-mb", str(liveness["max_disk_mb"]),
             *(a for d in templates_dirs for a in ("--templates-dir", str(d))),
             *(["--keep-sandboxes"] if keep else []), *(["-v"] if verbose else [])]
     child = NodeChild(argv, token)
@@ -311,15 +355,18 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 @_control_plane_options
 @click.option("--free-credits", "--initial-credits", "free_credits", type=float, default=5.0, show_default=True,
               metavar="USD", help="USD of credits a new team starts with")
+@_template_store_options
 @click.option("-v", "--verbose", is_flag=True)
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
-          verbose: bool, **billing: Any) -> None:
+          template_store: Path | None, template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
     from pilldrops._internal.serving import run_served
     _logging(verbose)
     _claim(data_dir, ("control-plane",), [(host, port, "--port")])
     token = _node_token(data_dir, node_token)
     liveness = _liveness(billing)
+    liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
+                    max_context_bytes=template_context_max_mb << 20)
     run_served(_serve, host, port, db, token, data_dir, node_token is None, _billing(billing, free_credits),
               liveness)
 
@@ -369,10 +416,16 @@ async def _serve(host: str, port: int, db: str | None, token: str, data_dir: Pat
 @click.option("--templates", "template_names", default="", help="comma-separated templates to build first")
 @_templates_dir_option
 @click.option("--keep-sandboxes", is_flag=True, help="leave running sandboxes alive when stopping")
+@click.option("--default-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_DISK_MB,
+              show_default=True, envvar="PILLDROPS_DEFAULT_DISK_MB",
+              help="MiB of writable layer of a sandbox whose create names none (a control plane sends one)")
+@click.option("--max-disk-mb", type=click.IntRange(MIN_DISK_MB, DISK_MB_CAP), default=DEFAULT_MAX_DISK_MB,
+              show_default=True, envvar="PILLDROPS_MAX_DISK_MB", help="the largest disk this node gives a sandbox")
 @click.option("-v", "--verbose", is_flag=True)
 def node(control_plane: str, node_token: str, host: str, port: int, public_url: str | None, name: str | None,
          capacity_vcpu: float | None, capacity_memory_mb: int | None, data_dir: Path, template_names: str,
-         templates_dirs: tuple[Path, ...], keep_sandboxes: bool, verbose: bool) -> None:
+         templates_dirs: tuple[Path, ...], keep_sandboxes: bool, default_disk_mb: int, max_disk_mb: int,
+         verbose: bool) -> None:
     """Run a node agent on this host (root) that registers with a control plane."""
     from pilldrops._internal.serving import run_served
     from pilldrops.cli._node_child import die_with_parent
@@ -387,7 +440,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
     settings = Settings(name=name or default_node_name(), public_url=public_url or f"http://{host}:{port}",
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
-                        keep_on_exit=keep_sandboxes)
+                        keep_on_exit=keep_sandboxes, default_disk_mb=default_disk_mb, max_disk_mb=max_disk_mb)
     run_served(_node, settings, host, port, data_dir, templates_dirs, uvloop=False)
 
 
@@ -411,35 +464,43 @@ async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_d
         tg.cancel_scope.cancel()
 
 
-# ---- template build ---------------------------------------------------------------------------------
+def spec_chain(name: str, templates_dirs: tuple[Path, ...]) -> list[tuple[dict[str, Any], Path]]:
+    """The spec documents of ``name`` and of its parents that are spec files here (packaged, the user's,
+    ``--templates-dir``), child first, each with its folder (the root its copy sources are relative to)."""
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs, spec_document
+    with _one_line_build_errors():
+        specs = TemplateStore(Path("/nonexistent"), spec_dirs=default_spec_dirs(templates_dirs)).specs()
+    out: list[tuple[dict[str, Any], Path]] = []
+    seen: set[str] = set()
+    while name in specs and name not in seen:
+        seen.add(name)
+        spec = specs[name]
+        out.append((spec_document(spec), spec.path.parent))
+        if spec.is_builder:          # built from debootstrap/busybox: the end of the chain
+            break
+        name = spec.base
+    return out
 
-@click.command("build")
-@click.argument("name")
-@click.argument("context", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("-f", "--file", "dockerfile", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="build from this Dockerfile (the common subset: see docs/templates.md); CONTEXT is the folder "
-                   "COPY/ADD read from [default: the Dockerfile's folder]")
-@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE",
-              help="a Dockerfile ARG's value (repeatable)")
-@_data_dir_option
-@click.option("--force", is_flag=True, help="rebuild even when a cached layer matches the spec")
-@click.option("--local", is_flag=True, help="build on this machine (what this command always does here)")
-@_templates_dir_option
-def template_build(name: str, context: Path | None, dockerfile: Path | None, build_args: tuple[str, ...],
-                   data_dir: Path, force: bool, local: bool, templates_dirs: tuple[Path, ...]) -> None:
-    """Build a template into a cached read-only layer on this machine: from a TOML spec (Debian packages or
-    busybox), or with -f from a Dockerfile (no Docker engine needed; FROM one of our templates or debian:SUITE).
 
-    Specs are TOML files: the packaged ones, ~/.config/pilldrops/templates/*.toml and --templates-dir.
-    A running node announces a newly built template within about a second."""
+# ---- template build on this machine (``template build --local``; the command is in cli/templates.py) ----
+
+def local_build(name: str, data_dir: Path, force: bool, templates_dirs: tuple[Path, ...],
+                document: dict[str, Any] | None = None, context: Path | None = None) -> None:
+    """Build a template into a cached read-only layer on this machine (root): a spec by name, or a spec
+    document (a Dockerfile's) with its context dir."""
     from pilldrops.node.templates import TemplateStore, default_spec_dirs
-    if (context is not None or build_args) and dockerfile is None:
-        raise click.UsageError("CONTEXT and --build-arg go with -f/--file (a Dockerfile)")
     if os.geteuid() != 0:
         raise click.ClickException("building templates needs root (chroot, mount)")
     store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
-    if dockerfile is not None:
-        tpl = _build_dockerfile(store, name, dockerfile, context, build_args, force)
+    if document is not None:
+        if not hasattr(store, "build_document"):
+            raise click.ClickException("a local build of a Dockerfile is not supported by this version; build it "
+                                       "through the control plane (without --local)")
+        t0 = time.monotonic()
+        with _one_line_build_errors(), _console().status(f"building {name}") as status:
+            tpl = store.build_document(document, context or Path("."),
+                                       progress=lambda line: status.update(f"building {name}: {line[:90]}"))
+        _console().print(f"[green]✓[/] {name} built in {time.monotonic() - t0:.0f}s")
     elif force:
         t0 = time.monotonic()
         with _one_line_build_errors(), _console().status(f"rebuilding {name}") as status:
@@ -450,22 +511,24 @@ def template_build(name: str, context: Path | None, dockerfile: Path | None, bui
         build_templates(data_dir, [name], templates_dirs)
         tpl = store.get(name)
     click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
+    sys.stdout.flush()
 
 
-def _build_dockerfile(store: Any, name: str, dockerfile: Path, context: Path | None, build_args: tuple[str, ...],
-                      force: bool) -> Any:
+def local_dockerfile_build(name: str, data_dir: Path, dockerfile: Path, context: Path | None,
+                           build_args: dict[str, str], force: bool, templates_dirs: tuple[Path, ...]) -> None:
+    """``template build NAME -f Dockerfile --local``: on this machine (root), each step labelled with its
+    Dockerfile line in the log and in errors."""
     from pilldrops.node.dockerfile import template_spec
-    args: dict[str, str] = {}
-    for a in build_args:
-        key, eq, value = a.partition("=")
-        if not eq:
-            value = os.environ.get(key, "")     # `--build-arg KEY` takes the value from the environment
-        args[key] = value
+    from pilldrops.node.templates import TemplateStore, default_spec_dirs
+    if os.geteuid() != 0:
+        raise click.ClickException("building templates needs root (chroot, mount)")
+    store = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     with _one_line_build_errors():
-        spec, parsed = template_spec(dockerfile, context, name=name, build_args=args)
+        spec, parsed = template_spec(dockerfile, context, name=name, build_args=build_args)
         for w in parsed.warnings:
             _console().print(f"[yellow]warning:[/] {w}", markup=True, emoji=False, highlight=False)
-        return _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
+        tpl = _with_progress(name, lambda progress: store.build_spec(spec, progress, force=force))
+    click.echo(f"{tpl.name} {tpl.hash} layers={len(tpl.layers)} size={tpl.size}")
     sys.stdout.flush()
 
 

@@ -89,9 +89,6 @@ def _register() -> None:
         command = getattr(local, name, None)
         if isinstance(command, click.Command):
             cli.add_command(command, name=name)
-    build = getattr(local, "template_build", None)
-    if isinstance(build, click.Command):
-        template.add_command(build, name="build")
 
 
 _register()

@@ -48,6 +48,8 @@ def sandbox() -> None:
 @click.option("--template", default="base", show_default=True, help="Template name.")
 @click.option("--vcpu", type=float, default=1, show_default=True, help="CPU quota in cores.")
 @click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit in MiB.")
+@click.option("--disk-mb", type=int, default=None,
+              help="Size of the writable layer in MiB [default: the template's, else the deployment's (10240)].")
 @click.option("--timeout", type=int, default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds until the sandbox is killed.")
 @click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE", help="Metadata (repeatable).")
@@ -58,16 +60,27 @@ def sandbox() -> None:
 @click.option("--public-port", "public_ports", multiple=True, type=click.IntRange(1, 65535), metavar="PORT",
               help="Serve this port by URL without a token (repeatable).")
 @click.option("--public", is_flag=True, help="Serve every port by URL without a token.")
+@click.option("--allow-internet/--no-internet", "allow_internet", default=None,
+              help="Egress to the internet (NAT through the node) [default: the template's, else none].")
+@click.option("--allow-out", multiple=True, metavar="CIDR", help="Always reachable, even without "
+              "--allow-internet (repeatable; an IP or a CIDR).")
+@click.option("--deny-out", multiple=True, metavar="CIDR", help="Never reachable unless also in --allow-out "
+              "(repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print the full record as JSON.")
 @pass_state
-def create(state: CliState, template: str, vcpu: float, memory_mb: int, timeout: int, metadata: tuple[str, ...],
-           env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...], public: bool,
+def create(state: CliState, template: str, vcpu: float, memory_mb: int, disk_mb: int | None, timeout: int,
+           metadata: tuple[str, ...], env: tuple[str, ...], isolation: str | None, public_ports: tuple[int, ...],
+           public: bool, allow_internet: bool | None, allow_out: tuple[str, ...], deny_out: tuple[str, ...],
            as_json: bool) -> None:
-    """Create a sandbox (left running) and print its id."""
-    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, timeout=timeout, isolation=isolation,
+    """Create a sandbox (left running) and print its id. It has loopback only unless its template's
+    [network] or --allow-internet / --allow-out give it egress."""
+    network = {"allow_out": list(allow_out), "deny_out": list(deny_out)} if allow_out or deny_out else None
+    sb = Sandbox.create(template, vcpu=vcpu, memory_mb=memory_mb, disk_mb=disk_mb, timeout=timeout,
+                        isolation=isolation,
                         public_ports=list(public_ports), public=public,
                         metadata=_output.parse_pairs(metadata, "--metadata"),
-                        envs=_output.parse_pairs(env, "--env"), **state.sdk_options())
+                        envs=_output.parse_pairs(env, "--env"), allow_internet_access=allow_internet,
+                        network=network, **state.sdk_options())
     if as_json:
         _output.print_json(_output.to_jsonable(sb.info))
     else:
@@ -116,6 +129,10 @@ def get(state: CliState, sandbox_id: str, as_json: bool) -> None:
         fields["timeout_left"] = f"{left:.0f} s (counted again from resume)" if left is not None else None
     else:
         fields.pop("timeout_left", None)
+    if info.disk_used_bytes is not None:
+        used = info.disk_used_bytes / 2**20
+        fields["disk_used_bytes"] = (f"{info.disk_used_bytes} ({used:.1f} MiB of {info.disk_mb} MiB)"
+                                     if info.disk_mb else info.disk_used_bytes)
     _output.print_table(["FIELD", "VALUE"], [[k, getattr(v, "value", v)] for k, v in fields.items()])
 
 

@@ -9,9 +9,13 @@ Mapping:
 - ids: ``sb_abc…`` is ``sbabc…`` on this surface (E2B ids are ``[a-z0-9]+``); both are accepted;
 - templates: ``code-interpreter-v1`` -> ``code-interpreter``; other names as they are (``base``, ...);
 - the sandbox's access token is E2B's ``envdAccessToken``; ``timeout`` defaults to 300 s;
+- egress: ``allow_internet_access`` and ``network.allowOut`` / ``network.denyOut`` map onto the sandbox's
+  policy (allow wins over deny, as E2B). Absent, ``allow_internet_access`` is off (PillDrops' default; E2B's
+  server defaults to on). On a ``--no-egress`` deployment an ``allow_internet_access: true`` is ignored
+  (older E2B SDKs send it on every create), an ``allowOut`` is refused (``egress_forbidden``);
 - unknown fields are ignored, as E2B does; ``autoPause``, ``mcp``, ``volumeMounts`` have no effect, and of
-  ``network`` only ``allowPublicTraffic`` (default true: the sandbox's ports are public; false: they need a
-  port URL's token) (see the README's "Coming from E2B").
+  ``network`` only ``allowOut`` / ``denyOut`` (above) and ``allowPublicTraffic`` (default true: the sandbox's
+  ports are public; false: they need a port URL's token) (see the README's "Coming from E2B").
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pilldrops import errors
 from pilldrops._internal.http import RequestIdMiddleware, request_id_var
 from pilldrops.e2b.context import ENVD_VERSION, from_e2b_id, to_e2b_id
-from pilldrops.schema.api import CreateSandboxRequest, SandboxState
+from pilldrops.schema.api import CreateSandboxRequest, NetworkPolicy, SandboxState
 from pilldrops.server.domain.states import ENDED
 
 if TYPE_CHECKING:
@@ -167,11 +171,14 @@ class E2BApi:
         if state == "paused" and row.timeout_left is not None:
             end = self.sbx.clock.now() + timedelta(seconds=row.timeout_left)
         meta = dict(row.metadata_ or {})
+        net = getattr(row, "network", None)
         out = {"templateID": row.template, "alias": row.template, "sandboxID": to_e2b_id(row.id),
                "clientID": CLIENT_ID, "startedAt": _ts(row.started_at or row.created_at), "endAt": _ts(end),
                "envdVersion": ENVD_VERSION, "cpuCount": max(1, round(row.vcpu)), "memoryMB": row.memory_mb,
                "diskSizeMB": 0, "state": state, "metadata": meta,
                "lifecycle": {"autoResume": False, "onTimeout": "kill"}, "volumeMounts": [],
+               "allowInternetAccess": bool(net and net.get("allow_internet_access")),
+               "network": {"allowOut": net.get("allow_out") or [], "denyOut": net.get("deny_out") or []} if net else None,
                "envdUnresponsiveAtPause": False}
         if token:
             out.update(envdAccessToken=row.access_token, domain=None)
@@ -193,7 +200,8 @@ class E2BApi:
         try:   # user ports are public unless network.allowPublicTraffic is false, as on E2B
             req = CreateSandboxRequest(template=e2b_template(asked), metadata=metadata, envs=envs,
                                        timeout=self._int(data, "timeout", DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
-                                       public=network.get("allowPublicTraffic", True) is not False)
+                                       public=network.get("allowPublicTraffic", True) is not False,
+                                       **self._egress(data))
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
             raise errors.InvalidRequest(f"invalid request: {'.'.join(map(str, first.get('loc', ())))}: "
@@ -203,6 +211,22 @@ class E2BApi:
         if created and self.on_created is not None:
             self.on_created(row)
         return JSONResponse(self.sandbox(row, asked), status_code=201)
+
+    def _egress(self, data: dict[str, Any]) -> dict[str, Any]:
+        """E2B's egress fields as ours (only those the body names: the rest stay the template's)."""
+        out: dict[str, Any] = {}
+        internet = data.get("allow_internet_access")
+        if internet is not None:
+            if not isinstance(internet, bool):
+                raise errors.InvalidRequest("allow_internet_access must be a boolean")
+            out["allow_internet_access"] = internet and self.sbx.ctx.egress.enabled
+        net = data.get("network")
+        if isinstance(net, dict) and ("allowOut" in net or "denyOut" in net):
+            allow, deny = net.get("allowOut") or [], net.get("denyOut") or []
+            if not isinstance(allow, list) or not isinstance(deny, list):
+                raise errors.InvalidRequest("network.allowOut and network.denyOut must be lists of CIDRs")
+            out["network"] = NetworkPolicy(allow_out=allow, deny_out=deny)
+        return out
 
     async def connect(self, request: Request, sandbox_id: str, *, legacy_resume: bool = False) -> Response:
         """Running: extend its life to at least ``timeout`` from now (200). Paused: resume it (201)."""

@@ -6,7 +6,9 @@ watch them. Each duty beyond that has a module of its own:
 - ``checkpoints``: pause, resume, moves between nodes (export/fetch of images), dropping images;
 - ``control_plane``: register, heartbeat, end reports and the outbox;
 - ``template_cache``: the built templates and what a sandbox spec becomes with them;
-- ``pools``: warm pools.
+- ``pools``: warm pools;
+- ``egress``: the network of sandboxes that asked for one (veth, NAT, per-sandbox rules; attached after
+  the runtime made the sandbox, so a warm-pool member gets it at claim time).
 
 It journals intent before creating and confirms after, enforces deadlines itself (the control plane may be
 down) and notices sandboxes whose init died (``oom`` when the memory cgroup killed it, ``exited``
@@ -31,23 +33,40 @@ from pilldrops import errors
 from pilldrops.node.checkpoints import Checkpoints
 from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
+from pilldrops.node.egress import Egress, EgressConfig
 from pilldrops.node.journal import Journal
+from pilldrops.node.layers import LayerCache
 from pilldrops.node.pools import WarmPools
 from pilldrops.node.processes import Processes
 from pilldrops.node.recovery import Recovery
 from pilldrops.node.registry import Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, SandboxSpec
-from pilldrops.node.runtime.registry import checkpoint_unsupported, support_of
+from pilldrops.node.runtime.registry import checkpoint_unsupported, disk_refusal, support_of
 from pilldrops.node.states import NodeState
+from pilldrops.node.template_builds import RemoteBuilds
 from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
-from pilldrops.schema.api import EndReason, SandboxState, TemplateInfo
-from pilldrops.schema.node import NodePoolSpec, NodeResume, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
+from pilldrops.schema.node import (
+    NodeBuildRequest,
+    NodePoolSpec,
+    NodeResume,
+    NodeSandboxSpec,
+    NodeSandboxStatus,
+    NodeTemplateRef,
+)
 
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
 MONITOR_TICK_S = 2.0
 _LIVE = (NodeState.running, NodeState.pausing, NodeState.ending)
 __all__ = ["PIDS_LIMIT", "NodeAgent", "Settings", "default_capacity", "instance_id", "usage_point"]
+
+
+def _json(resp: httpx.Response) -> object:
+    try:
+        return resp.json()
+    except ValueError:
+        return None
 
 
 def utcnow() -> datetime:
@@ -65,6 +84,8 @@ class Settings:
     create_concurrency: int = 8
     keep_on_exit: bool = False
     pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
+    default_disk_mb: int = DEFAULT_DISK_MB     # a spec without disk_mb (from an older control plane)
+    max_disk_mb: int = DEFAULT_MAX_DISK_MB     # a spec past it is refused (400 invalid_request)
 
 
 @dataclass
@@ -77,7 +98,8 @@ class Stats:
 
 class NodeAgent:
     def __init__(self, settings: Settings, runtime: Runtime, templates: Templates, state_dir: Path,
-                 *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow) -> None:
+                 *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow,
+                 egress: Egress | None = None) -> None:
         if not settings.node_token:
             raise ValueError("a node agent needs a non-empty node token")
         self.settings = settings
@@ -95,7 +117,11 @@ class NodeAgent:
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
-        self.template_cache = TemplateCache(templates, settings.name)
+        self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
+                                            fetch=lambda digest: self._blob("layers", digest))
+        self.template_cache.default_disk_mb = settings.default_disk_mb
+        self.builds = (RemoteBuilds(templates, self.template_cache, self._blob, self._upload_layer,
+                                    state_dir / "builds") if hasattr(templates, "_build_into") else None)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
                                template_version=self.template_cache.version)
@@ -105,9 +131,11 @@ class NodeAgent:
                      self.instance, support_of(runtime)),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
+        self.egress = egress or Egress(EgressConfig.from_env(self.instance), state_dir)
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
-                                    create_slots=self._create_slots, record_end=self._record_end, now=now)
+                                    create_slots=self._create_slots, record_end=self._record_end, now=now,
+                                    egress=self.egress)
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
 
@@ -158,10 +186,16 @@ class NodeAgent:
                     for sid in list(self.live):
                         tg.start_soon(functools.partial(self._end, sid, EndReason.shutdown, report=False))
                 await self._flush_outbox()     # reported here, in order, not by tasks about to be cancelled
+        with anyio.CancelScope(shield=True):
+            await self.egress.close()          # the agent's nft table, once no sandbox holds a slot
         await self._http.aclose()
 
     async def _recover(self) -> None:
         await self.recovery.run()
+        running = {sb.id: (sb.target.handle.pid, _rootfs(sb.target.handle))
+                   for sb in self.sandboxes.in_states(*_LIVE) if sb.target is not None and sb.target.handle.pid}
+        paused = {sb.id for sb in self.sandboxes.in_states(NodeState.paused, NodeState.resuming)}
+        await self.egress.recover(running, paused)
 
     # ---- operations the control plane asks for ------------------------------------------------------
 
@@ -169,14 +203,26 @@ class NodeAgent:
         existing = self.sandboxes.get(spec.id)
         if existing is not None and existing.state in _LIVE:
             return existing.status()           # a retried create: the same sandbox
+        await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
+        self._check_egress(spec)
         if existing is not None:
             raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
                                       current=existing.state.value, target="running")
         if spec.timeout_s is not None:     # the deadline on this node's own clock, whatever the skew
             spec = spec.model_copy(update={"end_at": self.now() + timedelta(seconds=spec.timeout_s)})
-        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)   # warm pools are containers
-                  if spec.isolation == "container" else None)
+        if rt_spec.disk_mb is not None and rt_spec.disk_mb > self.settings.max_disk_mb:
+            raise errors.InvalidRequest(f"disk_mb {rt_spec.disk_mb} MiB is past node {self.settings.name}'s "
+                                        f"maximum of {self.settings.max_disk_mb} MiB",
+                                        details={"field": "disk_mb", "max_disk_mb": self.settings.max_disk_mb})
+        if (why := disk_refusal(self.runtime, rt_spec)) is not None:
+            raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
+                                                      "isolation": rt_spec.isolation})
+        # warm pools are containers, and their members have the template's default disk
+        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+                  if spec.isolation == "container" and self.template_cache.pooled_version(spec)
+                  and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None}))
+                  else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)
@@ -194,8 +240,25 @@ class NodeAgent:
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
         return await self._adopt_new(sb, handle, claimed=False)
 
+    def _check_egress(self, spec: NodeSandboxSpec) -> None:
+        if spec.network is None:
+            return
+        if spec.isolation != "container":
+            raise errors.NotSupported(f"egress is not supported for {spec.isolation} sandboxes (only container): "
+                                      "create it without allow_internet_access/network.allow_out",
+                                      details={"isolation": spec.isolation, "feature": "egress"})
+        why = self.egress.unavailable()
+        if why:
+            raise errors.NotSupported(f"egress is not available on node {self.settings.name}: {why}",
+                                      details={"feature": "egress"})
+
     async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
         try:
+            if sb.spec.network is not None and handle.pid is not None:
+                try:
+                    await self.egress.attach(sb.id, handle.pid, _rootfs(handle), sb.spec.network)
+                except RuntimeFailure as exc:
+                    raise errors.ServerError(f"sandbox network failed to start: {exc}") from exc
             sb.target = self._target(sb.spec, handle)
             sb.started_at, sb.started_mono = self.now(), time.monotonic()
             self.sandboxes.move(sb, NodeState.running)
@@ -205,6 +268,7 @@ class NodeAgent:
                 self.sandboxes.move(sb, NodeState.ending)
             with anyio.CancelScope(shield=True):
                 await self._destroy_quietly(handle)
+                await self.egress.release(sb.id)
             self.journal.remove(sb.id)
             if self.sandboxes.is_current(sb, NodeState.creating, NodeState.ending):
                 self.sandboxes.move(sb, NodeState.gone)
@@ -287,6 +351,7 @@ class NodeAgent:
         why = checkpoint_unsupported(self.runtime, body.spec.isolation)
         if why:
             raise errors.NotSupported(f"this node cannot resume {body.spec.isolation} sandboxes: {why}")
+        await self._ensure_template(body.spec)
         return await self.transfer.resume(sandbox_id, body)
 
     def runtime_id_of(self, sandbox_id: str) -> str:
@@ -301,7 +366,70 @@ class NodeAgent:
     # ---- templates -----------------------------------------------------------------------------------
 
     def refresh_templates(self) -> list[TemplateInfo]:
+        in_use = [sb.spec.template_ref for sb in self.sandboxes if sb.spec.template_ref is not None]
+        members = [str(p) for pool in self.pools.pools.values() for m in pool.ready
+                   if isinstance(m.version, tuple) for p in m.version[0]]     # the layers warm members stand on
+        try:
+            self.template_cache.gc(in_use, members)
+        except OSError:
+            log.exception("template layer gc failed")
         return self.template_cache.refresh()
+
+    async def _ensure_template(self, spec: NodeSandboxSpec) -> None:
+        """A template-store version's layers on this node before anything uses them (fetched if missing)."""
+        ref = spec.template_ref
+        if ref is None or self.template_cache.holds(ref):
+            if ref is not None:
+                self.template_cache.adopt_built(ref)
+            return
+        t0 = time.monotonic()
+        await self.template_cache.ensure(ref)
+        log.info("fetched template %s v%d in %.2fs", ref.name, ref.version, time.monotonic() - t0)
+        self._wake_heartbeat.set()          # the control plane learns at once that this node holds it
+
+    async def hold_template(self, ref: NodeTemplateRef) -> None:
+        await self.template_cache.ensure(ref)
+        self._wake_heartbeat.set()
+
+    async def build_template(self, req: NodeBuildRequest) -> AsyncIterator[bytes]:
+        if self.builds is None:
+            raise errors.NotSupported(f"node {self.settings.name} cannot build templates")
+        return await self.builds.run(req)
+
+    def _cp_url(self, path: str) -> str:
+        if not self.settings.control_plane_url:
+            raise errors.NotSupported("this node has no control plane (no template store)")
+        return f"{self.settings.control_plane_url}/internal/v1/templates/{path}"
+
+    async def _blob(self, kind: str, digest: str) -> AsyncIterator[bytes]:
+        """A template-store blob's bytes from the control plane (the caller verifies the digest)."""
+        url = self._cp_url(f"{kind}/{digest}")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async with self._http.stream("GET", url, timeout=httpx.Timeout(None, connect=5.0)) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        raise errors.from_wire(resp.status_code, _json(resp))
+                    async for chunk in resp.aiter_bytes():
+                        yield chunk
+            except httpx.HTTPError as exc:
+                raise errors.NodeUnavailable(f"fetching {kind[:-1]} {digest} from the control plane failed: "
+                                             f"{exc!r}") from exc
+        return chunks()
+
+    async def _upload_layer(self, digest: str, path: Path) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            async with await anyio.open_file(path, "rb") as f:
+                while chunk := await f.read(1 << 20):
+                    yield chunk
+        try:
+            resp = await self._http.put(self._cp_url(f"layers/{digest}"), content=body(),
+                                        timeout=httpx.Timeout(None, connect=5.0))
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"uploading layer {digest} failed: {exc!r}") from exc
+        if resp.status_code >= 400:
+            raise errors.from_wire(resp.status_code, _json(resp))
 
     # ---- ending --------------------------------------------------------------------------------------
 
@@ -318,6 +446,7 @@ class NodeAgent:
         assert sb.target is not None
         self.sandboxes.move(sb, NodeState.ending)
         await self._destroy_quietly(sb.target.handle)
+        await self.egress.release(sandbox_id)
         self.journal.remove(sandbox_id)
         self.sandboxes.move(sb, NodeState.gone)
         status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono)
@@ -432,6 +561,11 @@ class NodeAgent:
 
     async def wait_registered(self) -> None:
         await self.control_plane.registered.wait()
+
+
+def _rootfs(handle: Handle) -> Path | None:
+    """The sandbox's root on the host (crun's overlay), where its resolv.conf is written."""
+    return Path(handle.bundle) / "rootfs" if handle.bundle else None
 
 
 def instance_id(state_dir: Path) -> str:

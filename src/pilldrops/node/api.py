@@ -19,12 +19,14 @@ from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
+    NodeBuildRequest,
     NodeDeadline,
     NodePoolSpec,
     NodePoolStatus,
     NodeResume,
     NodeSandboxSpec,
     NodeSandboxStatus,
+    NodeTemplateRef,
 )
 
 
@@ -88,6 +90,17 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     @node.delete("/sandboxes/{sandbox_id}/checkpoint")
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
         agent.forget(sandbox_id)
+        return {"ok": True}
+
+    @node.post("/templates/builds", response_class=StreamingResponse)
+    async def build_template(body: NodeBuildRequest) -> StreamingResponse:
+        """Build a spec document into a layer for the template store (``node.template_builds``)."""
+        return StreamingResponse(await agent.build_template(body), media_type="application/x-ndjson")
+
+    @node.post("/templates/refs")
+    async def hold_template(body: NodeTemplateRef) -> dict[str, bool]:
+        """Hold this template-store version (fetch what is missing): the builder learns its version here."""
+        await agent.hold_template(body)
         return {"ok": True}
 
     @node.put("/pools")

@@ -37,9 +37,13 @@ def _check_link(member: tarfile.TarInfo, name: str) -> None:
         raise errors.InvalidRequest(f"link {name!r} -> {target!r} points outside the upload directory")
 
 
-def sanitize(src: IO[bytes], dst: IO[bytes]) -> int:
-    """Copy the tar stream ``src`` to ``dst`` keeping only safe members; returns the member count."""
-    count = 0
+def sanitize(src: IO[bytes], dst: IO[bytes], *, max_bytes: int | None = None) -> int:
+    """Copy the tar stream ``src`` to ``dst`` keeping only safe members; returns the member count.
+
+    ``max_bytes``: what is left on the sandbox's disk. The members' sizes (as unpacked: a sparse member
+    at its full size, a compressed stream decompressed) are added up as they come, and the upload is
+    refused (``DiskQuotaExceeded``) as soon as they pass it, before the rest is read or anything written."""
+    count = total = 0
     try:
         with tarfile.open(fileobj=src, mode="r|*") as tin, tarfile.open(fileobj=dst, mode="w|",
                                                                          format=tarfile.PAX_FORMAT) as tout:
@@ -61,6 +65,11 @@ def sanitize(src: IO[bytes], dst: IO[bytes]) -> int:
                 member.uname = member.gname = "root"
                 member.pax_headers = {}
                 if member.isfile():
+                    total += member.size
+                    if max_bytes is not None and total > max_bytes:
+                        raise errors.DiskQuotaExceeded(
+                            f"the archive unpacks to more than the {max_bytes} bytes left on the sandbox's disk "
+                            f"(at {member.name!r})", details={"free_bytes": max_bytes, "member": member.name})
                     tout.addfile(member, tin.extractfile(member))
                 else:
                     tout.addfile(member)

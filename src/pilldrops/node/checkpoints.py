@@ -23,6 +23,7 @@ import httpx
 
 from pilldrops import errors
 from pilldrops.node.dataplane import Target
+from pilldrops.node.egress import Egress
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
 from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
@@ -59,7 +60,7 @@ def _json_or_none(resp: httpx.Response) -> Any:
 class Checkpoints:
     def __init__(self, sandboxes: Sandboxes, journal: Journal, runtime: Runtime, templates: TemplateCache,
                  directory: Path, *, node_name: str, http: httpx.AsyncClient, create_slots: anyio.Semaphore,
-                 record_end: RecordEnd, now: Callable[[], datetime]) -> None:
+                 record_end: RecordEnd, now: Callable[[], datetime], egress: Egress | None = None) -> None:
         self.sandboxes = sandboxes
         self.journal = journal
         self.runtime = runtime
@@ -70,6 +71,7 @@ class Checkpoints:
         self._create_slots = create_slots
         self._record_end = record_end
         self.now = now
+        self.egress = egress
 
     def _paused(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox whose image is here (paused, or resuming from it)."""
@@ -119,12 +121,17 @@ class Checkpoints:
         path.mkdir(parents=True)
         sb.image = Image(path, run_s, runtime_id=target.handle.id, timeout_left=left)
         self.journal.write(sb.journal_entry())                      # phase "pausing"
+        net = sb.spec.network if self.egress is not None else None
         try:
+            if net is not None:      # CRIU dumps the namespace with loopback only; resume re-attaches (same slot)
+                await self.egress.detach(sid)    # type: ignore[union-attr]
             size = await self.runtime.checkpoint(target.handle, path)
         except Exception as exc:  # whatever failed, find out what is left
             target.pausing = False
             state = await self._state_quietly(target.handle)
             if state not in ("stopped", "gone"):     # the runtime's contract: it keeps running
+                if net is not None and target.handle.pid is not None:
+                    await self._reattach(sid, target.handle, net)
                 sb.image = None
                 self.sandboxes.move(sb, NodeState.running)
                 self.journal.write(sb.journal_entry())
@@ -141,6 +148,16 @@ class Checkpoints:
                 raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
             size = image_size(path)
         return size
+
+    async def _reattach(self, sandbox_id: str, handle: Handle, net: Any) -> None:
+        """Egress back after a restore (or a failed dump): the same slot, so the same addresses. A failure
+        leaves the sandbox running on loopback only (logged): it cannot fail the resume any more."""
+        assert self.egress is not None and handle.pid is not None
+        try:
+            await self.egress.attach(sandbox_id, handle.pid, Path(handle.bundle) / "rootfs" if handle.bundle
+                                     else None, net)
+        except Exception:
+            log.exception("egress of %s could not be re-attached", sandbox_id)
 
     async def _state_quietly(self, handle: Handle) -> str:
         try:
@@ -195,6 +212,8 @@ class Checkpoints:
             raise
         # the restore consumed the image (crun moves its writable layer into the container), so nothing may
         # fail from here on: the target comes from what was resolved before (not a template lookup now)
+        if spec.network is not None and self.egress is not None and handle.pid is not None:
+            await self._reattach(sandbox_id, handle, spec.network)
         target = Target(id=spec.id, handle=handle, env=dict(rt_spec.envs), workdir=rt_spec.workdir,
                         user=rt_spec.user)
         sb.spec, sb.target, sb.image = spec, target, None
@@ -208,7 +227,8 @@ class Checkpoints:
 
     async def _fetch(self, sandbox_id: str, body: NodeResume) -> Image:
         """Copy a checkpoint from the node that paused it (same node token), as a tar stream with xattrs
-        (the writable layer's overlay whiteouts and opaque dirs)."""
+        (the writable layer's overlay whiteouts and opaque dirs) and holes (a sandbox's sparse disk.img is sent
+        as the blocks it holds: the sender packs with --sparse)."""
         path = self.dir / sandbox_id
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
@@ -250,7 +270,7 @@ class Checkpoints:
         sb = self._paused(sandbox_id)
         if sb is None or sb.image is None:
             raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
-        proc = await anyio.open_process([*_TAR, "-c", "-f", "-", "-C", str(sb.image.path), "."],
+        proc = await anyio.open_process([*_TAR, "--sparse", "-c", "-f", "-", "-C", str(sb.image.path), "."],
                                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         async def stream() -> AsyncIterator[bytes]:
@@ -275,6 +295,8 @@ class Checkpoints:
         self.sandboxes.move(sb, NodeState.gone)
         self.journal.remove(sandbox_id)
         drop_image(sb.image.path if sb.image else None)
+        if self.egress is not None:
+            self.egress.forget(sandbox_id)      # paused: only its slot's record is left here
         log.info("dropped checkpoint of %s (moved to another node)", sandbox_id)
 
     def end_paused(self, sb: Sandbox, reason: EndReason) -> NodeSandboxStatus:
@@ -282,5 +304,7 @@ class Checkpoints:
         self.sandboxes.move(sb, NodeState.gone)
         self.journal.remove(sb.id)
         drop_image(sb.image.path if sb.image else None)
+        if self.egress is not None:
+            self.egress.forget(sb.id)           # paused: only its slot's record is left here
         run_s = sb.image.run_s if sb.image else 0.0
         return self._record_end(sb.id, reason, started_at=sb.started_at, run_s=run_s)

@@ -14,12 +14,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import anyio
 
 from pilldrops import errors
 from pilldrops.node.archive import sanitize
+from pilldrops.node.isolation import diskquota
 from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime, RuntimeFailure
 from pilldrops.schema.api import FileInfo, RunEvent, RunRequest
 
@@ -81,6 +83,18 @@ async def _drain(proc: ExecProcess, limit: int) -> tuple[bytes, bytes, int]:
             raise errors.PayloadTooLarge(f"output is larger than {limit} bytes")
         buf += chunk[1]
     return bytes(out), bytes(err), await proc.wait()
+
+
+def _disk_free(t: Target) -> int | None:
+    """Bytes left on the sandbox's own disk (None: it has none, e.g. a microVM or the fake runtime)."""
+    return diskquota.free_bytes(Path(t.handle.bundle)) if t.handle.bundle else None
+
+
+def _raise_if_full(t: Target, err: bytes, what: str) -> None:
+    """A write inside the sandbox failed with ENOSPC: the typed error, with what is left."""
+    if b"No space left on device" in err:
+        raise errors.DiskQuotaExceeded(f"{what} failed: the sandbox's disk is full",
+                                       details={"free_bytes": _disk_free(t)})
 
 
 async def _file_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
@@ -181,11 +195,13 @@ class DataPlane:
                     raise errors.PayloadTooLarge(f"upload is larger than {MAX_UPLOAD_BYTES} bytes")
                 raw.write(chunk)
             raw.seek(0)
-            count = await anyio.to_thread.run_sync(sanitize, raw, clean)
+            free = _disk_free(t)
+            count = await anyio.to_thread.run_sync(lambda: sanitize(raw, clean, max_bytes=free))
             clean.seek(0)
             _, err, code = await self._sh(t, 'mkdir -p "$1" && exec tar -x -f - -C "$1"', dest,
                                           stdin=_file_chunks(clean))
         if code != 0:
+            _raise_if_full(t, err, f"unpacking into {dest}")
             raise errors.InvalidRequest(f"unpacking into {dest} failed: {err.decode(errors='replace').strip()}")
         return count
 
@@ -245,6 +261,7 @@ class DataPlane:
         out, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1" && stat -c "$2" "$1"', path,
                                         _STAT_FORMAT, stdin=body)
         if code != 0:
+            _raise_if_full(t, err, f"writing {path}")
             raise errors.InvalidRequest(f"writing {path} failed: {err.decode(errors='replace').strip()}")
         return _parse_stat(out)[0]
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import anyio
 
 from pilldrops.node.dataplane import Target
+from pilldrops.node.isolation import diskquota
 from pilldrops.node.journal import HANDLE_FORMAT_VERSION, Entry, boot_id, handle_record
+from pilldrops.node.runtime.base import Handle
 from pilldrops.node.states import HAS_TARGET, INITIAL, REPORTED, NodeState, check_transition
 from pilldrops.schema.api import SandboxState
 from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus
@@ -39,6 +41,14 @@ class Image:
     size: int = 0
     runtime_id: str = ""          # the container's name in the image (a claimed pool member keeps its own)
     timeout_left: float | None = None   # its deadline's time left at the moment it was paused (node clock)
+
+
+def disk_used(handle: Handle) -> int | None:
+    """Bytes in the sandbox's writable layer when it has a disk of its own (one statfs; None otherwise)."""
+    if not handle.bundle:
+        return None
+    u = diskquota.usage(Path(handle.bundle))
+    return u.used_bytes if u is not None else None
 
 
 @dataclass
@@ -72,7 +82,8 @@ class Sandbox:
             assert self.target is not None and self.started_mono is not None
             run_s, seq = usage_point(self.started_mono)
             return NodeSandboxStatus(id=self.id, state=state, pid=self.target.handle.pid,
-                                     started_at=self.started_at, end_at=self.end_at, run_s=run_s, seq=seq)
+                                     started_at=self.started_at, end_at=self.end_at, run_s=run_s, seq=seq,
+                                     disk_used_bytes=disk_used(self.target.handle))
         if self.state is NodeState.paused and self.image is not None:
             img = self.image
             return NodeSandboxStatus(id=self.id, state=SandboxState.paused, started_at=self.started_at,

@@ -8,6 +8,12 @@ A spec (``src/pilldrops/templates/<name>.toml``)::
     workdir = "/home/user"
     isolation = "gvisor"           # optional: the default isolation of its sandboxes (container | gvisor |
                                    # microvm; a create's own `isolation` wins; not inherited, not hashed)
+    disk_mb = 20480                # optional: the default disk (writable layer) of its sandboxes in MiB (a
+                                   # create's own `disk_mb` wins; else the deployment's; not inherited/hashed)
+    [network]                      # optional: the default egress of its sandboxes (a create's own fields
+    allow_internet_access = true   # win; not inherited, not hashed; build steps never have network)
+    allow_out = ["10.0.0.0/8"]
+    deny_out = ["10.1.0.0/16"]
     [env]
     LANG = "C.UTF-8"
     [[steps]]
@@ -47,7 +53,7 @@ from typing import Any
 from pilldrops.errors import TemplateNotFound
 from pilldrops.node.isolation.mounts import MS_BIND, mount, mount_overlay, umount_all_under
 from pilldrops.node.rootfs_ops import copy_entries, in_root, mkdirs_owned, resolve_user, tree_entries
-from pilldrops.schema.api import ISOLATION_MODES
+from pilldrops.schema.api import DISK_MB_CAP, ISOLATION_MODES, MIN_DISK_MB, TemplateNetwork
 
 log = logging.getLogger("pilldrops.templates")
 BUILDERS = ("busybox", "debootstrap")
@@ -101,6 +107,8 @@ class TemplateSpec:
     steps: tuple[Step, ...]
     path: Path
     isolation: str | None = None  # default isolation mode of its sandboxes (not part of the layer hash)
+    disk_mb: int | None = None    # default disk size of its sandboxes in MiB (not part of the layer hash)
+    network: dict[str, Any] | None = None   # default egress of its sandboxes ([network]; not hashed)
     context: Path | None = None   # copy srcs are relative to this (Dockerfile templates); else to path's folder
     fixed_hash: str | None = None  # a recorded spec (built from a Dockerfile): its hash as built
 
@@ -140,10 +148,12 @@ class TemplateStatus:
     built: bool
     extra: dict[str, Any] = field(default_factory=dict)
     isolation: str | None = None
+    disk_mb: int | None = None
+    network: dict[str, Any] | None = None
 
 
 # -- spec parsing ---------------------------------------------------------------------------------
-_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation"}
+_TOP_KEYS = {"name", "description", "from", "env", "workdir", "steps", "isolation", "disk_mb", "network"}
 
 
 def _str_map(v: Any, where: str) -> dict[str, str]:
@@ -225,6 +235,11 @@ def spec_from_dict(data: Any, path: Path, *, context: Path | None = None) -> Tem
     isolation = data.get("isolation")
     if isolation is not None and isolation not in ISOLATION_MODES:
         raise TemplateSpecError(f"{path}: 'isolation' must be one of {', '.join(ISOLATION_MODES)}")
+    disk_mb = data.get("disk_mb")
+    if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int)
+                                or not MIN_DISK_MB <= disk_mb <= DISK_MB_CAP):
+        raise TemplateSpecError(f"{path}: 'disk_mb' must be an integer from {MIN_DISK_MB} to {DISK_MB_CAP}")
+    network = _network(data.get("network"), path)
     steps = []
     for i, raw in enumerate(data.get("steps", [])):
         where = f"{path}: steps[{i}]"
@@ -249,8 +264,20 @@ def spec_from_dict(data: Any, path: Path, *, context: Path | None = None) -> Tem
         steps.append(Step(kind, value))
     return TemplateSpec(name=name, description=str(data.get("description", "")), base=base,
                         env=_str_map(data.get("env", {}), f"{path}: env"), workdir=workdir,
-                        steps=tuple(steps), path=path.resolve(), isolation=isolation,
+                        steps=tuple(steps), path=path.resolve(), isolation=isolation, disk_mb=disk_mb, network=network,
                         context=Path(context).resolve() if context is not None else None)
+
+
+def _network(raw: Any, path: Path) -> dict[str, Any] | None:
+    """The ``[network]`` table, validated like a create's fields (CIDRs normalised)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TemplateSpecError(f"{path}: [network] must be a table")
+    try:
+        return TemplateNetwork.model_validate(raw).model_dump()
+    except ValueError as e:
+        raise TemplateSpecError(f"{path}: [network]: {e}") from None
 
 
 def _hash_path(h: Any, p: Path) -> None:
@@ -634,7 +661,7 @@ class TemplateStore:
             h = self.hash(name)
             out.append(TemplateStatus(name=name, description=s.description, base=s.base, hash=h,
                                       built=(self._final(name, h) / "manifest.json").exists(),
-                                      isolation=s.isolation))
+                                      isolation=s.isolation, disk_mb=s.disk_mb, network=s.network))
         return out
 
     def ensure(self, name: str, progress: Progress | None = None) -> Template:

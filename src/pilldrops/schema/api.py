@@ -6,6 +6,7 @@ Units are in the names (``memory_mb``); ``timeout`` is in seconds everywhere.
 
 from __future__ import annotations
 
+import ipaddress
 from datetime import datetime
 from enum import Enum
 from typing import Any, Literal
@@ -13,6 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TIMEOUT_S = 86_400
+DEFAULT_DISK_MB = 10_240        # a sandbox's writable layer when neither the request nor its template says
+DEFAULT_MAX_DISK_MB = 102_400   # the largest a deployment allows unless `--max-disk-mb` says otherwise
+DISK_MB_CAP = 4_194_304         # 4 TiB: the schema's bound; a deployment's own maximum is lower (--max-disk-mb)
+MIN_DISK_MB = 16
 DEFAULT_TIMEOUT_S = 300
 MAX_BATCH = 1000
 DEFAULT_OUTPUT_CAP = 16 * 1024 * 1024
@@ -28,6 +33,55 @@ MAX_PUBLIC_PORTS = 64
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Egress (issue 14): a sandbox reaches nothing outside its own loopback unless its create asks for it.
+MAX_EGRESS_RULES = 64
+
+
+def check_cidrs(v: list[str], what: str) -> list[str]:
+    """IPv4 CIDRs or addresses, normalised (``10.1.2.3`` -> ``10.1.2.3/32``, host bits cleared); at most
+    ``MAX_EGRESS_RULES``. IPv6 is refused: sandboxes get no IPv6 route."""
+    if len(v) > MAX_EGRESS_RULES:
+        raise ValueError(f"at most {MAX_EGRESS_RULES} {what} entries")
+    out: list[str] = []
+    for item in v:
+        try:
+            net = ipaddress.ip_network(str(item).strip(), strict=False)
+        except ValueError:
+            raise ValueError(f"{what}: {item!r} is not an IP address or CIDR") from None
+        if net.version != 4:
+            raise ValueError(f"{what}: {item!r} is IPv6; sandbox egress is IPv4 only")
+        if str(net) not in out:
+            out.append(str(net))
+    return out
+
+
+class NetworkPolicy(BaseModel):
+    """Where a sandbox may connect to besides its own loopback. ``allow_out`` is reachable even when
+    ``allow_internet_access`` is off; ``deny_out`` is cut out of the internet; allow wins over deny (as E2B).
+    Never reachable whatever the policy: the node itself, other sandboxes, 169.254.0.0/16."""
+
+    model_config = ConfigDict(extra="forbid")
+    allow_out: list[str] = Field(default_factory=list, description="IPv4 CIDRs or addresses always reachable")
+    deny_out: list[str] = Field(default_factory=list, description="IPv4 CIDRs or addresses never reachable "
+                                                                  "(unless also in allow_out)")
+
+    @field_validator("allow_out")
+    @classmethod
+    def _allow(cls, v: list[str]) -> list[str]:
+        return check_cidrs(v, "network.allow_out")
+
+    @field_validator("deny_out")
+    @classmethod
+    def _deny(cls, v: list[str]) -> list[str]:
+        return check_cidrs(v, "network.deny_out")
+
+
+class TemplateNetwork(NetworkPolicy):
+    """A template's ``[network]`` table: the default egress of its sandboxes (a create's own fields win)."""
+
+    allow_internet_access: bool = False
 
 
 class _Response(BaseModel):
@@ -108,12 +162,19 @@ class CreateSandboxRequest(_Request):
     template: str = Field("base", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     vcpu: float = Field(1, gt=0, le=64, description="CPU quota in cores")
     memory_mb: int = Field(512, ge=16, le=262_144, description="memory limit in MiB, no swap")
+    disk_mb: int | None = Field(None, ge=MIN_DISK_MB, le=DISK_MB_CAP,
+                                description="size of the writable layer in MiB (writes past it fail with ENOSPC); "
+                                            "default: the template's, else the deployment's (10240); past the "
+                                            "deployment's maximum: 400 invalid_request")
     timeout: int = Field(DEFAULT_TIMEOUT_S, ge=1, le=MAX_TIMEOUT_S,
                          description="seconds until the sandbox is killed (max 86400)")
     metadata: dict[str, str] = Field(default_factory=dict)
     envs: dict[str, str] = Field(default_factory=dict)
     isolation: str | None = Field(None, description="container | gvisor | microvm; default: the template's, "
                                                     "else the deployment's (container)")
+    allow_internet_access: bool = Field(False, description="egress to the internet (NAT through the node); "
+                                                           "unset: the template's [network] default, else off")
+    network: NetworkPolicy | None = Field(None, description="allow_out / deny_out CIDRs; unset: the template's")
     public_ports: list[int] = Field(default_factory=list, max_length=MAX_PUBLIC_PORTS,
                                     description="ports served by URL without a token (see POST .../urls)")
     public: bool = Field(False, description="every port is served by URL without a token")
@@ -160,7 +221,9 @@ class BatchCreateRequest(CreateSandboxRequest):
     def item_request(self, i: int) -> CreateSandboxRequest:
         """Item ``i`` as a single create (its own metadata merged over the shared one)."""
         extra = self.item_metadata[i] if self.item_metadata is not None else {}
-        return CreateSandboxRequest(**{**self.model_dump(exclude={"count", "capacity_wait", "item_metadata"}),
+        # exclude_unset: a field the batch left unset stays unset per item (the template's network default)
+        return CreateSandboxRequest(**{**self.model_dump(exclude={"count", "capacity_wait", "item_metadata"},
+                                                         exclude_unset=True),
                                        "metadata": {**self.metadata, **extra}})
 
 
@@ -174,10 +237,16 @@ class SandboxInfo(_Response):
     id: str
     template: str
     isolation: str = DEFAULT_ISOLATION
+    allow_internet_access: bool = False
+    network: NetworkPolicy | None = None
     state: SandboxState
     vcpu: float
     memory_mb: int
     timeout: int
+    # Disk: the writable layer's limit, and the bytes it holds (the node's last report, every few seconds;
+    # None before the first report, once ended, or on a node from before disk quotas)
+    disk_mb: int | None = None
+    disk_used_bytes: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     node_id: str | None = None
     created_at: datetime
@@ -325,6 +394,14 @@ class TemplateInfo(_Response):
     nodes: list[str] = Field(default_factory=list)
     workdir: str | None = None          # where commands start (the spec's workdir)
     isolation: str | None = None      # the template's default isolation mode (None: the deployment's)
+    disk_mb: int | None = None        # the template's default disk size in MiB (None: the deployment's)
+    network: TemplateNetwork | None = None   # the template's default egress ([network]; None: none)
+    # the template store (issue 19): set for templates built once and shipped to the nodes
+    version: int | None = None          # a rebuild is the next version; running sandboxes keep theirs
+    digest: str | None = None           # the top layer's digest (sha256:...); ``layers`` then lists digests
+    key: str | None = None              # the cache key: spec document + parent + context, hashed
+    build_seconds: float | None = None
+    builder: str | None = None          # the node that built it
 
 
 class IsolationSupport(_Response):
@@ -337,6 +414,22 @@ class IsolationSupport(_Response):
 
 class TemplateList(_Response):
     items: list[TemplateInfo]
+
+
+class TemplateBuildRequest(BaseModel):
+    """``POST /v1/templates/builds``: build a spec document (the TOML spec's table, as JSON) once, on a node
+    the scheduler picks, into the template store. ``context`` names a build context uploaded before with
+    ``PUT /v1/templates/contexts/{digest}`` (the files ``copy`` steps read, relative to its root)."""
+
+    model_config = ConfigDict(extra="forbid")
+    spec: dict[str, Any]
+    context: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$")
+    force: bool = False
+
+
+class ContextUploaded(_Response):
+    digest: str
+    size: int
 
 
 class WhoAmI(_Response):
@@ -389,6 +482,8 @@ class HistoryRecord(_Response):
     id: str
     template: str
     isolation: str = DEFAULT_ISOLATION
+    allow_internet_access: bool = False
+    network: NetworkPolicy | None = None
     vcpu: float
     memory_mb: int
     vcpu_s: float

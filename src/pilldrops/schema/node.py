@@ -8,10 +8,18 @@ Times on the wire are UTC datetimes from the control plane's clock; the node kee
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason, IsolationSupport, SandboxState, TemplateInfo
+from pilldrops.schema.api import (
+    DEFAULT_ISOLATION,
+    EndReason,
+    IsolationSupport,
+    SandboxState,
+    TemplateInfo,
+    TemplateNetwork,
+)
 
 
 class _Model(BaseModel):
@@ -70,6 +78,48 @@ class NodeHeartbeat(_Model):
     pools: list[NodePoolStatus] = Field(default_factory=list)
 
 
+class NodeNetwork(TemplateNetwork):
+    """A sandbox's egress as the node enforces it: its policy, plus the deployment's cap (``--egress-allow``:
+    None means no cap; a sandbox never reaches outside the cap, whatever its own policy says)."""
+
+    cap: list[str] | None = None
+
+
+class NodeLayerRef(_Model):
+    digest: str = Field(..., pattern=r"^sha256:[0-9a-f]{64}$")
+    size: int = Field(..., ge=0)
+
+
+class NodeTemplateRef(_Model):
+    """A template-store version a sandbox runs: the node fetches any layer it lacks from the control plane
+    (``GET /internal/v1/templates/layers/{digest}``), verifying each digest before use."""
+
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+    version: int = Field(..., ge=1)
+    key: str
+    layers: list[NodeLayerRef] = Field(..., min_length=1)          # top first (parents' layers after this template's own)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+    user: str | None = None             # "uid:gid" commands run as (a Dockerfile's USER); None: root
+    home: str | None = None
+    isolation: str | None = None
+    built_at: datetime | None = None
+    size_bytes: int = 0
+
+
+class NodeBuildRequest(_Model):
+    """Build a spec document on this node (``POST /node/v1/templates/builds``): its parent's layers and the
+    build context (by digest) are fetched from the control plane; the layer is uploaded back to it. The
+    answer is an NDJSON stream: ``log`` events, then ``done`` (``layer``, ``env``, ``workdir``,
+    ``build_seconds``) or ``error``."""
+
+    spec: dict[str, Any]
+    key: str
+    context: str | None = None
+    context_size: int = 0
+    parent: NodeTemplateRef | None = None
+
+
 class NodeSandboxSpec(_Model):
     """What the control plane asks a node to start."""
 
@@ -84,6 +134,9 @@ class NodeSandboxSpec(_Model):
     timeout_s: float | None = Field(None, description="seconds from now; the node keeps the deadline on its "
                                                       "own clock (end_at is the control plane's view)")
     isolation: str = DEFAULT_ISOLATION
+    disk_mb: int | None = Field(None, description="the writable layer's size in MiB (None: the node's default)")
+    network: NodeNetwork | None = Field(None, description="egress (issue 14); None: loopback only")
+    template_ref: NodeTemplateRef | None = None   # a template-store version (None: one built on the node)
 
 
 class NodeSandboxStatus(_Model):
@@ -100,6 +153,7 @@ class NodeSandboxStatus(_Model):
     run_s: float | None = None
     seq: int | None = None
     checkpoint_bytes: int | None = None     # paused: the checkpoint's size on this node's disk
+    disk_used_bytes: int | None = None      # running: bytes in its writable layer (None: no disk quota)
     timeout_left: float | None = None       # paused: seconds its deadline had left when it was paused
 
 

@@ -289,6 +289,16 @@ def error_from_response(response: httpx.Response) -> PillDropsError:
     return exc
 
 
+def egress_fields(allow_internet_access: bool | None, network: Any) -> dict[str, Any]:
+    """The create's egress fields, only those the caller gave (unset ones are the template's)."""
+    out: dict[str, Any] = {}
+    if allow_internet_access is not None:
+        out["allow_internet_access"] = allow_internet_access
+    if network is not None:
+        out["network"] = network.model_dump() if hasattr(network, "model_dump") else network
+    return out
+
+
 def build_model(model: type[M], **fields: Any) -> M:
     """Validate a request body locally; a bad argument is an :class:`InvalidRequest` before any I/O."""
     try:

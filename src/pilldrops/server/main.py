@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import httpx
 from fastapi import FastAPI
 
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import DEFAULT_ISOLATION, EndReason
+from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_ISOLATION, DEFAULT_MAX_DISK_MB, EndReason
 from pilldrops.server.api.app import Services, create_app
+from pilldrops.server.artifacts import BlobStore
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service.auth import AuthService
 from pilldrops.server.service.billing import BillingService, BillingSettings
+from pilldrops.server.service.egress import EgressSettings
 from pilldrops.server.service.nodes import HEARTBEAT_INTERVAL_S, NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
+from pilldrops.server.service.templates import DEFAULT_MAX_CONTEXT_BYTES, TemplateService
 from pilldrops.server.service.urls import URLService
 from pilldrops.server.store.sql import Store
 
@@ -43,6 +47,16 @@ class ControlPlane:
                           lambda team_id, sid: sbx.kill(team_id, sid, EndReason.credits_exhausted))
             tg.start_soon(self.services.nodes.run_liveness)
             tg.start_soon(self._expire_paused)
+            if self.services.templates is not None:
+                tg.start_soon(self._template_gc)
+
+    async def _template_gc(self) -> None:
+        while True:
+            await anyio.sleep(300)
+            try:
+                await self.services.templates.gc()   # type: ignore[union-attr]
+            except Exception:
+                log.exception("template store gc failed")
 
     async def _expire_paused(self) -> None:
         while True:
@@ -64,7 +78,13 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
                               lost_after: float = 300.0, unreachable_after: float | None = None,
                               paused_retention_s: float = DEFAULT_PAUSED_RETENTION_S,
                               default_isolation: str = DEFAULT_ISOLATION,
-                              public_host: str | None = None) -> ControlPlane:
+                              template_store: Path | None = None,
+                              max_context_bytes: int = DEFAULT_MAX_CONTEXT_BYTES,
+                              default_disk_mb: int = DEFAULT_DISK_MB, max_disk_mb: int = DEFAULT_MAX_DISK_MB,
+                              public_host: str | None = None,
+                              egress: EgressSettings | None = None) -> ControlPlane:
+    """``template_store``: the directory of the template store's layers (issue 19); None: no store (only
+    templates the nodes build themselves)."""
     clock = clock or Clock()
     billing = billing or BillingSettings()
     store = await Store.open(db_url)
@@ -73,10 +93,16 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     pools = PoolService(store, node_client, clock)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
+    sandboxes.lifecycle.default_disk_mb, sandboxes.lifecycle.max_disk_mb = default_disk_mb, max_disk_mb
+    sandboxes.ctx.egress = egress or EgressSettings()
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,
                                           pools=pools),
                         billing=billing_service, pools=pools,
                         urls=URLService(store, clock, public_host))
+    if template_store is not None:
+        services.templates = TemplateService(store, BlobStore(template_store), node_client, clock,
+                                             max_context_bytes=max_context_bytes)
+        sandboxes.ctx.templates = services.templates
     return ControlPlane(create_app(services), services, store, node_client, paused_retention_s)

@@ -129,21 +129,32 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def host_pid(init_pid: int, ns_pid: int) -> int | None:
-    """The host pid of the init's child whose pid in the sandbox is ``ns_pid``."""
+def _children(pid: int) -> list[str]:
     try:
-        children = Path(f"/proc/{init_pid}/task/{init_pid}/children").read_text().split()
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
-        return None
-    for c in children:
-        try:
-            for line in Path(f"/proc/{c}/status").read_text().splitlines():
-                if line.startswith("NSpid:"):
-                    if int(line.split()[-1]) == ns_pid:
-                        return int(c)
-                    break
-        except (OSError, ValueError):
-            continue
+        return []
+
+
+def _ns_pid(pid: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def host_pid(init_pid: int, ns_pid: int) -> int | None:
+    """The host pid of the command whose pid in the sandbox is ``ns_pid``: a child of one of the init's
+    children (its shepherd, pd-init >= issue 16), or of the init itself (an older pd-init)."""
+    for shepherd in _children(init_pid):
+        if _ns_pid(shepherd) == ns_pid:
+            return int(shepherd)
+        for c in _children(int(shepherd)):
+            if _ns_pid(c) == ns_pid:
+                return int(c)
     return None
 
 

@@ -41,6 +41,7 @@ class SandboxSpec:
     workdir: str = "/"
     hostname: str = "sandbox"
     isolation: str = "container"       # which runtime of the node's registry runs it (registry.py)
+    disk_mb: int | None = None         # writable layer limit in MiB (None: none; the agent always sets one)
     user: str | None = None            # "uid:gid" its commands run as (a template's USER); None = root
 
 

@@ -3,7 +3,11 @@
 Each instance uses its own ``crun --root <state_dir>/crun`` and its own cgroup parent
 ``pilldrops-<name>``, so several agents or test sessions never see each other's sandboxes. Per sandbox::
 
-    <state_dir>/pilldrops-sandboxes/<id>/{upper,work,rootfs,config.json,crun.err,exec/}
+    <state_dir>/pilldrops-sandboxes/<id>/{disk.img,disk/{upper,work},rootfs,config.json,crun.err,exec/}
+
+With ``spec.disk_mb`` (issue 16) the writable layer lives on ``disk/``, a loop-mounted ext4 image of that
+size of its own (``isolation.diskquota``): writes past it fail with ENOSPC inside the sandbox. Without
+it (a runtime driven directly, e.g. by tests) ``upper/`` and ``work/`` sit in the sandbox dir itself.
 
 ``create`` = overlay mount (ctypes) + config.json (oci_spec) + ``crun run --detach`` with stdio on
 /dev/null and a file (a detached crun inherits its stdio). The sandbox init (pd-init) is re-parented
@@ -17,7 +21,8 @@ the state of a container 1.21 restored, so a restored sandbox is exec'd, inspect
 host's crun like any other. Image layout (``image_dir``)::
 
     criu/                     CRIU images + descriptors.json + dump.log (crun checkpoint --image-path)
-    upper/                    the sandbox's overlay writable layer (renamed out of the sandbox dir)
+    disk.img                  the sandbox's disk image (writable layer), renamed out of the sandbox dir
+    upper/                    instead of disk.img: the writable layer of a sandbox without a disk quota
     pilldrops-checkpoint.json format, id, versions, sizes; written last (marks the image complete)
 
 Before the dump pd-init is told (SIGUSR1) to close its control socket, and after a restore (or a failed
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, procs
+from pilldrops.node.isolation import cgroups, criu, diskquota, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
@@ -225,12 +230,16 @@ class CrunRuntime:
         d = self._dir(spec.id)
         if d.exists():
             raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
-        rootfs, upper, work = d / "rootfs", d / "upper", d / "work"
         ok = False
         try:
-            for p in (rootfs, upper, work, d / "exec"):
+            for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
             (d / "pd").mkdir(mode=0o700)
+            if spec.disk_mb:
+                await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
+            upper, work = self._layer_dirs(d)
+            upper.mkdir()
+            work.mkdir()
             # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
             (upper / "etc").mkdir()
@@ -263,10 +272,26 @@ class CrunRuntime:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
 
-    def _mount_and_configure(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
-        """Overlay ``d/rootfs`` over the template layers and ``d/upper``, and write ``d/config.json``."""
+    def _make_disk(self, d: Path, disk_mb: int) -> None:
         try:
-            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], d / "upper", d / "work")
+            diskquota.make(self.state_dir, d, disk_mb)
+        except OSError as e:
+            raise RuntimeFailure(f"cannot make the {disk_mb} MiB disk of sandbox {d.name}", detail=str(e)) from e
+
+    @staticmethod
+    def _layer_dirs(d: Path) -> tuple[Path, Path]:
+        """The overlay's upper and work dirs: on the sandbox's own disk when it has one."""
+        base = d / diskquota.MOUNT if (d / diskquota.MOUNT).is_dir() else d
+        return base / "upper", base / "work"
+
+    def disk_usage(self, handle: Handle, disk_mb: int | None = None) -> diskquota.Usage | None:
+        """Bytes used on the sandbox's disk and its limit (None: it has no disk quota)."""
+        return diskquota.usage(self._dir(handle.id), disk_mb)
+
+    def _mount_and_configure(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
+        """Overlay ``d/rootfs`` over the template layers and the writable layer, and write ``d/config.json``."""
+        try:
+            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *self._layer_dirs(d))
         except (MountError, ValueError) as e:
             raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
         config = self._config(spec, d)
@@ -451,16 +476,17 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 
-    async def _teardown(self, sandbox_id: str, *, save_upper: Path | None = None) -> None:
-        """Remove every process, cgroup, mount and file of the sandbox. With ``save_upper``, its writable
-        layer is first moved there (rename; a copy across file systems) once nothing uses it."""
+    async def _teardown(self, sandbox_id: str, *, save_to: Path | None = None) -> None:
+        """Remove every process, cgroup, mount and file of the sandbox. With ``save_to`` (a checkpoint
+        image dir), its writable layer is first moved there (``disk.img``, or ``upper/`` for a sandbox
+        without a disk quota; rename, a copy across file systems) once nothing uses it."""
         d = self._dir(sandbox_id)
         r = await self._crun("delete", "--force", self._cid(sandbox_id))
         err = r.stderr.decode(errors="replace").strip()
         problems = []
         if r.returncode != 0 and not any(m in err.lower() for m in _GONE_MARKERS):
             problems.append(f"crun delete: {err}")
-        left, moved = await anyio.to_thread.run_sync(self._teardown_sync, sandbox_id, d, save_upper)
+        left, moved = await anyio.to_thread.run_sync(self._teardown_sync, sandbox_id, d, save_to)
         if left:
             problems.append(f"cgroups left: {left}")
         if moved:
@@ -468,7 +494,7 @@ class CrunRuntime:
         if problems:
             raise RuntimeFailure(f"destroy {sandbox_id} incomplete", detail="; ".join(problems))
 
-    def _teardown_sync(self, sandbox_id: str, d: Path, save_upper: Path | None = None) -> tuple[list[str], str]:
+    def _teardown_sync(self, sandbox_id: str, d: Path, save_to: Path | None = None) -> tuple[list[str], str]:
         left = [str(p) for p in cgroups.remove_tree(self._cgroup(sandbox_id))]
         # the one host mount of a sandbox is its rootfs overlay: unmount it directly; scanning the mount
         # table (1,000+ lines with 1,000 sandboxes) only when something is still mounted
@@ -479,11 +505,18 @@ class CrunRuntime:
         if os.path.ismount(d / "rootfs") or os.path.ismount(d):
             umount_all_under(d)
         problem = ""
-        if save_upper is not None and (d / "upper").is_dir():
+        try:
+            diskquota.remove(d)                # the sandbox's disk (its loop device detaches itself)
+        except MountError as e:
+            problem = f"cannot unmount the disk of {sandbox_id}: {e}"
+        if save_to is not None and not problem:
             try:
-                _move_tree(d / "upper", save_upper)
+                if (d / diskquota.IMAGE).is_file():
+                    diskquota.move_image(d / diskquota.IMAGE, save_to / diskquota.IMAGE)
+                elif (d / "upper").is_dir():
+                    _move_tree(d / "upper", save_to / "upper")
             except (OSError, subprocess.CalledProcessError) as e:
-                problem = f"cannot move the writable layer to {save_upper}: {e}"
+                problem = f"cannot move the writable layer to {save_to}: {e}"
         shutil.rmtree(d, ignore_errors=True)
         if d.exists():
             umount_all_under(d)
@@ -562,11 +595,13 @@ class CrunRuntime:
             # the dump killed the process tree (crun also deleted the container, cgroup included); what is
             # left is the overlay and the sandbox dir: the writable layer moves into the image
             self._defaults.pop(handle.id, None)
-            await self._teardown(handle.id, save_upper=image_dir / "upper")
-            criu_bytes, upper_bytes = _tree_bytes(images), _tree_bytes(image_dir / "upper")
+            await self._teardown(handle.id, save_to=image_dir)
+            criu_bytes = _tree_bytes(images)
+            disk = image_dir / diskquota.IMAGE
+            upper_bytes = disk.stat().st_blocks * 512 if disk.is_file() else _tree_bytes(image_dir / "upper")
             meta = {"format": CHECKPOINT_FORMAT, "id": handle.id, "created": time.time(),
                     "runtime": self.name, "userland": self._versions(), "init": self.init_path.name,
-                    "criu_bytes": criu_bytes, "upper_bytes": upper_bytes}
+                    "criu_bytes": criu_bytes, "upper_bytes": upper_bytes, "disk": disk.is_file()}
             (image_dir / (CHECKPOINT_META + ".tmp")).write_text(json.dumps(meta))
             os.replace(image_dir / (CHECKPOINT_META + ".tmp"), image_dir / CHECKPOINT_META)
             return criu_bytes + upper_bytes
@@ -614,23 +649,40 @@ class CrunRuntime:
                                  detail=f"format={meta.get('format')} id={meta.get('id')}")
         if meta.get("runtime", "crun") != self.name:
             raise RuntimeFailure(f"checkpoint image {image_dir} was written by {meta.get('runtime')}, not {self.name}")
-        if not (image_dir / "upper").is_dir() or not (image_dir / self.IMAGE_SUBDIR).is_dir():
-            raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no upper/ or {self.IMAGE_SUBDIR}/)")
-        rootfs, upper, work = d / "rootfs", d / "upper", d / "work"
+        has_disk = (image_dir / diskquota.IMAGE).is_file()
+        if not (has_disk or (image_dir / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
+            raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no disk.img or upper/, or no "
+                                 f"{self.IMAGE_SUBDIR}/)")
         moved = ok = False
         try:
-            for p in (rootfs, work, d / "exec"):
+            for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
             (d / "pd").mkdir(mode=0o700)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
-            try:
-                os.rename(image_dir / "upper", upper)
-                moved = True
-            except OSError:
+            if has_disk:
                 try:
-                    await anyio.to_thread.run_sync(_copy_tree, image_dir / "upper", upper)
-                except (OSError, subprocess.CalledProcessError) as e:
-                    raise RuntimeFailure(f"cannot copy the writable layer of {spec.id}", detail=str(e)) from e
+                    await anyio.to_thread.run_sync(diskquota.move_image, image_dir / diskquota.IMAGE,
+                                                   d / diskquota.IMAGE)
+                    moved = True
+                    await anyio.to_thread.run_sync(diskquota.mount_image, d)
+                except OSError as e:
+                    raise RuntimeFailure(f"cannot mount the disk of {spec.id}", detail=str(e)) from e
+            elif spec.disk_mb:      # paused before it had a disk of its own: it gets one now
+                await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
+            upper, work = self._layer_dirs(d)
+            work.mkdir(exist_ok=True)
+            if not has_disk:
+                try:
+                    if upper.parent == d:
+                        os.rename(image_dir / "upper", upper)
+                        moved = True
+                    else:
+                        raise OSError("a copy onto the sandbox's disk")
+                except OSError:
+                    try:
+                        await anyio.to_thread.run_sync(_copy_tree, image_dir / "upper", upper)
+                    except (OSError, subprocess.CalledProcessError) as e:
+                        raise RuntimeFailure(f"cannot copy the writable layer of {spec.id}", detail=str(e)) from e
             config = self._mount_and_configure(spec, d)
             pid, start = await self._restore_init(spec, d, image_dir)
             await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
@@ -642,7 +694,7 @@ class CrunRuntime:
             if not ok:
                 with anyio.CancelScope(shield=True):
                     self._defaults.pop(spec.id, None)
-                    await self._teardown(spec.id, save_upper=image_dir / "upper" if moved else None)
+                    await self._teardown(spec.id, save_to=image_dir if moved else None)
 
     # -- instance lifetime -----------------------------------------------------------------------
     def cleanup_parent(self) -> None:

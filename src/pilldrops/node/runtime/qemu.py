@@ -26,7 +26,10 @@ it: an OOM kills the offender inside the guest, as in a container), in a guest w
 class that holds it (``guest_ram_mb``: 256, 512, 1024, ... MiB; a snapshot serves every size of its class);
 vCPUs = ``ceil(vcpu)`` guest CPUs plus a host CPU quota of ``vcpu`` cores on the QEMU process (cgroup
 ``pilldrops-<name>/<id>``, with a host memory limit of guest RAM + overhead); pids = the guest cgroup's
-``pids.max``; disk = the template's root disk size (``disk_mb`` free).
+``pids.max``; disk = the template's root disk size (``disk_mb`` of the runtime, 1024 MiB by default): the
+guest's root file system cannot grow past it, so a sandbox's ``disk_mb`` at or above it holds as is; one
+below it cannot be enforced (the virtio-blk disk is a qcow2 overlay of the template snapshot's disk, whose
+file system has that size) and is refused (``disk_refusal``: the agent answers 400 invalid_request).
 
 Pause/resume = ``checkpoint``/``restore``: ``migrate`` to ``image_dir/vm.snap``, the disk overlay moves
 into the image. QEMU is daemonized (not our child); a new runtime instance re-adopts a VM from its handle
@@ -192,7 +195,17 @@ class QemuRuntime:
     def _cgroup(self, sandbox_id: str) -> str:
         return f"{self.cgroup_parent}/{sandbox_id}"
 
+    def disk_refusal(self, spec: SandboxSpec) -> str | None:
+        """Why ``spec.disk_mb`` cannot be enforced here (None: the root disk is no larger than it)."""
+        if spec.disk_mb is not None and spec.disk_mb < self.disk_mb:
+            return (f"a microvm sandbox's disk is its template's {self.disk_mb} MiB root disk: disk_mb "
+                    f"{spec.disk_mb} below that cannot be enforced (ask for at least {self.disk_mb}, or use "
+                    "isolation container or gvisor)")
+        return None
+
     def _config(self, spec: SandboxSpec) -> vm.VmConfig:
+        if (why := self.disk_refusal(spec)) is not None:
+            raise RuntimeFailure(why)
         if spec.vcpu <= 0 or spec.memory_mb <= 0 or spec.pids_limit <= 0:
             raise RuntimeFailure(f"limits must be positive: vcpu={spec.vcpu} memory_mb={spec.memory_mb} "
                                  f"pids_limit={spec.pids_limit}")

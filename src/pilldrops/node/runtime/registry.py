@@ -218,6 +218,13 @@ def checkpoint_unsupported(runtime: Runtime, mode: str) -> str | None:
     return runtime.checkpoint_unsupported()
 
 
+def disk_refusal(runtime: Runtime, spec: SandboxSpec) -> str | None:
+    """Why ``spec.disk_mb`` cannot be enforced by the driver that would run ``spec`` (None: it can)."""
+    rt: Any = runtime.runtimes.get(spec.isolation) if isinstance(runtime, RuntimeRegistry) else runtime
+    hook = getattr(rt, "disk_refusal", None)
+    return hook(spec) if hook is not None else None
+
+
 def support_of(runtime: Runtime) -> dict[str, IsolationSupport]:
     """What a node running ``runtime`` offers: a registry's probes; a single driver runs containers only."""
     if isinstance(runtime, RuntimeRegistry):

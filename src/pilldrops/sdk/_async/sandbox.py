@@ -60,6 +60,7 @@ from pilldrops.sdk._base import (
     check_remote_path,
     data_target,
     download_tempfile,
+    egress_fields,
     extract_download,
     history_params,
     hybridmethod,
@@ -161,20 +162,34 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                     timeout: int = DEFAULT_TIMEOUT_S, metadata: dict[str, str] | None = None,
-                     envs: dict[str, str] | None = None, isolation: str | None = None,
-                     public_ports: builtins.list[int] | None = None, public: bool = False, api_key: str | None = None,
+                     disk_mb: int | None = None, timeout: int = DEFAULT_TIMEOUT_S,
+                     metadata: dict[str, str] | None = None, envs: dict[str, str] | None = None,
+                     isolation: str | None = None, public_ports: builtins.list[int] | None = None,
+                     public: bool = False, allow_internet_access: bool | None = None,
+                     network: dict[str, Any] | None = None, api_key: str | None = None,
                      api_url: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                      transport: Any = None, capacity_wait: float = 120.0) -> AsyncSandbox:
         """Create a sandbox and return it running.
 
-        ``vcpu`` is in cores, ``memory_mb`` in MiB, ``timeout`` in seconds until the sandbox is killed
+        ``vcpu`` is in cores, ``memory_mb`` in MiB, ``disk_mb`` is the size of its writable layer in MiB
+        (writes past it fail with ENOSPC inside; default: the template's, else the deployment's, 10240;
+        :attr:`info` ``.disk_used_bytes`` is what it holds), ``timeout`` in seconds until the sandbox is killed
         (max 86400; extend it with :meth:`set_timeout`), ``request_timeout`` in seconds per HTTP call.
         ``envs`` are environment variables for every command; ``metadata`` is free-form, filterable in
         :meth:`list`. ``isolation`` is ``"container"`` (crun, shared host kernel), ``"gvisor"`` (a user-space
         kernel between the sandbox and the host) or ``"microvm"`` (its own guest kernel under QEMU); default:
         the template's, else the deployment's (``container``). ``public_ports`` are served by
-        :meth:`get_url` without a token (``public=True``: every port). The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
+        :meth:`get_url` without a token (``public=True``: every port).
+
+        Network: by default a sandbox has loopback only. ``allow_internet_access=True`` gives it the internet
+        (NAT through the node, DNS through the node's resolver); ``network={"allow_out": [CIDR or IP, ...],
+        "deny_out": [...]}`` opens those destinations even without it, and cuts those out of it (allow wins
+        over deny). The node itself, other sandboxes and 169.254.0.0/16 are never reachable. Unset, both
+        come from the template's ``[network]`` table. A deployment without egress raises
+        :class:`EgressForbidden`; ``isolation`` other than ``container`` with egress raises
+        :class:`NotSupported`.
+
+        The create is retried safely: one ``Idempotency-Key`` is reused by every attempt,
         so a retry never makes a second sandbox. ``transport`` is an optional ``httpx`` transport (tests).
 
         When the deployment is full (:class:`CapacityUnavailable`) or rate limits (:class:`RateLimited`),
@@ -184,21 +199,24 @@ class AsyncSandbox:
         """
         capacity_wait = check_capacity_wait(capacity_wait)
         body = build_model(CreateSandboxRequest, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata=metadata or {}, envs=envs or {}, isolation=isolation,
-                           public_ports=public_ports or [], public=public)
+                           disk_mb=disk_mb, timeout=timeout, metadata=metadata or {}, envs=envs or {},
+                           isolation=isolation, public_ports=public_ports or [], public=public,
+                           **egress_fields(allow_internet_access, network))
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
-        resp = await client.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json", exclude_none=True),
+        resp = await client.request("POST", "/v1/sandboxes",
+                                    json=body.model_dump(mode="json", exclude_none=True, exclude_unset=True),
                                     headers={"Idempotency-Key": new_idempotency_key()}, idempotent=True,
                                     capacity_wait=capacity_wait)
         return cls(parse_model(SandboxInfo, resp), client=client)
 
     @classmethod
     async def create_many(cls, count: int, template: str = "base", *, vcpu: float = 1, memory_mb: int = 512,
-                          timeout: int = DEFAULT_TIMEOUT_S,
+                          disk_mb: int | None = None, timeout: int = DEFAULT_TIMEOUT_S,
                           metadata: dict[str, str] | Callable[[int], dict[str, str]] | None = None,
                           envs: dict[str, str] | None = None, isolation: str | None = None,
                           public_ports: builtins.list[int] | None = None, public: bool = False,
+                          allow_internet_access: bool | None = None, network: dict[str, Any] | None = None,
                           capacity_wait: float = 60.0,
                           return_exceptions: bool = False, api_key: str | None = None, api_url: str | None = None,
                           request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -210,8 +228,8 @@ class AsyncSandbox:
         With ``return_exceptions=False`` (default) the result is all sandboxes, or, if any item failed,
         the ones made are killed and the first item's error is raised (``details["errors"]`` lists every
         failed index). With ``return_exceptions=True`` failed items are their :class:`PillDropsError`
-        in the list, and the sandboxes that were made are yours to kill. ``isolation``, ``public_ports`` and
-        ``public`` as in :meth:`create`.
+        in the list, and the sandboxes that were made are yours to kill. ``isolation``, ``disk_mb``,
+        ``public_ports``, ``public``, ``allow_internet_access`` and ``network`` as in :meth:`create`.
 
         ``metadata`` may be a function of the item's index (``lambda i: {"episode": str(i)}``) so that each
         sandbox is findable in history on its own.
@@ -219,8 +237,9 @@ class AsyncSandbox:
         capacity_wait = check_capacity_wait(capacity_wait)
         per_item = callable(metadata)
         body = build_model(BatchCreateRequest, count=1, template=template, vcpu=vcpu, memory_mb=memory_mb,
-                           timeout=timeout, metadata={} if per_item else (metadata or {}), envs=envs or {},
-                           isolation=isolation, public_ports=public_ports or [], public=public,
+                           disk_mb=disk_mb, timeout=timeout, metadata={} if per_item else (metadata or {}),
+                           envs=envs or {}, isolation=isolation, public_ports=public_ports or [], public=public,
+                           **egress_fields(allow_internet_access, network),
                            capacity_wait=min(capacity_wait, 600.0))
         client = AsyncAPIClient.from_options(api_url, api_key, request_timeout=request_timeout,
                                              transport=transport)
@@ -228,7 +247,7 @@ class AsyncSandbox:
         try:
             for start in range(0, count, BATCH_CHUNK):
                 n = min(BATCH_CHUNK, count - start)
-                chunk = {**body.model_dump(mode="json", exclude_none=True), "count": n}
+                chunk = {**body.model_dump(mode="json", exclude_none=True, exclude_unset=True), "count": n}
                 if per_item:
                     chunk["item_metadata"] = [item_metadata(metadata, i) for i in range(start, start + n)]
                 resp = await client.request(

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import Path as FPath
 from fastapi.responses import StreamingResponse
 
 from pilldrops import errors
@@ -18,6 +19,7 @@ from pilldrops.e2b.routing import E2BRouting
 from pilldrops.schema.api import (
     BatchCreateRequest,
     BatchCreateResponse,
+    ContextUploaded,
     CreateSandboxRequest,
     HistoryPage,
     KeyCreated,
@@ -35,6 +37,7 @@ from pilldrops.schema.api import (
     SandboxList,
     SandboxState,
     SetTimeoutRequest,
+    TemplateBuildRequest,
     TemplateList,
     UsageSummary,
     WhoAmI,
@@ -48,6 +51,7 @@ from pilldrops.server.service.nodes import NodeService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.service.sandboxes import SandboxService
 from pilldrops.server.service.stats import history_stats
+from pilldrops.server.service.templates import TemplateService
 from pilldrops.server.service.urls import URLService
 
 
@@ -58,6 +62,7 @@ class Services:
     nodes: NodeService
     billing: BillingService
     pools: PoolService
+    templates: TemplateService | None = None     # the template store (issue 19)
     urls: URLService | None = None      # port URLs (made in create_app when not given)
 
 
@@ -284,7 +289,30 @@ def create_app(services: Services) -> FastAPI:
 
     @api.get("/templates", response_model=TemplateList)
     async def templates(p: Caller) -> TemplateList:
-        return TemplateList(items=await services.nodes.templates())
+        node_built = await services.nodes.templates()
+        if services.templates is None:
+            return TemplateList(items=node_built)
+        return TemplateList(items=await services.templates.list(node_built))
+
+    def template_store() -> TemplateService:
+        if services.templates is None:
+            raise errors.NotSupported("this control plane has no template store")
+        return services.templates
+
+    Digest = Annotated[str, FPath(pattern=r"^sha256:[0-9a-f]{64}$")]
+
+    @api.put("/templates/contexts/{digest}", response_model=ContextUploaded)
+    async def put_context(digest: Digest, request: Request, p: Caller) -> ContextUploaded:
+        p.require_admin()
+        size = await template_store().put_context(digest, request.stream())
+        return ContextUploaded(digest=digest, size=size)
+
+    @api.post("/templates/builds", response_class=StreamingResponse)
+    async def build_template(body: TemplateBuildRequest, p: Caller) -> StreamingResponse:
+        """Build once into the template store; the answer streams the build (NDJSON: ``status``/``log``
+        events, then ``done`` with the template, or ``error``)."""
+        p.require_admin()
+        return StreamingResponse(await template_store().build(body), media_type="application/x-ndjson")
 
     app.include_router(api)
 
@@ -304,6 +332,14 @@ def create_app(services: Services) -> FastAPI:
     async def event(node_id: str, body: NodeEvent) -> dict[str, bool]:
         await sbx.apply_node_status(node_id, body.sandbox)
         return {"ok": True}
+
+    @internal.get("/templates/{kind}/{digest}", response_class=StreamingResponse)
+    async def get_blob(kind: Annotated[str, FPath(pattern="^(layers|contexts)$")], digest: Digest) -> StreamingResponse:
+        return StreamingResponse(await template_store().read(kind, digest), media_type="application/x-tar")
+
+    @internal.put("/templates/layers/{digest}")
+    async def put_layer(digest: Digest, request: Request) -> dict[str, int]:
+        return {"size": await template_store().put_layer(digest, request.stream())}
 
     app.include_router(internal)
     app.include_router(dashboard.router())      # the web dashboard at / (static; signs in with an API key)

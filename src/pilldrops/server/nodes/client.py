@@ -13,7 +13,15 @@ from typing import Any
 import httpx
 
 from pilldrops import errors
-from pilldrops.schema.node import NodeDeadline, NodePoolSpec, NodeResume, NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import (
+    NodeBuildRequest,
+    NodeDeadline,
+    NodePoolSpec,
+    NodeResume,
+    NodeSandboxSpec,
+    NodeSandboxStatus,
+    NodeTemplateRef,
+)
 
 
 class NodeClient:
@@ -90,6 +98,35 @@ class NodeClient:
             await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}/checkpoint")
         except errors.NotFound:
             return
+
+    async def hold_template(self, node_url: str, ref: NodeTemplateRef) -> None:
+        """Have that node hold a template-store version (it fetches what it lacks)."""
+        await self._call("POST", f"{node_url}/node/v1/templates/refs", content=ref.model_dump_json(),
+                         headers={"content-type": "application/json"}, timeout=httpx.Timeout(600.0, connect=5.0))
+
+    @asynccontextmanager
+    async def stream_build(self, node_url: str, body: NodeBuildRequest) -> AsyncIterator[AsyncIterator[str]]:
+        """Run a template build on that node; yields its NDJSON event lines as they come (no read timeout:
+        a Debian build takes minutes)."""
+        url = f"{node_url}/node/v1/templates/builds"
+        req = self._http.build_request("POST", url, content=body.model_dump_json(),
+                                       headers={"content-type": "application/json"},
+                                       timeout=httpx.Timeout(None, connect=5.0))
+        try:
+            resp = await self._http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
+        try:
+            if resp.status_code >= 400:
+                await resp.aread()
+                try:
+                    data = resp.json()
+                except ValueError:
+                    data = None
+                raise errors.from_wire(resp.status_code, data)
+            yield resp.aiter_lines()
+        finally:
+            await resp.aclose()
 
     @asynccontextmanager
     async def proxy(self, method: str, url: str, *, headers: dict[str, str], params: Any,

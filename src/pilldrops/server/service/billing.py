@@ -33,6 +33,7 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeSandboxStatus
 from pilldrops.server.domain.billing import Rates, running_usage, storage_usage
 from pilldrops.server.domain.states import LIVE
+from pilldrops.server.service.egress import view as egress_view
 from pilldrops.server.store.interface import PauseRecord, SandboxRecord, Store, UsageRecord
 
 log = logging.getLogger("pilldrops.billing")
@@ -186,7 +187,8 @@ class BillingService:
         vcpu_s, gb_s, storage_gb_s, cost = self.usage_of(row)
         intervals = [PauseInterval(paused_at=p.paused_at, resumed_at=p.resumed_at, checkpoint_bytes=p.checkpoint_bytes,
                                    storage_gb_s=round(self._pause_storage(row, p), 6)) for p in pauses or []]
-        return HistoryRecord(id=row.id, template=row.template, isolation=row.isolation, vcpu=row.vcpu,
+        return HistoryRecord(id=row.id, template=row.template, isolation=row.isolation, **egress_view(row.network),
+                             vcpu=row.vcpu,
                              memory_mb=row.memory_mb,
                              vcpu_s=round(vcpu_s, 6), gb_s=round(gb_s, 6), storage_gb_s=round(storage_gb_s, 6),
                              cost_usd=round(cost, 12), started_at=row.started_at, ended_at=row.ended_at,

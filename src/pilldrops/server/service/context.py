@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import httpx
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock, TTLCache
 from pilldrops.schema.api import SandboxState
-from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus
+from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus, NodeTemplateRef
 from pilldrops.server.domain.states import TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
+from pilldrops.server.service import egress
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.store.interface import NodeRecord, SandboxRecord, Store
@@ -58,6 +60,8 @@ class SandboxContext:
     clock: Clock
     billing: BillingService
     pools: PoolService | None = None
+    egress: egress.EgressSettings = field(default_factory=egress.EgressSettings)   # `up/serve --no-egress` ...
+    templates: Any = None      # the template store's TemplateService (issue 19); None: node-built only
     node_cache: TTLCache[str, NodeRecord] = field(init=False)
     in_flight: set[str] = field(default_factory=set)      # pauses/resumes this process is carrying out
     creating: set[str] = field(default_factory=set)       # creates this process is carrying out (placed rows)
@@ -90,11 +94,20 @@ class SandboxContext:
             raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} not found")
         return row
 
-    def node_spec(self, row: SandboxRecord, timeout_s: float) -> NodeSandboxSpec:
+    async def template_ref(self, row: SandboxRecord) -> NodeTemplateRef | None:
+        """The template-store version the sandbox runs (None: a template its node built itself)."""
+        version = getattr(row, "template_version", None)
+        if self.templates is None or version is None:
+            return None
+        return await self.templates.version(row.template, version)
+
+    def node_spec(self, row: SandboxRecord, timeout_s: float,
+                  ref: NodeTemplateRef | None = None) -> NodeSandboxSpec:
         return NodeSandboxSpec(id=row.id, template=row.template, vcpu=row.vcpu, memory_mb=row.memory_mb,
                                end_at=self.clock.now() + timedelta(seconds=timeout_s), envs=row.envs,
                                access_token=row.access_token, team_id=row.team_id, timeout_s=timeout_s,
-                               isolation=row.isolation)
+                               isolation=row.isolation, template_ref=ref, disk_mb=row.disk_mb,
+                               network=egress.node_network(getattr(row, "network", None), self.egress))
 
     async def quiet_kill(self, node: NodeRecord, sandbox_id: str, what: str = "") -> None:
         """Stop it on that node; a failure is logged (the node's next report is reconciled anyway)."""

@@ -47,5 +47,17 @@ def template_default(nodes: list[Any], template: str) -> str | None:
     return None
 
 
-def resolve(requested: str | None, nodes: list[Any], template: str, deployment_default: str) -> str:
-    return requested or template_default(nodes, template) or deployment_default or DEFAULT_ISOLATION
+def template_disk_mb(nodes: list[Any], template: str) -> int | None:
+    """The template's default disk size as the nodes that have it report it (the first that names one)."""
+    for n in nodes:
+        for t in n.templates or []:
+            if t.get("name") == template and isinstance(t.get("disk_mb"), int) and t["disk_mb"] > 0:
+                return int(t["disk_mb"])
+    return None
+
+
+def resolve(requested: str | None, nodes: list[Any], template: str, deployment_default: str,
+            stored: str | None = None) -> str:
+    """``stored``: the template store's version names its default (issue 19), before what nodes report."""
+    return (requested or stored or template_default(nodes, template) or deployment_default
+            or DEFAULT_ISOLATION)

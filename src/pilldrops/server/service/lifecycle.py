@@ -17,6 +17,8 @@ import anyio
 from pilldrops import errors
 from pilldrops._internal.ids import new_id
 from pilldrops.schema.api import (
+    DEFAULT_DISK_MB,
+    DEFAULT_MAX_DISK_MB,
     BatchCreateRequest,
     BatchCreateResponse,
     BatchItem,
@@ -30,7 +32,7 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
-from pilldrops.server.service import isolation, placement
+from pilldrops.server.service import egress, isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log
 from pilldrops.server.store.interface import (
     Allocations,
@@ -53,6 +55,8 @@ class Lifecycle:
     def __init__(self, ctx: SandboxContext) -> None:
         self.ctx = ctx
         self.default_isolation = isolation.DEFAULT_ISOLATION   # `up/serve --default-isolation`
+        self.default_disk_mb = DEFAULT_DISK_MB                  # `up/serve --default-disk-mb`
+        self.max_disk_mb = DEFAULT_MAX_DISK_MB                  # `up/serve --max-disk-mb`
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
 
@@ -62,8 +66,10 @@ class Lifecycle:
         node = await self.ctx.node(row.node_id) if with_token and row.node_id else None
         vcpu_s, gb_s, storage_gb_s, cost = self.ctx.billing.usage_of(row)
         return SandboxInfo(
-            id=row.id, template=row.template, isolation=row.isolation, state=SandboxState(row.state), vcpu=row.vcpu,
+            id=row.id, template=row.template, isolation=row.isolation, **egress.view(row.network),
+            state=SandboxState(row.state), vcpu=row.vcpu,
             memory_mb=row.memory_mb, timeout=row.timeout, metadata=row.metadata_ or {}, node_id=row.node_id,
+            disk_mb=row.disk_mb, disk_used_bytes=self._disk_used(row),
             created_at=row.created_at, started_at=row.started_at, end_at=row.end_at, ended_at=row.ended_at,
             end_reason=EndReason(row.end_reason) if row.end_reason else None, error=row.error,
             envd_url=node.url if node else None, access_token=row.access_token if with_token else None,
@@ -72,6 +78,18 @@ class Lifecycle:
             timeout_left=round(row.timeout_left, 3) if row.timeout_left is not None else None,
             public_ports=list(row.public_ports or []), public=bool(row.public),
         )
+
+    def _disk_used(self, row: SandboxRecord) -> int | None:
+        """Bytes in its writable layer at the node's last report (running sandboxes only)."""
+        st = self.ctx.last_usage.get(row.id) if row.state == S.running.value else None
+        return st.disk_used_bytes if st is not None else None
+
+    def _check_disk(self, disk_mb: int, what: str) -> int:
+        if disk_mb > self.max_disk_mb:
+            raise errors.InvalidRequest(f"{what} {disk_mb} MiB is past this deployment's maximum of "
+                                        f"{self.max_disk_mb} MiB", details={"field": "disk_mb", "disk_mb": disk_mb,
+                                                                           "max_disk_mb": self.max_disk_mb})
+        return disk_mb
 
     async def list(self, team_id: str, *, states: list[str], labels: dict[str, str], limit: int,
                    cursor: str | None) -> SandboxList:
@@ -105,6 +123,8 @@ class Lifecycle:
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             # else its first attempt failed to start and released the key: this retry makes a fresh one
+        if req.disk_mb is not None:
+            self._check_disk(req.disk_mb, "disk_mb")
         await ctx.billing.check_can_create(team_id)
         now = ctx.clock.now()
         new = NewSandbox(
@@ -114,12 +134,20 @@ class Lifecycle:
             created_at=now, end_at=now + timedelta(seconds=req.timeout), public_ports=list(req.public_ports),
             public=req.public)
         specs = await ctx.pools.specs() if ctx.pools else []
+        ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
+        new.template_version = ref.version if ref is not None else None
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
-            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation)
+            new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
+                                              ref.isolation if ref is not None else None)
+            # the disk: the request's, else the template's default, else the deployment's
+            tpl_disk = isolation.template_disk_mb(nodes, req.template) if req.disk_mb is None else None
+            new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
+                                          if tpl_disk else self.default_disk_mb)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
-            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now())
+            return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
@@ -132,7 +160,7 @@ class Lifecycle:
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             return await self.create(team_id, req, idempotency_key)    # that attempt failed: a fresh one
-        spec = ctx.node_spec(row, float(req.timeout))
+        spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
         try:

@@ -116,13 +116,14 @@ class PauseResume:
                 raise errors.NodeUnavailable(f"the node holding {row.id}'s checkpoint is gone")
             specs = await ctx.pools.specs() if ctx.pools else []
             want = scheduler.Request(row.template, row.vcpu, row.memory_mb, row.isolation)
+            ref = await ctx.template_ref(row)
             node = await ctx.store.place_existing(row.id, S.resuming.value, lambda nodes, allocs: placement.for_resume(
-                want, row.node_id, nodes, allocs, specs, ctx.clock.now()))
+                want, row.node_id, nodes, allocs, specs, ctx.clock.now(), ref))
             if node is None:
                 raise errors.InvalidState(f"sandbox {row.id} changed state while resuming",
                                           current=(await ctx.get_row(team_id, sandbox_id)).state, target="running")
             left = row.timeout_left if row.timeout_left is not None else float(row.timeout)
-            body = NodeResume(spec=ctx.node_spec(row, max(left, 1.0)), run_s=row.billed_run_s,
+            body = NodeResume(spec=ctx.node_spec(row, max(left, 1.0), ref), run_s=row.billed_run_s,
                               timeout_s=max(left, 1.0), source_url=None if node.id == old.id else old.url)
             st = await ctx.nodes.resume(node.url, row.id, body)
         except BaseException as exc:

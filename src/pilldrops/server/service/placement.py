@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from pilldrops import errors
-from pilldrops.schema.node import NodePoolSpec
+from pilldrops.schema.node import NodePoolSpec, NodeTemplateRef
 from pilldrops.server import scheduler
 from pilldrops.server.service import isolation
 from pilldrops.server.service.pools import PoolService, shape
@@ -31,11 +31,18 @@ def _templates(n: NodeRecord) -> frozenset[str]:
     return frozenset(t.get("name") for t in n.templates)
 
 
+def holders(ref: NodeTemplateRef, nodes: Sequence[NodeRecord]) -> set[str]:
+    """Nodes that hold exactly this template-store version (they report it in their heartbeats)."""
+    return {n.id for n in nodes if any(t.get("name") == ref.name and t.get("version") == ref.version
+                                       for t in n.templates)}
+
+
 def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocations,
-          pool_specs: Sequence[NodePoolSpec], now: datetime, *, claims: bool) -> tuple[
-              list[scheduler.NodeView], set[str]]:
+          pool_specs: Sequence[NodePoolSpec], now: datetime, *, claims: bool,
+          ref: NodeTemplateRef | None = None) -> tuple[list[scheduler.NodeView], set[str]]:
     """The scheduler's view of each node, and the ids of nodes with a ready pool member to claim (only
-    when ``claims``: a create, whose request is of a pooled shape)."""
+    when ``claims``: a create, whose request is of a pooled shape). With ``ref`` (a template-store
+    version) every node has the template: one lacking it fetches its layers on the create."""
     want = shape(req.template, req.vcpu, req.memory_mb)
     pooled = claims and req.isolation == "container" and any(     # warm pools hold containers
         shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
@@ -52,7 +59,8 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
             id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
             used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
             ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-            templates=names, **isolation.view_fields(getattr(n, "isolation", None))))
+            templates=names | {req.template} if ref is not None else names,
+            **isolation.view_fields(getattr(n, "isolation", None))))
     return out, warm
 
 
@@ -119,19 +127,28 @@ def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: lis
     return next(n for n in nodes if n.id == result.node_id)
 
 
+def _store_scorers(ref: NodeTemplateRef | None, nodes: Sequence[NodeRecord]) -> list[scheduler.Scorer]:
+    """A template-store version: nodes already holding it first (no fetch); the others fetch on demand."""
+    return [scheduler.prefer("holds the template", holders(ref, nodes))] if ref is not None else []
+
+
 def for_create(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocations,
-               pool_specs: Sequence[NodePoolSpec], now: datetime) -> NodeRecord:
-    """Best fit, a node with a ready pool member of this shape first."""
-    _check_template(req.template, nodes)
-    node_views, warm = views(req, nodes, allocs, pool_specs, now, claims=True)
+               pool_specs: Sequence[NodePoolSpec], now: datetime,
+               ref: NodeTemplateRef | None = None) -> NodeRecord:
+    """Best fit, a node with a ready pool member of this shape first, then one holding the template."""
+    if ref is None:
+        _check_template(req.template, nodes)
+    node_views, warm = views(req, nodes, allocs, pool_specs, now, claims=True, ref=ref)
     scorers = [scheduler.prefer("warm pool member", warm)] if warm else []
-    return _decide(req, nodes, node_views, scorers)
+    return _decide(req, nodes, node_views, [*scorers, *_store_scorers(ref, nodes)])
 
 
 def for_resume(req: scheduler.Request, own_node_id: str | None, nodes: Sequence[NodeRecord],
-               allocs: Allocations, pool_specs: Sequence[NodePoolSpec], now: datetime) -> NodeRecord:
+               allocs: Allocations, pool_specs: Sequence[NodePoolSpec], now: datetime,
+               ref: NodeTemplateRef | None = None) -> NodeRecord:
     """Best fit, the node holding the checkpoint first (``allocs`` leave out the sandbox's own hold)."""
-    _check_template(req.template, nodes)
-    node_views, _ = views(req, nodes, allocs, pool_specs, now, claims=False)
+    if ref is None:
+        _check_template(req.template, nodes)
+    node_views, _ = views(req, nodes, allocs, pool_specs, now, claims=False, ref=ref)
     scorers = [scheduler.prefer("holds the checkpoint", [own_node_id])] if own_node_id else []
-    return _decide(req, nodes, node_views, scorers)
+    return _decide(req, nodes, node_views, [*scorers, *_store_scorers(ref, nodes)])

@@ -54,7 +54,8 @@ class PoolService:
                 raise errors.NotFound(f"no pool {req.template} {req.vcpu:g} vCPU / {req.memory_mb} MiB to remove "
                                       f"(a pool is one template and shape; pools: {have})")
         nodes = await self.store.list_nodes()
-        if req.size and not any(req.template in {t.get("name") for t in n.templates} for n in nodes):
+        if (req.size and not any(req.template in {t.get("name") for t in n.templates} for n in nodes)
+                and await self.store.template_version(req.template) is None):     # nor in the template store
             raise errors.TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "
                                           f"(`pilldrops template build {req.template}`)")
         await self.store.set_pool(req.template, float(req.vcpu), req.memory_mb, req.size, self.clock.now())

@@ -65,8 +65,11 @@ class SandboxRecord(Protocol):
     team_id: str
     template: str
     isolation: str
+    network: dict[str, Any] | None          # egress policy (issue 14); None: loopback only
+    template_version: int | None
     vcpu: float
     memory_mb: int
+    disk_mb: int | None
     timeout: int
     state: str
     node_id: str | None
@@ -95,6 +98,24 @@ class SandboxRecord(Protocol):
     timeout_left: float | None
     public_ports: list[int] | None
     public: bool
+
+
+class TemplateVersionRecord(Protocol):
+    name: str
+    version: int
+    key: str
+    layers: list[Any]          # [{"digest", "size"}], top first
+    env: dict[str, str]
+    workdir: str
+    user: str | None
+    home: str | None
+    size_bytes: int
+    description: str
+    isolation: str | None
+    parent: str | None
+    builder: str | None
+    build_seconds: float
+    built_at: datetime
 
 
 class PauseRecord(Protocol):
@@ -133,6 +154,9 @@ class NewSandbox:
     idempotency_key: str | None = None
     request_hash: str | None = None
     isolation: str = "container"      # set by the placement's choose (it resolves the template's default)
+    disk_mb: int | None = None        # set by the placement's choose too (the template's default, or the request's)
+    network: dict[str, Any] | None = None   # egress policy, set by the placement's choose too (issue 14)
+    template_version: int | None = None   # the template store's version it runs (None: a node-built template)
     public_ports: list[int] = field(default_factory=list)
     public: bool = False
 
@@ -205,6 +229,12 @@ class Store(Protocol):
     async def usage_totals(self, team_id: str, since: datetime | None, until: datetime | None
                            ) -> tuple[int, float, float, float, float]: ...
 
+    # the template store
+    async def add_template_version(self, **values: Any) -> TemplateVersionRecord: ...
+    async def template_versions(self, name: str | None = None) -> list[Any]: ...
+    async def template_version(self, name: str, version: int | None = None) -> TemplateVersionRecord | None: ...
+    async def template_versions_in_use(self) -> set[tuple[str, int]]: ...
+    async def delete_template_version(self, name: str, version: int) -> None: ...
     # secrets the deployment's control-plane processes share
     async def shared_secret(self, name: str, new_value: str, now: datetime) -> str: ...
 

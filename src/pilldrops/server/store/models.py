@@ -96,6 +96,9 @@ class Sandbox(Base):
     team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"))
     template: Mapped[str] = mapped_column(String(128))
     isolation: Mapped[str] = mapped_column(String(16), default="container", server_default="container")
+    disk_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)   # egress policy (issue 14)
+    template_version: Mapped[int | None] = mapped_column(Integer, nullable=True)   # of the template store
     vcpu: Mapped[float] = mapped_column(Float)
     memory_mb: Mapped[int] = mapped_column(Integer)
     timeout: Mapped[int] = mapped_column(Integer)
@@ -192,3 +195,27 @@ class UsageEntry(Base):
     committed_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
     __table_args__ = (Index("ix_ledger_team_committed", "team_id", "committed_at"),)
+
+
+class TemplateVersion(Base):
+    """One build of a template in the template store (issue 19): its layers by digest (top first, the
+    parents' included), what sandboxes of it see, and where and how long it was built. ``key`` is the
+    cache key (the spec document, the parent's key and the build context's digest, hashed): the same key
+    is never built twice. The highest version of a name is its current one."""
+
+    __tablename__ = "template_versions"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(80), index=True)
+    layers: Mapped[list[Any]] = mapped_column(JSON)              # [{"digest", "size"}], top first
+    env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    workdir: Mapped[str] = mapped_column(String(1024), default="/")
+    user: Mapped[str | None] = mapped_column(String(64), nullable=True)     # "uid:gid" (a Dockerfile's USER)
+    home: Mapped[str | None] = mapped_column(String(1024), nullable=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    description: Mapped[str] = mapped_column(Text, default="")
+    isolation: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    builder: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    build_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    built_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -39,6 +39,7 @@ from pilldrops.server.store.models import (
     SandboxPause,
     ServerSecret,
     Team,
+    TemplateVersion,
     UsageEntry,
 )
 
@@ -383,13 +384,14 @@ class Store:
                   "metadata_": dict(new.metadata), "envs": dict(new.envs), "access_token": new.access_token,
                   "idempotency_key": new.idempotency_key, "request_hash": new.request_hash,
                   "created_at": new.created_at, "end_at": new.end_at,
+                  "template_version": new.template_version,
                   "public_ports": list(new.public_ports) or None, "public": new.public}
 
         def go(c: Connection) -> tuple[Node, Sandbox]:
             _write_lock_sync(c)
             nodes = [_record(Node, r) for r in c.execute(select(*_cols(Node)).order_by(Node.id).with_for_update())]
             node = choose(nodes, _allocations_sync(c))
-            values.update(node_id=node.id, isolation=new.isolation)
+            values.update(node_id=node.id, isolation=new.isolation, disk_mb=new.disk_mb, network=new.network)
             row = _sandbox(c.execute(insert(_SB).values(_columns(values)).returning(*_SB_COLS)).one())
             if row.metadata_:
                 c.execute(insert(SandboxLabel.__table__),
@@ -580,6 +582,47 @@ class Store:
             for row in await self._records(Sandbox, Sandbox.id.in_(wanted[i:i + 500])):
                 out[row.id] = row
         return out
+
+    # ---- the template store (issue 19) ---------------------------------------------------------------
+
+    async def add_template_version(self, **values: Any) -> TemplateVersion:
+        """Record a build as the next version of its name (one more than the highest, in one transaction)."""
+        async with self.session.begin() as s:
+            await _write_lock(s)
+            top = (await s.execute(select(func.max(TemplateVersion.version))
+                                   .where(TemplateVersion.name == values["name"]))).scalar()
+            row = TemplateVersion(version=int(top or 0) + 1, **values)
+            s.add(row)
+        return row
+
+    async def template_versions(self, name: str | None = None) -> list[TemplateVersion]:
+        """Every version (of ``name``, or of all), newest first per name."""
+        async with self.session() as s:
+            q = select(TemplateVersion).order_by(TemplateVersion.name, TemplateVersion.version.desc())
+            if name is not None:
+                q = q.where(TemplateVersion.name == name)
+            return list((await s.scalars(q)).all())
+
+    async def template_version(self, name: str, version: int | None = None) -> TemplateVersion | None:
+        """That version, or (``None``) the current one: the highest."""
+        async with self.session() as s:
+            q = select(TemplateVersion).where(TemplateVersion.name == name)
+            q = (q.where(TemplateVersion.version == version) if version is not None
+                 else q.order_by(TemplateVersion.version.desc()).limit(1))
+            return (await s.scalars(q)).first()
+
+    async def template_versions_in_use(self) -> set[tuple[str, int]]:
+        """(name, version) of every sandbox not yet ended (running, paused, starting...)."""
+        async with self.session() as s:
+            q = (select(Sandbox.template, Sandbox.template_version).distinct()
+                 .where(Sandbox.ended_at.is_(None), Sandbox.template_version.is_not(None)))
+            return {(t, int(v)) for t, v in (await s.execute(q)).all()}
+
+    async def delete_template_version(self, name: str, version: int) -> None:
+        async with self.session.begin() as s:
+            row = await s.get(TemplateVersion, (name, version))
+            if row is not None:
+                await s.delete(row)
 
     # ---- warm pools ----------------------------------------------------------------------------------
 

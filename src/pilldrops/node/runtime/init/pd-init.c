@@ -32,17 +32,31 @@
  * no path is looked up) as its controlling terminal and stdin/stdout/stderr; Ctrl-C (0x03 in 'I') reaches
  * its foreground process group through the terminal's line discipline, and 'W' raises SIGWINCH there.
  *
- * The child does setsid() (so -pid names its process group), with flag 4 drops to uid:gid (no supplementary
- * groups; failure: message on stderr, exit 126; a template's USER), chdir(cwd) (failure: message on stderr,
- * exit 126), dup2s the pipes and execvp()s argv with environ = env, so PATH comes from env (failure:
- * message on stderr, exit 127). It inherits every restriction of the sandbox (namespaces, cgroup,
- * capabilities, seccomp, no_new_privs) because it is a plain fork of the sandbox's init.
+ * Every command runs under a shepherd (issue 16 part 3): a fork of pd-init that makes itself a child
+ * subreaper (PR_SET_CHILD_SUBREAPER) and session leader, forks the command and waits for it. So every
+ * process the command starts stays below the shepherd, even one that does setsid() or double-forks (an
+ * orphan is re-parented to the nearest subreaper, not to PID 1). A kill ('K', EOF, the agent's timeout)
+ * walks /proc for every descendant of the shepherd and SIGKILLs each (again until a walk finds no new
+ * one: a killed process forks no more), then the shepherd: whatever the command did to itself (ignore
+ * SIGTERM, SIGSTOP itself, close its pipes, leave its session) it cannot outlive its kill. The shepherd
+ * blocks every signal and holds no fd but its pid pipe; it exits with the command's status (128+N when
+ * killed by signal N) as soon as the command's own process is reaped, so background processes a command
+ * leaves behind when it exits normally go on running (re-parented to PID 1), as from a shell.
+ * The command's pid reaches pd-init through that pipe, so 'P' and $$ stay the command's own pid.
+ *
+ * The command does setpgid(0, 0) (so -pid names its process group; with a PTY it becomes the terminal's
+ * foreground group), with flag 4 drops to uid:gid (no supplementary groups; failure: message on stderr,
+ * exit 126; a template's USER), chdir(cwd) (failure: message on stderr, exit 126), dup2s the pipes and execvp()s argv
+ * with environ = env, so PATH comes from env (failure: message on stderr, exit 127). It inherits every
+ * restriction of the sandbox (namespaces, cgroup, capabilities, seccomp, no_new_privs) because it is a
+ * plain fork of the sandbox's init.
  * The exit frame is sent once the child has been reaped and its pipes are at EOF, or have been quiet for
  * GRACE_MS (a background child may hold them open: the command returns when it exits, as a shell would).
  * Nothing is buffered unboundedly: a child's pipes are not read while its out buffer is full.
  * Built statically (gcc -static -Os) so it needs nothing from the sandbox's rootfs.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -55,6 +69,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -77,7 +92,8 @@ enum { FREE, REQ, RUN };
 
 struct slot {
     int state, conn, in_w, out_r, err_r;   /* -1 when closed */
-    pid_t pid, pgid;                       /* pid is 0 once reaped; pgid stays for late kills */
+    pid_t pid, pgid;                       /* pid: the shepherd's, 0 once reaped; pgid: the command's
+                                            * process group, kept for late kills */
     int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked, pty;
     long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
     char *req;                             /* request payload (malloc'ed once per request) */
@@ -137,8 +153,80 @@ static void release(struct slot *s) {
     madvise(out, OUTBUF, MADV_DONTNEED);
 }
 
+/* SIGKILL every live descendant of ``root`` (found through /proc ppid links; the shepherd is a subreaper,
+ * so no descendant is ever re-parented past it), walking again until a walk finds no new one. */
+static void kill_tree(pid_t root) {
+    size_t cap = 0, n = 0, ncap = 0, nkilled = 0;
+    pid_t *pid = NULL, *ppid = NULL, *killed = NULL;
+    for (int pass = 0; pass < 64; pass++) {
+        DIR *d = opendir("/proc");
+        if (!d) break;
+        n = 0;
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+            char path[64], buf[512];
+            snprintf(path, sizeof path, "/proc/%d/stat", atoi(e->d_name));
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) continue;
+            ssize_t len = read(fd, buf, sizeof buf - 1);
+            close(fd);
+            if (len <= 0) continue;
+            buf[len] = 0;
+            char *rp = strrchr(buf, ')');
+            char state;
+            int pp;
+            if (!rp || sscanf(rp + 1, " %c %d", &state, &pp) != 2 || state == 'Z' || state == 'X') continue;
+            if (n == cap) {
+                size_t nc = cap ? cap * 2 : 256;
+                pid_t *a = realloc(pid, nc * sizeof *a), *b = a ? realloc(ppid, nc * sizeof *b) : NULL;
+                if (a) pid = a;
+                if (!b) break;
+                ppid = b;
+                cap = nc;
+            }
+            pid[n] = atoi(e->d_name);
+            ppid[n++] = pp;
+        }
+        closedir(d);
+        /* mark descendants: ppid[i] becomes 0 once i is known to be one (pid[i] kept), until stable */
+        char *mark = calloc(n ? n : 1, 1);
+        if (!mark) break;
+        for (int changed = 1; changed;) {
+            changed = 0;
+            for (size_t i = 0; i < n; i++) {
+                if (mark[i]) continue;
+                int in = ppid[i] == root;
+                for (size_t j = 0; !in && j < n; j++) in = mark[j] && pid[j] == ppid[i];
+                if (in) { mark[i] = 1; changed = 1; }
+            }
+        }
+        int fresh = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!mark[i]) continue;
+            int seen = 0;
+            for (size_t k = 0; k < nkilled && !seen; k++) seen = killed[k] == pid[i];
+            if (seen) continue;
+            kill(pid[i], SIGKILL);
+            fresh = 1;
+            if (nkilled == ncap) {
+                size_t nc = ncap ? ncap * 2 : 64;
+                pid_t *a = realloc(killed, nc * sizeof *a);
+                if (!a) continue;
+                killed = a;
+                ncap = nc;
+            }
+            killed[nkilled++] = pid[i];
+        }
+        free(mark);
+        if (!fresh) break;
+    }
+    free(pid); free(ppid); free(killed);
+}
+
 static void do_kill(struct slot *s) {
     if (!s->killed && s->pgid > 0) {
+        if (s->pid > 0) kill_tree(s->pid);
         kill(-s->pgid, SIGKILL);
         if (s->pid > 0) kill(s->pid, SIGKILL);
     }
@@ -165,12 +253,12 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
                   const uint32_t *ids) {
     sigset_t all;
     sigfillset(&all);
-    sigprocmask(SIG_UNBLOCK, &all, NULL);
-    setsid();
-    if (tty >= 0) {                            /* the PTY's slave side becomes the controlling terminal */
-        ioctl(tty, TIOCSCTTY, 0);
+    setpgid(0, 0);
+    if (tty >= 0) {                            /* the terminal's foreground group (SIGTTOU still blocked) */
+        tcsetpgrp(tty, getpid());
         in_r = out_w = err_w = tty;
     }
+    sigprocmask(SIG_UNBLOCK, &all, NULL);
     if (in_r < 0) in_r = open("/dev/null", O_RDONLY | O_CLOEXEC);
     dup2(in_r, 0); dup2(out_w, 1); dup2(err_w, 2);
     if (ids && (setgroups(0, NULL) != 0 || setgid(ids[1]) != 0 || setuid(ids[0]) != 0)) {
@@ -186,6 +274,54 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
     int e = errno;
     dprintf(2, "pd-init: exec `%s`: %s\n", argv[0], strerror(e));
     _exit(e == ENOENT ? 127 : 126);
+}
+
+/* The shepherd (see the top): session leader (with the PTY as controlling terminal), child subreaper,
+ * every signal blocked; forks the command, sends its pid on ``pid_w``, and exits with its status. */
+static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char **argv, char **env, int tty,
+                     const uint32_t *ids) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    setsid();
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    if (tty >= 0) ioctl(tty, TIOCSCTTY, 0);
+    pid_t c = fork();
+    if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty, ids); }
+    if (c > 0) setpgid(c, c);
+    int32_t v = c;
+    if (write(pid_w, &v, sizeof v) != sizeof v || c < 0) _exit(127);
+    /* hold nothing of the command's or of other commands': no pipe end, socket or terminal */
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) { dup2(null, 0); dup2(null, 1); dup2(null, 2); }
+    closefrom(3);
+    for (;;) {
+        int st;
+        pid_t w = waitpid(-1, &st, 0);
+        if (w == c) _exit(WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st));
+        if (w < 0 && errno == ECHILD) _exit(127);
+    }
+}
+
+/* Fork the shepherd; the command's pid (read back from it) goes to *cmd. */
+static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
+                   const uint32_t *ids, pid_t *cmd) {
+    int pp[2];
+    if (pipe2(pp, O_CLOEXEC) != 0) return -1;
+    pid_t pid = fork();
+    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids); }
+    close(pp[1]);
+    int32_t v = -1;
+    ssize_t n;
+    do n = read(pp[0], &v, sizeof v); while (n < 0 && errno == EINTR);
+    close(pp[0]);
+    if (pid > 0 && (n != sizeof v || v <= 0)) {      /* the shepherd could not fork the command */
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    *cmd = v;
+    return pid;
 }
 
 static int start(struct slot *s) {
@@ -222,19 +358,17 @@ static int start(struct slot *s) {
         p = z + 1;
     }
     int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1;
-    pid_t pid = -1;
+    pid_t pid = -1, cmd = -1;
     if (pty) {           /* master: out[0] (read) and in[1] (a dup, write); slave: tty, for the child only */
         int unlock = 0;
         out[0] = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
             (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
             (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
-            pid = fork();
-            if (pid == 0) child(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids);
+            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cmd);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
-        pid = fork();
-        if (pid == 0) child(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids);
+        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cmd);
     }
     free(vec);
     free(s->req);
@@ -246,9 +380,10 @@ static int start(struct slot *s) {
     if (s->in_w >= 0) fcntl(s->in_w, F_SETFL, O_NONBLOCK);
     fcntl(s->out_r, F_SETFL, O_NONBLOCK);
     if (s->err_r >= 0) fcntl(s->err_r, F_SETFL, O_NONBLOCK);
-    s->pid = s->pgid = pid;
+    s->pid = pid;
+    s->pgid = cmd;
     s->state = RUN;
-    frame(s, 'P', pid);
+    frame(s, 'P', cmd);
     return 0;
 }
 
@@ -389,6 +524,9 @@ int main(void) {
     sigaddset(&set, SIGUSR1);
     sigaddset(&set, SIGUSR2);
     sigprocmask(SIG_BLOCK, &set, NULL);
+    /* Orphans come to us and are reaped here even where we are not PID 1 (a microVM guest, under
+     * pd-vmagent): a shepherd killed on a timeout leaves its killed descendants' zombies to us. */
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
     /* Drop the stdio crun handed over (host files, e.g. crun's error log): an fd on a host file the
      * sandbox cannot see would make a CRIU checkpoint fail (issue 6). */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);

@@ -1,13 +1,13 @@
 """ports by URL (issue 14): a sandbox's public ports, and the deployment's shared secrets (the URL signing key)
 
 Revision ID: 0011
-Revises: 0007 (for now: the integrator chains it after 0010)
+Revises: 0010 (chained after the template store when merged into tmpl-artifacts)
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
-down_revision = "0007"
+down_revision = "0010"
 
 
 def upgrade() -> None:
