@@ -243,8 +243,7 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def rss(pid: int) -> int:
-    """Resident set size of one process, bytes (0 when gone)."""
+def _rss1(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
             return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
@@ -252,11 +251,46 @@ def rss(pid: int) -> int:
         return 0
 
 
+def _procs() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, comm) of every live process."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+            out[int(name)] = (int(rest.split()[1]), head.partition("(")[2])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def python_tree(pid: int) -> list[int]:
+    """``pid`` and every live Python process descended from it, through Python processes only (the node
+    agent `pilldrops up` starts as a child; not crun, nor what crun starts)."""
+    procs = _procs()
+    kids: dict[int, list[int]] = {}
+    for p, (pp, _) in procs.items():
+        kids.setdefault(pp, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(k for k in kids.get(p, []) if procs[k][1].startswith(("python", "pilldrops")))
+    return out
+
+
+def rss(pid: int) -> int:
+    """Resident set size of a process and its Python descendants (`up` and its node agent), bytes."""
+    return sum(_rss1(p) for p in python_tree(pid))
+
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
-    """(own user+system, waited children's user+system) CPU seconds of a process."""
+    """(own user+system, waited children's user+system) CPU seconds of one process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -264,6 +298,17 @@ def cpu_times(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
     u, s, cu, cs = (int(x) for x in fields[11:15])
     return (u + s) / TICK, (cu + cs) / TICK
+
+
+def up_cpu_times(pid: int) -> tuple[float, float]:
+    """(own user+system, waited children's user+system) CPU seconds of a process and its Python
+    descendants (`pilldrops up` and the node agent it starts): "own" is all the Python, "children" what
+    they ran and waited for (crun, tar)."""
+    own = kids = 0.0
+    for p in python_tree(pid):
+        o, k = cpu_times(p)
+        own, kids = own + o, kids + k
+    return own, kids
 
 
 def host_busy() -> float:
@@ -309,7 +354,7 @@ def run_phase(name: str, items: list, fn: Callable, threads: int, up_pid: int, s
             done[0] += 1
         return res
 
-    own0, kids0 = cpu_times(up_pid)
+    own0, kids0 = up_cpu_times(up_pid)
     me0, busy0 = os.times(), host_busy()
     stop = threading.Event()
 
@@ -324,7 +369,7 @@ def run_phase(name: str, items: list, fn: Callable, threads: int, up_pid: int, s
         out = list(pool.map(one, items))
     ph.wall = time.perf_counter() - t0
     stop.set()
-    own1, kids1 = cpu_times(up_pid)
+    own1, kids1 = up_cpu_times(up_pid)
     me1 = os.times()
     ph.cpu = {"up (Python)": own1 - own0, "up's children (crun, tar)": kids1 - kids0,
               "bench client": (me1.user + me1.system) - (me0.user + me0.system),
@@ -336,7 +381,8 @@ def run_phase(name: str, items: list, fn: Callable, threads: int, up_pid: int, s
 
 @contextmanager
 def profiled(pid: int, out: Path | None) -> Iterator[None]:
-    """``py-spy record --gil`` of process ``pid`` (the thread holding the GIL, i.e. running Python, 100 Hz,
+    """``py-spy record --gil --subprocesses`` of process ``pid`` and its children (the node agent `up`
+    starts) (the thread holding the GIL, i.e. running Python, 100 Hz,
     not pausing it) while the block runs, written to ``out`` in py-spy's raw (collapsed stacks) format. No-op when
     ``out`` is None."""
     if out is None:
@@ -344,7 +390,7 @@ def profiled(pid: int, out: Path | None) -> Iterator[None]:
         return
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     with open(f"{out}.log", "wb") as log:
-        p = subprocess.Popen([spy, "record", "-p", str(pid), "--format", "raw", "--full-filenames", "--gil", "--nonblocking", "-r", "100",
+        p = subprocess.Popen([spy, "record", "-p", str(pid), "--format", "raw", "--full-filenames", "--gil", "--nonblocking", "--subprocesses", "-r", "100",
                               "-o", str(out)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     time.sleep(1.0)                                  # attached
     try:

@@ -264,13 +264,13 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     """Run the control plane and one node agent on this machine (SQLite), in the foreground.
 
     It is one person's machine: there is no credit limit unless --credits USD is given."""
-    import anyio
 
+    from pilldrops._internal.serving import run_served
     from pilldrops.node.agent import default_capacity
     _logging(verbose)
     ports_port = billing.pop("ports_port")
     ports_port = port + 2 if ports_port is None else ports_port
-    _claim(data_dir, ("control-plane", "node"),
+    _claim(data_dir, ("control-plane",),         # the node agent (a child process) takes the "node" lock
            [(host, port, "--port"), (host, node_port or port + 1, "--node-port"), (host, ports_port, "--ports-port")])
     names = [n.strip() for n in template_names.split(",") if n.strip()]
     build_templates(data_dir, names, templates_dirs)
@@ -278,9 +278,9 @@ def up(host: str, port: int, node_port: int | None, data_dir: Path, template_nam
     liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
                     max_context_bytes=template_context_max_mb << 20)
     cpu, mem = default_capacity()
-    anyio.run(_up, host, (port, node_port or port + 1, ports_port), data_dir, keep_sandboxes, node_name,
+    run_served(_up, host, (port, node_port or port + 1, ports_port), data_dir, keep_sandboxes, node_name,
               _billing(billing, credits_usd),
-              liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs)
+              liveness, (capacity_vcpu or cpu, capacity_memory_mb or mem), templates_dirs, verbose)
 
 
 def _serve_ports(cp: Any, host: str, ports_port: int) -> Any:
@@ -293,52 +293,66 @@ def _serve_ports(cp: Any, host: str, ports_port: int) -> Any:
 
 async def _up(host: str, ports: tuple[int, int, int], data_dir: Path, keep: bool, node_name: str | None,
               billing: Any, liveness: dict[str, Any], capacity: tuple[float, int],
-              templates_dirs: tuple[Path, ...]) -> None:
+              templates_dirs: tuple[Path, ...], verbose: bool = False) -> None:
+    """The control plane in this process, the node agent in a child process (``pilldrops node``, as in a
+    fleet), so the two use both cores instead of sharing one interpreter lock. The child dies with us
+    (SIGKILL included: its sandboxes live on and the next start re-adopts them); on Ctrl-C it tears its
+    sandboxes down first, while the control plane still takes its reports, then the control plane stops."""
     import anyio
 
     from pilldrops._internal.serving import Served, wait_for_signal
-    from pilldrops.node.agent import Settings
-    from pilldrops.node.main import build_node, default_node_name
+    from pilldrops.cli._node_child import NodeChild
+    from pilldrops.node.main import default_node_name
     from pilldrops.server.main import build_control_plane
     from pilldrops.server.store.sql import sqlite_url
 
     port, node_port, ports_port = ports
     token = secrets.token_urlsafe(32)
     api_url = f"http://{host}:{port}"
+    name = node_name or default_node_name()
     cp = await build_control_plane(sqlite_url(data_dir / "pilldrops.db"), token, billing=billing, **liveness)
-    node = build_node(Settings(name=node_name or default_node_name(), public_url=f"http://{host}:{node_port}",
-                               capacity_vcpu=capacity[0], capacity_memory_mb=capacity[1], control_plane_url=api_url,
-                               node_token=token, keep_on_exit=keep, default_disk_mb=liveness["default_disk_mb"],
-                               max_disk_mb=liveness["max_disk_mb"]), data_dir, templates_dirs)
-    cp_served, node_served = Served(cp.app, host, port), Served(node.app, host, node_port)
+    cp_served = Served(cp.app, host, port)
     ports_served = _serve_ports(cp, host, ports_port)
+    argv = ["--control-plane", api_url, "--host", host, "--port", str(node_port), "--name", name,
+            "--capacity-vcpu", repr(capacity[0]), "--capacity-memory-mb", str(capacity[1]),
+            "--data-dir", str(data_dir), "--templates", "",
+            "--default-disk-mb", str(liveness["default_disk_mb"]), "--max-disk-mb", str(liveness["max_disk_mb"]),
+            *(a for d in templates_dirs for a in ("--templates-dir", str(d))),
+            *(["--keep-sandboxes"] if keep else []), *(["-v"] if verbose else [])]
+    child = NodeChild(argv, token)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cp_served.serve)
             tg.start_soon(ports_served.serve)
             tg.start_soon(cp.run)
-            tg.start_soon(node_served.serve)
-            await tg.start(node.agent.run)
-            with anyio.fail_after(30):
-                await node.agent.wait_registered()
-            await _bootstrap_key(cp, api_url)
-            _console().print("isolation: " + ", ".join(
-                f"{m} ({s.detail})" if s.available else f"[dim]{m}: no ({s.reason})[/]"
-                for m, s in node.runtime.support().items()))
-            _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
-                             f"(node {node.agent.settings.name}, data plane :{node_port}); Ctrl-C stops it")
-            _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
-                             f"{_config_path()})")
-            _print_ports(cp, api_url)
-            await wait_for_signal()
-            await node.aclose()
-            node_served.stop()
+            try:
+                node = await child.start_and_wait_registered(cp.store, name, f"http://{host}:{node_port}", tg)
+            except (RuntimeError, TimeoutError) as exc:
+                child.failed = str(exc) or "the node agent did not register in time"
+            else:
+                await _bootstrap_key(cp, api_url)
+                _console().print("isolation: " + ", ".join(
+                    f"{m} ({s.get('detail')})" if s.get("available") else f"[dim]{m}: no ({s.get('reason')})[/]"
+                    for m, s in (node.isolation or {}).items()))
+                _console().print(f"[green]✓[/] PillDrops is up at [bold]{api_url}[/] "
+                                 f"(node {name}, data plane :{node_port}); Ctrl-C stops it")
+                _console().print(f"  dashboard: [bold]{api_url}/[/] (sign in with the API key above, also in "
+                                 f"{_config_path()})")
+                _print_ports(cp, api_url)
+                with anyio.CancelScope() as waiting:
+                    child.on_lost = waiting.cancel         # the node agent keeps dying: stop too
+                    await wait_for_signal()
+                await child.stop()
             ports_served.stop()
             cp_served.stop()
             await anyio.sleep(0.2)
             tg.cancel_scope.cancel()
     finally:
-        await cp.aclose()
+        with anyio.CancelScope(shield=True):
+            await child.kill()
+            await cp.aclose()
+    if child.failed:
+        raise click.ClickException(child.failed)
     _console().print("stopped" + (" (sandboxes kept running)" if keep else ""))
 
 
@@ -378,7 +392,7 @@ def _node_token(data_dir: Path, given: str | None) -> str:
 def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir: Path, free_credits: float,
           template_store: Path | None, template_context_max_mb: int, verbose: bool, **billing: Any) -> None:
     """Run the control plane only. Nodes join with `pilldrops node --control-plane URL --node-token T`."""
-    import anyio
+    from pilldrops._internal.serving import run_served
     _logging(verbose)
     ports_port = billing.pop("ports_port")
     ports_port = port + 2 if ports_port is None else ports_port
@@ -387,8 +401,8 @@ def serve(host: str, port: int, db: str | None, node_token: str | None, data_dir
     liveness = _liveness(billing)
     liveness.update(template_store=(template_store or data_dir / "template-store").resolve(),
                     max_context_bytes=template_context_max_mb << 20)
-    anyio.run(_serve, host, (port, ports_port), db, token, data_dir, node_token is None,
-              _billing(billing, free_credits), liveness)
+    run_served(_serve, host, (port, ports_port), db, token, data_dir, node_token is None,
+               _billing(billing, free_credits), liveness)
 
 
 async def _serve(host: str, ports: tuple[int, int], db: str | None, token: str, data_dir: Path, show_token: bool,
@@ -452,10 +466,12 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
          templates_dirs: tuple[Path, ...], keep_sandboxes: bool, default_disk_mb: int, max_disk_mb: int,
          verbose: bool) -> None:
     """Run a node agent on this host (root) that registers with a control plane."""
-    import anyio
-
+    from pilldrops._internal.serving import run_served
+    from pilldrops.cli._node_child import die_with_parent
     from pilldrops.node.agent import Settings, default_capacity
     from pilldrops.node.main import default_node_name
+    die_with_parent()                     # started by `up`: die with it
+    os.environ.pop("PILLDROPS_NODE_TOKEN", None)       # read already; not for the agent's subprocesses
     _logging(verbose)
     _claim(data_dir, ("node",), [(host, port, "--port")])
     build_templates(data_dir, [n.strip() for n in template_names.split(",") if n.strip()], templates_dirs)
@@ -464,7 +480,7 @@ def node(control_plane: str, node_token: str, host: str, port: int, public_url: 
                         capacity_vcpu=capacity_vcpu or cpu, capacity_memory_mb=capacity_memory_mb or mem,
                         control_plane_url=control_plane.rstrip("/"), node_token=node_token,
                         keep_on_exit=keep_sandboxes, default_disk_mb=default_disk_mb, max_disk_mb=max_disk_mb)
-    anyio.run(_node, settings, host, port, data_dir, templates_dirs)
+    run_served(_node, settings, host, port, data_dir, templates_dirs, uvloop=False)
 
 
 async def _node(settings: Any, host: str, port: int, data_dir: Path, templates_dirs: tuple[Path, ...]) -> None:

@@ -16,7 +16,7 @@ def _settings(command: Any, args: list[str], monkeypatch: pytest.MonkeyPatch) ->
     """The BillingSettings `command` would run with (its server start is replaced)."""
     got: list[BillingSettings] = []
 
-    def fake_run(fn: Any, *a: Any) -> None:
+    def fake_run(fn: Any, *a: Any, **backend: Any) -> None:     # run_served passes the event loop's options
         got.extend(x for x in a if isinstance(x, BillingSettings))
 
     import anyio
