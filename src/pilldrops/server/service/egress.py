@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pilldrops import errors
-from pilldrops.schema.api import CreateSandboxRequest, NetworkPolicy, PoolSetRequest, TemplateNetwork, check_cidrs
+from pilldrops.schema.api import (
+    CreateSandboxRequest,
+    NetworkPolicy,
+    PoolSetRequest,
+    TemplateNetwork,
+    check_cidrs,
+)
 from pilldrops.schema.node import NodeNetwork, network_key
 
 
