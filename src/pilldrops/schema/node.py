@@ -49,7 +49,9 @@ class NodePoolSpec(_Model):
     vcpu: float
     memory_mb: int
     size: int = Field(..., ge=0)
-    network: NodeNetwork | None = None
+    # left out when None: agents and control planes from before per-policy pools (extra="forbid") keep
+    # understanding loopback-only pools
+    network: NodeNetwork | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class NodePoolStatus(NodePoolSpec):
