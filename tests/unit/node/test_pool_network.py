@@ -182,3 +182,17 @@ async def test_claimed_policy_member_pauses_and_resumes_with_its_policy(tmp_path
         await c.delete(f"/v1/sandboxes/{sb['id']}")
         assert sb["id"] in fake.released
         await _set(c, 0, **NET)
+
+
+def test_rekey_moves_the_members_record_to_the_sandbox(tmp_path) -> None:
+    from pilldrops.node.egress import Egress, EgressConfig
+    from pilldrops.node.runtime.base import RuntimeFailure
+    eg = Egress(EgressConfig(tag="ab12"), tmp_path)
+    eg._record("pd-1", 3, NodeNetwork(allow_internet_access=True))
+    eg.rekey("pd-1", "sb_x")
+    assert eg.slot_of("sb_x") == 3 and eg.slot_of("pd-1") is None
+    assert eg.policy_of("sb_x").allow_internet_access              # type: ignore[union-attr]
+    again = Egress(EgressConfig(tag="ab12"), tmp_path)              # what a restarted agent reads
+    assert again.slot_of("sb_x") == 3 and again.slot_of("pd-1") is None
+    with pytest.raises(RuntimeFailure):
+        eg.rekey("pd-2", "sb_y")                                    # a member without a network
