@@ -6,7 +6,8 @@ Every caller gets the pool reservations: members count as used capacity at their
 not, so neither a cold create nor a resume takes the room a refill needs. A create of a pooled shape
 also prefers a node with a ready member (the claim converts that member's reservation, so the node has
 that much more room): for a create with egress, one of a pool with that policy first, else one of the
-loopback-only pool (the node attaches the network at the claim); a resume prefers the node that already holds its checkpoint (nothing to move).
+loopback-only pool (the node attaches the network at the claim); a resume prefers the node that already
+holds its checkpoint (nothing to move).
 
 Runs inside the store's placement transaction (``Store.place_and_insert`` / ``place_existing``): pure,
 no I/O, the pool config read beforehand.
