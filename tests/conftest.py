@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests import pg
+from tests.up import SHARED_NAME, Up, running, why_not_root
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +23,22 @@ def postgres() -> Iterator[pg.Postgres]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """The session's one `pilldrops up` for every tier whose tests need no `up` of their own (tests/e2e,
+    e2b, ports, browser): free ports (the port-URL listener on one of its own), own data dir, config dir and
+    node name (its leak-check scope), the `tiny` template; a tier that needs the Debian templates seeds
+    them (``Up.seed``). Started on first use; stopped at the session's end, which must exit 0 and leave
+    nothing of it. Each test using it is still leak-checked on its own (the tiers' ``no_leaks``)."""
+    why = why_not_root()
+    if why:
+        pytest.skip(why)
+    up = Up(tmp_path_factory.mktemp(f"pilldrops-{SHARED_NAME}", numbered=False), SHARED_NAME,
+            ports_listener=True)
+    with running(up):
+        yield up
 
 
 @pytest.fixture(scope="session", autouse=True)

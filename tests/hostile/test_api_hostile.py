@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.hostile.conftest import CAPACITY_MEMORY_MB, Up, start_up
+from tests.hostile.conftest import CAPACITY_MEMORY_MB, Up
 
 
 def _create(api: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -311,9 +311,8 @@ def test_zz_up_sigkilled_with_sandboxes_running_adopts_them(up: Up, api: httpx.C
     """It held: `up` SIGKILLed with sandboxes running; restarted on the same data dir (new ports), they run
     on, adopted; the session's end then checks that stopping it leaves nothing."""
     sbs = [_create(api) for _ in range(3)]
-    up.proc.send_signal(signal.SIGKILL)
-    up.proc.wait(30)
-    up.proc, up.api_url, up.node_url = start_up(up.data_dir, up.config_home, up.log)
+    up.stop(signal.SIGKILL, timeout=30)
+    up.start(new_ports=True)
     with up.client() as c:
         for s in sbs:
             info = c.get(f"/v1/sandboxes/{s['id']}").json()
