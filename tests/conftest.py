@@ -25,6 +25,12 @@ def postgres() -> Iterator[pg.Postgres]:
         server.stop()
 
 
+# heartbeats every second instead of 5: what tests wait for that rides one (pool members, disk usage, a
+# seeded template) shows up in about a second; a node is unreachable only after 30 s without one (never
+# because this shared 2-core machine is slow)
+SHARED_FLAGS = ("--heartbeat-interval", "1", "--unreachable-after", "30")
+
+
 @pytest.fixture(scope="session")
 def shared_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """The session's one `pilldrops up` for every tier whose tests need no `up` of their own (tests/e2e,
@@ -36,7 +42,7 @@ def shared_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     if why:
         pytest.skip(why)
     up = Up(tmp_path_factory.mktemp(f"pilldrops-{SHARED_NAME}", numbered=False), SHARED_NAME,
-            ports_listener=True)
+            ports_listener=True, extra=SHARED_FLAGS)
     with running(up):
         yield up
 
