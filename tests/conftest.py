@@ -12,6 +12,17 @@ from tests import pg
 from tests.up import SHARED_NAME, Up, running, why_not_root
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real Debian template build (tests/e2e/test_debian_templates.py: `pilldrops template build
+    code-interpreter`, debootstrap then pip) runs first, into the shared `up`'s data dir: it is then a
+    build from nothing in every run, and the tiers that need `base` / `code-interpreter` afterwards (e2b,
+    ports, pause, evals, the Debian Dockerfile) use that build instead of seeding (or, on a fresh machine,
+    building again) the machine's template cache (``tests.up.seed_templates``)."""
+    first = [i for i in items if i.nodeid.startswith("tests/e2e/test_debian_templates.py")]
+    if first:
+        items[:] = first + [i for i in items if i not in first]
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[pg.Postgres]:
     """A throwaway PostgreSQL cluster for the session (skipped, with the reason, where it cannot run)."""

@@ -52,12 +52,16 @@ def why_not_root(what: str = "these tests run a real `pilldrops up`") -> str | N
 
 def seed_templates(data: Path, names: Sequence[str]) -> None:
     """Make the cached built templates ``names`` (and their parents) usable in the data dir ``data``
-    (building them in the machine's template cache first if needed: once per machine, minutes)."""
+    (building them in the machine's template cache first if needed: once per machine, minutes). One
+    already built in ``data`` (the session's own Debian build, tests/e2e/test_debian_templates.py) is
+    kept: it is neither rebuilt in the cache nor replaced."""
     from pilldrops.node.templates import TemplateStore
-    store = TemplateStore(TEMPLATE_CACHE)
+    store, here = TemplateStore(TEMPLATE_CACHE), TemplateStore(data)
     todo = list(names)
     while todo:
         name = todo.pop()
+        if (data / "templates" / name / here.hash(name) / "manifest.json").exists():
+            continue                                          # built or seeded here already (parents too)
         tpl = store.ensure(name)
         dst = data / "templates" / name / tpl.hash
         dst.mkdir(parents=True, exist_ok=True)

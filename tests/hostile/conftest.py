@@ -62,8 +62,9 @@ def second_team_key(data_dir: Path, name: str) -> str:
 
 @pytest.fixture(scope="session")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    """Its own `up` (not the session's shared one): more offered memory, and a test SIGKILLs and restarts
-    it."""
+    """Its own `up`, not the session's shared one: 16 GiB of offered memory (the shared one offers the
+    default, which the end-to-end tier's fan-outs need), and attacks that should not share a node with
+    other tiers' tests."""
     why = why_not_root()
     if why:
         pytest.skip(why)
