@@ -36,7 +36,7 @@ import httpx
 from tests import leakcheck
 from tests.e2e.fleet import clean_env, free_port
 
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 300       # generous: a loaded shared machine; a healthy start takes seconds
 SHARED_NAME = f"e2e{os.getpid()}"      # the shared `up`'s node name (tests/conftest.py ``shared_up``)
 TEMPLATE_CACHE = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 
