@@ -37,6 +37,7 @@ from pilldrops.node.isolation import criu
 from tests import leakcheck
 from tests.e2e.conftest import MATCH, Server, _why_not_runnable
 from tests.e2e.fleet import Fleet, clean_env
+from tests.up import TEMPLATE_CACHE, seed_templates  # noqa: F401  (their home is tests/up.py; kept importable here)
 
 pytestmark = pytest.mark.integration
 
