@@ -286,18 +286,22 @@ class Lifecycle:
                     tg.start_soon(one, i)
             done.set()
         if gone.is_set():
-            await self._drop_batch(team_id, items)
+            await self._drop_batch(team_id, items, idempotency_key)
         created = sum(1 for it in items if it.sandbox is not None)
         return BatchCreateResponse(items=items, created=created, failed=req.count - created)
 
-    async def _drop_batch(self, team_id: str, items: list[BatchItem]) -> None:
-        """Kill what a batch whose client left made (keys released first: a retry makes fresh ones)."""
-        made = [it.sandbox.id for it in items if it.sandbox is not None]
+    async def _drop_batch(self, team_id: str, items: list[BatchItem], key: str | None) -> None:
+        """Kill what a batch whose client left made, unless a retry (same key) was handed it meanwhile: the
+        key is released first (a compare-and-set against ``_replay``'s claim), so a later retry makes a
+        fresh one and a sandbox a retry holds is never killed."""
+        made = [(it.index, it.sandbox.id) for it in items if it.sandbox is not None]
         log.warning("batch client left: killing the %d sandboxes made for it", len(made))
         with anyio.CancelScope(shield=True):
-            for sid in made:
+            for i, sid in made:
                 try:
-                    await self.ctx.store.update_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
+                    if key and not await self.ctx.store.release_unclaimed_key(sid, f"{key}:{i}"):
+                        log.info("%s of a left batch was handed to a retry: it stays", sid)
+                        continue
                     await self.kill(team_id, sid)
                 except errors.PillDropsError as exc:
                     log.warning("could not kill %s of a left batch: %s", sid, exc)
@@ -305,7 +309,8 @@ class Lifecycle:
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
         attempt failed to start and released the key (its node refused, or its control plane died before the
-        node made it), so that the caller makes a fresh attempt."""
+        node made it; or a batch whose client left released it to kill the sandbox), so that the caller makes
+        a fresh attempt. Handing it out is a claim on it (``Store.claim_replay``)."""
         if row.request_hash != req_hash:
             raise errors.Conflict("Idempotency-Key was already used with a different request body",
                                   details={"sandbox_id": row.id})
@@ -313,7 +318,8 @@ class Lifecycle:
             while row.state == S.starting.value:   # the first attempt is still booting it
                 await anyio.sleep(0.05)
                 row = await self.ctx.get_row(row.team_id, row.id)
-        if row.state == S.failed.value and row.idempotency_key is None:
+        key = row.idempotency_key
+        if key is None or not await self.ctx.store.claim_replay(row.id, key, self.ctx.clock.now()):
             return None
         return row
 

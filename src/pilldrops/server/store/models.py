@@ -111,6 +111,9 @@ class Sandbox(Base):
     access_token: Mapped[str] = mapped_column(String(64))
     idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # when a retry with its idempotency key was first handed this sandbox: a batch whose client left kills
+    # only what nobody was handed (``Store.release_unclaimed_key``)
+    replayed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     end_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)

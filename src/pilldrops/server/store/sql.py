@@ -21,7 +21,20 @@ import anyio
 import orjson
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    create_engine,
+    event,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
@@ -485,6 +498,19 @@ class Store:
 
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
         return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
+
+    async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool:
+        """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key)
+             .values(replayed_at=func.coalesce(_SB.c.replayed_at, literal(now, _SB.c.replayed_at.type))))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+
+    async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool:
+        """Release ``key`` unless a retry was handed the sandbox (``claim_replay``): one compare-and-set, so
+        a replay and a release never both win."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key, _SB.c.replayed_at.is_(None))
+             .values(idempotency_key=None))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
