@@ -175,7 +175,8 @@ def spec_document(spec: TemplateSpec) -> dict[str, Any]:
     """The spec as a plain dict in the shape of its TOML file (what a remote build sends, and what a
     Dockerfile becomes): the inverse of :func:`spec_from_dict`."""
     return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
-            "workdir": spec.workdir, "isolation": spec.isolation,
+            "workdir": spec.workdir, "isolation": spec.isolation, "disk_mb": spec.disk_mb,
+            "network": dict(spec.network) if spec.network is not None else None,
             "steps": [{s.kind: s.value} for s in spec.steps]}
 
 

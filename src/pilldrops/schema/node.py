@@ -103,6 +103,8 @@ class NodeTemplateRef(_Model):
     user: str | None = None             # "uid:gid" commands run as (a Dockerfile's USER); None: root
     home: str | None = None
     isolation: str | None = None
+    disk_mb: int | None = None          # its sandboxes' default disk size in MiB (the spec's disk_mb)
+    network: TemplateNetwork | None = None   # its sandboxes' default egress (the spec's [network])
     built_at: datetime | None = None
     size_bytes: int = 0
 

@@ -143,10 +143,12 @@ class Lifecycle:
             new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
                                               ref.isolation if ref is not None else None)
             # the disk: the request's, else the template's default, else the deployment's
-            tpl_disk = isolation.template_disk_mb(nodes, req.template) if req.disk_mb is None else None
+            tpl_disk = ((ref.disk_mb if ref is not None else None) or isolation.template_disk_mb(nodes, req.template)
+                        if req.disk_mb is None else None)
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
-            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress,
+                                         ref.network if ref is not None else None)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 

@@ -113,6 +113,8 @@ class TemplateVersionRecord(Protocol):
     size_bytes: int
     description: str
     isolation: str | None
+    disk_mb: int | None
+    network: dict[str, Any] | None
     parent: str | None
     builder: str | None
     build_seconds: float

@@ -218,6 +218,8 @@ class TemplateVersion(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     description: Mapped[str] = mapped_column(Text, default="")
     isolation: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    disk_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)            # its sandboxes' defaults:
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)    # disk size and [network]
     parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
     builder: Mapped[str | None] = mapped_column(String(128), nullable=True)
     build_seconds: Mapped[float] = mapped_column(Float, default=0.0)
