@@ -89,6 +89,7 @@ class Settings:
     pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
     default_disk_mb: int = DEFAULT_DISK_MB     # a spec without disk_mb (from an older control plane)
     max_disk_mb: int = DEFAULT_MAX_DISK_MB     # a spec past it is refused (400 invalid_request)
+    ram_mb: int | None = None          # the host's RAM as reported to the scheduler (None: /proc/meminfo)
 
 
 @dataclass
@@ -133,7 +134,7 @@ class NodeAgent:
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
-                     self.instance, support_of(runtime)),
+                     self.instance, support_of(runtime), settings.ram_mb or host_ram_mb()),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates,
             delivered=self.journal.remove_ended)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
@@ -612,12 +613,16 @@ def instance_id(state_dir: Path) -> str:
         return ident
 
 
+def host_ram_mb() -> int:
+    """The host's RAM in MiB (MemTotal): no sandbox's memory limit can be more than this."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+
+
 def default_capacity(cpu_overcommit: float = 512.0, memory_overcommit: float = 32.0) -> tuple[float, int]:
     """Capacity offered to the scheduler: host size times overcommit ratios. Sandbox limits are caps, not
     reservations, and an RL episode rarely uses all of its allowance: 512 vCPU per core lets the 1,000-way
     fan-out of the default shape (1 vCPU, 512 MiB) run on a 2-core machine, where memory (RAM x 32 offered,
     about 0.6 MiB really used by an idle sandbox) is what binds."""
     cpus = os.cpu_count() or 1
-    with open("/proc/meminfo") as f:
-        total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    return cpus * cpu_overcommit, int(total_kb / 1024 * memory_overcommit)
+    return cpus * cpu_overcommit, int(host_ram_mb() * memory_overcommit)

@@ -38,6 +38,8 @@ class NodeRegister(_Model):
     isolation: dict[str, IsolationSupport] = Field(
         default_factory=dict, description="each isolation mode, probed at agent start; empty (an agent from "
                                           "before isolation modes): container only")
+    ram_mb: int = Field(0, ge=0, description="the host's RAM in MiB: no sandbox's memory_mb may be more "
+                                            "(capacity_memory_mb overcommits it); 0: unknown (an older agent)")
 
 
 class NodePoolSpec(_Model):

@@ -45,6 +45,7 @@ class NodeRecord(Protocol):
     url: str
     capacity_vcpu: float
     capacity_memory_mb: int
+    ram_mb: int | None                      # the host's RAM: no sandbox's memory_mb can be more
     state: str
     draining: bool
     templates: list[Any]

@@ -69,6 +69,7 @@ class Node(Base):
     url: Mapped[str] = mapped_column(String(512))
     capacity_vcpu: Mapped[float] = mapped_column(Float)
     capacity_memory_mb: Mapped[int] = mapped_column(Integer)
+    ram_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)   # the host's RAM (None: not reported)
     state: Mapped[str] = mapped_column(String(16))
     draining: Mapped[bool] = mapped_column(default=False)
     templates: Mapped[list[Any]] = mapped_column(JSON, default=list)

@@ -335,7 +335,7 @@ class Store:
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
                           templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
-                          isolation: dict[str, Any] | None = None) -> Node:
+                          isolation: dict[str, Any] | None = None, ram_mb: int | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
@@ -345,6 +345,7 @@ class Store:
             node.instance = instance or node.instance
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
+            node.ram_mb = ram_mb or None
             node.templates = templates
             node.isolation = isolation
             node.state = "ready"
