@@ -93,6 +93,15 @@ class Settings:
 
 
 @dataclass
+class _InFlight:
+    """A create in progress, for a resend of it to wait on (``NodeAgent.create``)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    status: NodeSandboxStatus | None = None
+    error: Exception | None = None
+
+
+@dataclass
 class Stats:
     created: int = 0
     claimed: int = 0                   # of ``created``: taken from a warm pool
@@ -121,6 +130,7 @@ class NodeAgent:
         self.recovered = False     # until the journal is re-derived, the registry is empty: the API refuses
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
+        self._creates: dict[str, _InFlight] = {}   # creates in progress by sandbox id (a resend waits on it)
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
@@ -208,9 +218,32 @@ class NodeAgent:
     # ---- operations the control plane asks for ------------------------------------------------------
 
     async def create(self, spec: NodeSandboxSpec) -> NodeSandboxStatus:
+        """Idempotent per sandbox id: a retried create answers the same sandbox, and one that meets the
+        first still in progress (the control plane resends on a stale connection) waits for it and answers
+        its result, success or error."""
         existing = self.sandboxes.get(spec.id)
         if existing is not None and existing.state in _LIVE:
             return existing.status()           # a retried create: the same sandbox
+        first = self._creates.get(spec.id)
+        if first is not None:
+            await first.done.wait()
+            if first.error is not None:
+                raise first.error
+            assert first.status is not None
+            return first.status
+        first = self._creates[spec.id] = _InFlight()
+        try:
+            first.status = await self._create(spec, existing)
+            return first.status
+        except BaseException as exc:
+            first.error = exc if isinstance(exc, Exception) else errors.ServerError(
+                f"the create of {spec.id} this one repeats was cancelled")
+            raise
+        finally:
+            del self._creates[spec.id]
+            first.done.set()
+
+    async def _create(self, spec: NodeSandboxSpec, existing: Sandbox | None) -> NodeSandboxStatus:
         await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
         self._check_egress(spec)
