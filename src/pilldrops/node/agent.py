@@ -152,7 +152,7 @@ class NodeAgent:
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
                                     create_slots=self._create_slots, record_end=self._record_end, now=now,
-                                    egress=self.egress)
+                                    egress=self.egress, keep_ends=bool(settings.control_plane_url))
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
 
