@@ -695,13 +695,6 @@ class TemplateStore:
             raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
         return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
 
-    def build_document(self, document: dict[str, Any], context: Path, progress: Progress | None = None, *,
-                       force: bool = False) -> Template:
-        """:meth:`build_spec` of a spec document (``spec_document``'s shape; a Dockerfile's translation) whose
-        copy sources are relative to ``context``."""
-        spec = spec_from_dict(document, Path(context) / "Dockerfile", context=Path(context))
-        return self.build_spec(spec, progress, force=force)
-
     def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
         name = s.name
         record = record or debian_spec(name) is not None
