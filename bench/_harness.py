@@ -70,6 +70,26 @@ def ok(dt: float, r: subprocess.CompletedProcess, err: str | bytes) -> float:
     return dt
 
 
+def pd_cycle(up: Up, template: str, runs: int, rec: Callable[[str, float], None], memory_mb: int,
+             **create: object) -> None:
+    """One PillDrops cycle through the sync SDK, each step timed into ``rec``: ``pd_create`` (returns once it
+    runs), ``runs`` x ``pd_run`` (``sb.run("true")``), ``pd_kill``."""
+    from pilldrops import Sandbox
+    t = time.perf_counter()
+    sb = Sandbox.create(template=template, memory_mb=memory_mb, api_url=up.url, api_key=up.key, **create)  # type: ignore[arg-type]
+    rec("pd_create", time.perf_counter() - t)
+    try:
+        for _ in range(runs):
+            t = time.perf_counter()
+            r = sb.run("true")
+            rec("pd_run", time.perf_counter() - t)
+            assert r.exit_code == 0, r
+    finally:
+        t = time.perf_counter()
+        sb.kill()
+        rec("pd_kill", time.perf_counter() - t)
+
+
 def seed_templates(data: Path, names: list[str], cache: Path = DEFAULT_DATA_DIR) -> None:
     """Make the built templates ``names`` (and their parents) of the data dir ``cache`` usable in ``data``
     without rebuilding them: build them in ``cache`` if needed (a Debian template takes a minute the

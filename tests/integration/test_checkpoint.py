@@ -333,3 +333,40 @@ async def test_failed_checkpoint_keeps_sandbox_running(runtime: CrunRuntime, cri
     assert await q.wait() == 0
     await runtime.destroy(h)
 
+
+
+class _MoveFails(CrunRuntime):
+    """The dump goes through, then the writable layer cannot land in the image (something is in its way:
+    as a full or failing image file system would)."""
+
+    async def _dump(self, handle, d, image_dir, images):  # type: ignore[no-untyped-def]
+        result = await super()._dump(handle, d, image_dir, images)
+        (image_dir / "disk.img").mkdir()
+        (image_dir / "disk.img" / "in-the-way").write_text("")
+        return result
+
+
+async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntime, criu_ready: None,  # type: ignore[no-untyped-def]
+                                                           tiny, tmp_path: Path) -> None:
+    """Reviewer finding 3: a checkpoint whose writable layer could not be moved into the image deleted it
+    with the sandbox dir. The pause now fails, naming the kept layer, and the sandbox comes back from its
+    image and the layer where it was, with its files and processes."""
+    from tests.integration.conftest import SESSION
+    rt = _MoveFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    spec = spec_of(tiny, "keep1", disk_mb=64)
+    h = await rt.create(spec)
+    await sh(rt, h, "echo precious > /root/data; X=tok$$; (while :; do echo $X > /tmp/tok; sleep 0.1; done) "
+                    "</dev/null >/dev/null 2>&1 &")
+    await anyio.sleep(0.2)
+    token = (await sh(rt, h, "cat /tmp/tok")).strip()
+    img = tmp_path / "img"
+    img.mkdir()
+    with pytest.raises(RuntimeFailure, match="writable layer is kept") as e:
+        await rt.checkpoint(h, img)
+    assert "cannot move the writable layer" in (e.value.detail or ""), e.value.detail
+    assert (Path(runtime.sandboxes_dir) / "keep1" / "disk.img").is_file()
+    h2 = await runtime.restore(spec, img)
+    assert (await sh(runtime, h2, "cat /root/data")) == "precious\n"
+    assert (await sh(runtime, h2, "cat /tmp/tok")).strip() == token
+    await runtime.destroy(h2)
+    assert await runtime.list_ids() == []

@@ -91,6 +91,16 @@ class Settings:
     pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
     default_disk_mb: int = DEFAULT_DISK_MB     # a spec without disk_mb (from an older control plane)
     max_disk_mb: int = DEFAULT_MAX_DISK_MB     # a spec past it is refused (400 invalid_request)
+    ram_mb: int | None = None          # the host's RAM as reported to the scheduler (None: /proc/meminfo)
+
+
+@dataclass
+class _InFlight:
+    """A create in progress, for a resend of it to wait on (``NodeAgent.create``)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    status: NodeSandboxStatus | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -122,6 +132,7 @@ class NodeAgent:
         self.recovered = False     # until the journal is re-derived, the registry is empty: the API refuses
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
+        self._creates: dict[str, _InFlight] = {}   # creates in progress by sandbox id (a resend waits on it)
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
@@ -136,7 +147,7 @@ class NodeAgent:
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
-                     self.instance, support_of(runtime)),
+                     self.instance, support_of(runtime), settings.ram_mb or host_ram_mb()),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates,
             delivered=self.journal.remove_ended)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
@@ -144,7 +155,7 @@ class NodeAgent:
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
                                     create_slots=self._create_slots, record_end=self._record_end, now=now,
-                                    egress=self.egress)
+                                    egress=self.egress, keep_ends=bool(settings.control_plane_url))
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
 
@@ -210,9 +221,32 @@ class NodeAgent:
     # ---- operations the control plane asks for ------------------------------------------------------
 
     async def create(self, spec: NodeSandboxSpec) -> NodeSandboxStatus:
+        """Idempotent per sandbox id: a retried create answers the same sandbox, and one that meets the
+        first still in progress (the control plane resends on a stale connection) waits for it and answers
+        its result, success or error."""
         existing = self.sandboxes.get(spec.id)
         if existing is not None and existing.state in _LIVE:
             return existing.status()           # a retried create: the same sandbox
+        first = self._creates.get(spec.id)
+        if first is not None:
+            await first.done.wait()
+            if first.error is not None:
+                raise first.error
+            assert first.status is not None
+            return first.status
+        first = self._creates[spec.id] = _InFlight()
+        try:
+            first.status = await self._create(spec, existing)
+            return first.status
+        except BaseException as exc:
+            first.error = exc if isinstance(exc, Exception) else errors.ServerError(
+                f"the create of {spec.id} this one repeats was cancelled")
+            raise
+        finally:
+            del self._creates[spec.id]
+            first.done.set()
+
+    async def _create(self, spec: NodeSandboxSpec, existing: Sandbox | None) -> NodeSandboxStatus:
         await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
         self._check_egress(spec)
@@ -627,12 +661,16 @@ def instance_id(state_dir: Path) -> str:
         return ident
 
 
+def host_ram_mb() -> int:
+    """The host's RAM in MiB (MemTotal): no sandbox's memory limit can be more than this."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+
+
 def default_capacity(cpu_overcommit: float = 512.0, memory_overcommit: float = 32.0) -> tuple[float, int]:
     """Capacity offered to the scheduler: host size times overcommit ratios. Sandbox limits are caps, not
     reservations, and an RL episode rarely uses all of its allowance: 512 vCPU per core lets the 1,000-way
     fan-out of the default shape (1 vCPU, 512 MiB) run on a 2-core machine, where memory (RAM x 32 offered,
     about 0.6 MiB really used by an idle sandbox) is what binds."""
     cpus = os.cpu_count() or 1
-    with open("/proc/meminfo") as f:
-        total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    return cpus * cpu_overcommit, int(total_kb / 1024 * memory_overcommit)
+    return cpus * cpu_overcommit, int(host_ram_mb() * memory_overcommit)

@@ -62,7 +62,8 @@ def _json_or_none(resp: httpx.Response) -> Any:
 class Checkpoints:
     def __init__(self, sandboxes: Sandboxes, journal: Journal, runtime: Runtime, templates: TemplateCache,
                  directory: Path, *, node_name: str, http: httpx.AsyncClient, create_slots: anyio.Semaphore,
-                 record_end: RecordEnd, now: Callable[[], datetime], egress: Egress | None = None) -> None:
+                 record_end: RecordEnd, now: Callable[[], datetime], egress: Egress | None = None,
+                 keep_ends: bool = False) -> None:
         self.sandboxes = sandboxes
         self.journal = journal
         self.runtime = runtime
@@ -74,6 +75,7 @@ class Checkpoints:
         self._record_end = record_end
         self.now = now
         self.egress = egress
+        self.keep_ends = keep_ends     # a control plane hears of ends: entries stay until it has them
 
     def _paused(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox whose image is here (paused, or resuming from it)."""
@@ -146,8 +148,8 @@ class Checkpoints:
             # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
             log.exception("pausing %s failed after its processes were gone", sid)
             if not any(path.iterdir()):
+                self._journal_end(sb, EndReason.exited)
                 self.sandboxes.move(sb, NodeState.gone)
-                self.journal.remove(sid)
                 if self.egress is not None:
                     self.egress.forget(sid)          # detached before the dump: only its slot record is left
                 drop_image(path)
@@ -308,10 +310,23 @@ class Checkpoints:
             self.egress.forget(sandbox_id)      # paused: only its slot's record is left here
         log.info("dropped checkpoint of %s (moved to another node)", sandbox_id)
 
+    def _journal_end(self, sb: Sandbox, reason: EndReason) -> None:
+        """Journal that ``sb`` (paused, or pausing with its processes gone) ends. With a control plane the
+        entry stays, with its end, until the end is delivered (``ControlPlaneClient``'s ``delivered``): an
+        agent that dies first reports it again after its restart (``recovery``), billed running time
+        included; without one it goes now."""
+        if not self.keep_ends:
+            self.journal.remove(sb.id)
+            return
+        entry = sb.journal_entry()
+        entry.end_reason = reason.value
+        self.journal.write(entry)
+
     def end_paused(self, sb: Sandbox, reason: EndReason) -> NodeSandboxStatus:
-        """A paused sandbox ends (killed, or its paused retention ran out): its image goes."""
+        """A paused sandbox ends (killed, or its paused retention ran out): its image goes; its journal
+        entry stays, with the end, until the control plane has the end (see ``_journal_end``)."""
+        self._journal_end(sb, reason)
         self.sandboxes.move(sb, NodeState.gone)
-        self.journal.remove(sb.id)
         drop_image(sb.image.path if sb.image else None)
         if self.egress is not None:
             self.egress.forget(sb.id)           # paused: only its slot's record is left here

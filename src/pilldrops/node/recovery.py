@@ -59,6 +59,11 @@ class Recovery:
     async def _recover(self, entry: Entry) -> None:
         handle = entry.runtime_handle()
         spec = NodeSandboxSpec.model_validate(entry.spec)
+        if entry.end_reason is not None and entry.phase in ("paused", "pausing"):
+            # it ended while paused (or its pause failed with it gone): the end was not delivered yet
+            drop_image(entry.checkpoint)       # (the entry stays until the control plane has the end)
+            self._record_end(spec.id, EndReason(entry.end_reason), run_s=entry.run_s)
+            return
         if entry.phase in ("paused", "resuming") or (entry.phase == "pausing" and not entry.handle):
             await self._recover_paused(entry, spec)
             return

@@ -175,7 +175,8 @@ def spec_document(spec: TemplateSpec) -> dict[str, Any]:
     """The spec as a plain dict in the shape of its TOML file (what a remote build sends, and what a
     Dockerfile becomes): the inverse of :func:`spec_from_dict`."""
     return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
-            "workdir": spec.workdir, "isolation": spec.isolation,
+            "workdir": spec.workdir, "isolation": spec.isolation, "disk_mb": spec.disk_mb,
+            "network": dict(spec.network) if spec.network is not None else None,
             "steps": [{s.kind: s.value} for s in spec.steps]}
 
 
@@ -693,13 +694,6 @@ class TemplateStore:
         if spec.base == spec.name:
             raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
         return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
-
-    def build_document(self, document: dict[str, Any], context: Path, progress: Progress | None = None, *,
-                       force: bool = False) -> Template:
-        """:meth:`build_spec` of a spec document (``spec_document``'s shape; a Dockerfile's translation) whose
-        copy sources are relative to ``context``."""
-        spec = spec_from_dict(document, Path(context) / "Dockerfile", context=Path(context))
-        return self.build_spec(spec, progress, force=force)
 
     def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
         name = s.name

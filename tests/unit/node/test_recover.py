@@ -35,6 +35,13 @@ def agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:
                               node_token="tok"), runtime, FakeTemplates("tiny"), tmp_path / "state")
 
 
+def cp_agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:
+    """An agent with a control plane (that it never reaches): ends stay journaled until delivered."""
+    return NodeAgent(Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
+                              node_token="tok", control_plane_url="http://cp.invalid"), runtime,
+                     FakeTemplates("tiny"), tmp_path / "state")
+
+
 async def test_recover_adopts_reaps_and_reports(tmp_path: Path) -> None:
     runtime = FakeRuntime(tmp_path / "fake")
     first = agent(tmp_path, runtime)
@@ -113,14 +120,12 @@ async def test_an_end_the_control_plane_never_got_survives_an_agent_restart(tmp_
     now stays until the end is delivered: the restarted agent reports it again and answers the retried kill
     with the final usage."""
     runtime = FakeRuntime(tmp_path / "fake")
-    settings = Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
-                        node_token="tok", control_plane_url="http://cp.invalid")
-    first = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    first = cp_agent(tmp_path, runtime)
     await first.create(spec("sb_e"))
     await anyio.sleep(0.2)
     final = await first.kill("sb_e")                       # its answer never reaches the control plane
     assert final.run_s is not None and final.run_s >= 0.2 and await runtime.list_ids() == []
-    second = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    second = cp_agent(tmp_path, runtime)
     await second._recover()
     again = await second.kill("sb_e")                      # the control plane's retry
     assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
@@ -168,5 +173,38 @@ async def test_a_restarted_agent_refuses_requests_until_it_has_readopted(tmp_pat
         r = await c.delete("/node/v1/sandboxes/sb_a")
         assert r.status_code == 200 and r.json()["end_reason"] == "killed" and r.json()["run_s"] > 0
     assert await runtime.list_ids() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_a_paused_sandboxs_end_survives_an_agent_restart_until_delivered(tmp_path: Path) -> None:
+    """Reviewer finding 5: the chaos-soak rule for a paused sandbox too. Its end (kill while paused) dropped
+    the journal entry at once, so an agent dying before the control plane had the end forgot it: the
+    retried kill got 404 and the end report (with the billed running seconds) was lost. The entry now stays
+    (with the end) until the end is delivered; the restarted agent reports it again, its image gone."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = cp_agent(tmp_path, runtime)
+    await first.create(spec("sb_p"))
+    await anyio.sleep(0.2)
+    paused = await first.pause("sb_p")
+    image = first.sandboxes.get("sb_p").image.path
+    final = await first.kill("sb_p")                       # its answer never reaches the control plane
+    assert (final.end_reason, paused.state) == (EndReason.killed, SandboxState.paused)
+    assert final.run_s is not None and final.run_s >= 0.2 and not image.exists()
+    assert [e.id for e in first.journal.entries()] == ["sb_p"]
+    second = cp_agent(tmp_path, runtime)
+    await second._recover()
+    assert second.sandboxes.get("sb_p") is None or second.sandboxes.state_of("sb_p").value == "gone"
+    again = await second.kill("sb_p")                      # the control plane's retry
+    assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert again.run_s == pytest.approx(final.run_s, abs=0.05)
+    assert "sb_p" in second.outbox
+    second.control_plane._delivered("sb_p")
+    assert second.journal.entries() == []
+    alone = agent(tmp_path / "alone", runtime)             # without a control plane the entry goes at once
+    await alone.create(spec("sb_q"))
+    await alone.pause("sb_q")
+    await alone.kill("sb_q")
+    assert alone.journal.entries() == []
     with anyio.fail_after(1):
         await runtime.close()

@@ -73,3 +73,38 @@ async def test_item_metadata_makes_each_episode_findable(tmp_path, store_url) ->
         bad = await c.post("/v1/sandboxes/batch", json={"template": "tiny", "count": 3, "item_metadata": [{}]})
         assert bad.status_code == 400 and "item_metadata has 1 entries for count 3" in bad.text
         assert len(s.agent.live) == 3
+
+
+async def test_a_left_batch_spares_what_a_retry_replayed(tmp_path, store_url) -> None:
+    """Reviewer finding 1: the client of a keyed batch leaves while an item still waits for room; its retry
+    has meanwhile replayed item 0 (its idempotency key): the left batch's drop must not kill what the retry
+    now holds, and it still kills nothing else (no item of it was made but item 0)."""
+    from pilldrops.schema.api import BatchCreateRequest
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=1) as s:
+        lc = s.cp.services.sandboxes.lifecycle
+        req = BatchCreateRequest(template="tiny", count=2, vcpu=1, capacity_wait=30)
+        left = anyio.Event()
+        out: dict = {}  # type: ignore[type-arg]
+
+        async def disconnected() -> bool:
+            return left.is_set()
+
+        async def batch() -> None:
+            out["first"] = await lc.create_batch(s.team_id, req, "kb", disconnected=disconnected)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batch)
+            with anyio.fail_after(30):
+                while (row := await s.cp.store.sandbox_by_idempotency_key(s.team_id, "kb:0")) is None \
+                        or row.state != "running":
+                    await anyio.sleep(0.05)
+            replayed, created = await lc.create(s.team_id, req.item_request(0), "kb:0")   # the retry's item 0
+            assert not created and replayed.id == row.id
+            left.set()                       # the first client goes; item 1 still waits for room
+        first = out["first"]
+        assert first.items[1].error is not None and first.items[1].error.code == "client_gone"
+        now = await s.cp.store.get_sandbox(row.id)
+        assert now.state == "running", "the drop killed a sandbox the retry was handed"
+        assert now.idempotency_key == "kb:0"          # a further retry replays it too
+        again, created = await lc.create(s.team_id, req.item_request(0), "kb:0")
+        assert not created and again.id == row.id

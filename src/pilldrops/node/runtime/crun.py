@@ -64,6 +64,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _GONE_MARKERS = ("does not exist", "no such file", "not found")
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_META = "pilldrops-checkpoint.json"
+# in a sandbox dir: a checkpoint could not take its writable layer, which stays here (``restore`` uses it)
+LAYER_KEPT = "layer-kept-for-restore"
+_LAYER_NAMES = {diskquota.IMAGE, diskquota.MOUNT, "upper", "work", LAYER_KEPT}
 # CRIU options for every dump/restore: loopback TCP connections inside the sandbox's netns and file locks
 # (pip, sqlite, ...) are part of the sandbox's state
 _CRIU_OPTS = ("--tcp-established", "--file-locks")
@@ -537,12 +540,33 @@ class CrunRuntime:
             except (OSError, subprocess.CalledProcessError) as e:
                 problem = f"cannot move the writable layer to {save_to}: {e}"
         unlock_dir(d / "pd")
+        if save_to is not None and problem:
+            self._keep_layer(d, save_to)
+            return left, problem
         try:
             remove_tree(d)             # iterative: a sandbox's tree may be any depth (issue 16 item 4)
         except OSError:
             umount_all_under(d)
             remove_tree(d)
         return left, problem
+
+    @staticmethod
+    def _keep_layer(d: Path, save_to: Path) -> None:
+        """A checkpoint's writable layer could not be moved into its image: a pause never loses a sandbox's
+        data, so the layer stays in the sandbox dir (the rest of it goes) and ``restore`` resumes from the
+        image with it. A partial copy in the image goes."""
+        if (d / diskquota.IMAGE).is_file() and (save_to / diskquota.IMAGE).is_file():
+            (save_to / diskquota.IMAGE).unlink()
+        if (d / "upper").is_dir() and (save_to / "upper").is_dir():
+            remove_tree(save_to / "upper")
+        for child in d.iterdir():
+            if child.name in _LAYER_NAMES or os.path.ismount(child):
+                continue
+            if child.is_dir() and not child.is_symlink():
+                remove_tree(child)
+            else:
+                child.unlink()
+        (d / LAYER_KEPT).write_text(str(save_to) + "\n")
 
     async def list_ids(self) -> list[str]:
         r = await self._crun("list", "--format", "json")
@@ -624,15 +648,26 @@ class CrunRuntime:
             # the dump killed the process tree (crun also deleted the container, cgroup included); what is
             # left is the overlay and the sandbox dir: the writable layer moves into the image
             self._defaults.pop(handle.id, None)
-            await self._teardown(handle.id, save_to=image_dir)
+            failure = None
+            try:
+                await self._teardown(handle.id, save_to=image_dir)
+            except RuntimeFailure as e:
+                if not (d / LAYER_KEPT).is_file():
+                    raise
+                failure = e        # the layer stays in d: the image is still complete with it (restore)
+            layer = d if failure is not None else image_dir
             criu_bytes = _tree_bytes(images)
-            disk = image_dir / diskquota.IMAGE
-            upper_bytes = disk.stat().st_blocks * 512 if disk.is_file() else _tree_bytes(image_dir / "upper")
+            disk = layer / diskquota.IMAGE
+            upper_bytes = disk.stat().st_blocks * 512 if disk.is_file() else _tree_bytes(layer / "upper")
             meta = {"format": CHECKPOINT_FORMAT, "id": handle.id, "created": time.time(),
                     "runtime": self.name, "userland": self._versions(), "init": self.init_path.name,
                     "criu_bytes": criu_bytes, "upper_bytes": upper_bytes, "disk": disk.is_file()}
             (image_dir / (CHECKPOINT_META + ".tmp")).write_text(json.dumps(meta))
             os.replace(image_dir / (CHECKPOINT_META + ".tmp"), image_dir / CHECKPOINT_META)
+            if failure is not None:
+                raise RuntimeFailure(f"checkpoint of {handle.id} failed after its processes were dumped; its "
+                                     f"writable layer is kept in {d} and restore resumes it from there",
+                                     detail=failure.detail)
             return criu_bytes + upper_bytes
 
     async def _dump(self, handle: Handle, d: Path, image_dir: Path, images: Path) -> tuple[int, str]:
@@ -666,7 +701,8 @@ class CrunRuntime:
         if why:
             raise RuntimeFailure("restore is not supported on this host", detail=why)
         d = self._dir(spec.id)
-        if d.exists():
+        kept = (d / LAYER_KEPT).is_file()      # a checkpoint left its writable layer here: resume with it
+        if d.exists() and not kept:
             raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         image_dir = Path(image_dir).resolve()
         try:
@@ -678,29 +714,34 @@ class CrunRuntime:
                                  detail=f"format={meta.get('format')} id={meta.get('id')}")
         if meta.get("runtime", "crun") != self.name:
             raise RuntimeFailure(f"checkpoint image {image_dir} was written by {meta.get('runtime')}, not {self.name}")
-        has_disk = (image_dir / diskquota.IMAGE).is_file()
-        if not (has_disk or (image_dir / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
+        layer = d if kept else image_dir
+        has_disk = (layer / diskquota.IMAGE).is_file()
+        if not (has_disk or (layer / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
             raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no disk.img or upper/, or no "
                                  f"{self.IMAGE_SUBDIR}/)")
         moved = ok = False
         try:
             for p in (d / "rootfs", d / "exec"):
-                p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+                p.mkdir(parents=True, exist_ok=kept)
+            (d / "pd").mkdir(mode=0o700, exist_ok=kept)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
             if has_disk:
                 try:
-                    await anyio.to_thread.run_sync(diskquota.move_image, image_dir / diskquota.IMAGE,
-                                                   d / diskquota.IMAGE)
+                    if not kept:
+                        await anyio.to_thread.run_sync(diskquota.move_image, image_dir / diskquota.IMAGE,
+                                                       d / diskquota.IMAGE)
                     moved = True
-                    await anyio.to_thread.run_sync(diskquota.mount_image, d)
+                    if not os.path.ismount(d / diskquota.MOUNT):
+                        await anyio.to_thread.run_sync(diskquota.mount_image, d)
                 except OSError as e:
                     raise RuntimeFailure(f"cannot mount the disk of {spec.id}", detail=str(e)) from e
+            elif kept:
+                moved = True
             elif spec.disk_mb:      # paused before it had a disk of its own: it gets one now
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
             work.mkdir(exist_ok=True)
-            if not has_disk:
+            if not has_disk and not kept:
                 try:
                     if upper.parent == d:
                         os.rename(image_dir / "upper", upper)
@@ -716,6 +757,7 @@ class CrunRuntime:
             pid, start = await self._restore_init(spec, d, image_dir)
             await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
             self._defaults[spec.id] = self._defaults_from(config)
+            (d / LAYER_KEPT).unlink(missing_ok=True)
             ok = True
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                           extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})

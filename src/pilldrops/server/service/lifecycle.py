@@ -143,10 +143,12 @@ class Lifecycle:
             new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
                                               ref.isolation if ref is not None else None)
             # the disk: the request's, else the template's default, else the deployment's
-            tpl_disk = isolation.template_disk_mb(nodes, req.template) if req.disk_mb is None else None
+            tpl_disk = ((ref.disk_mb if ref is not None else None) or isolation.template_disk_mb(nodes, req.template)
+                        if req.disk_mb is None else None)
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
-            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress,
+                                         ref.network if ref is not None else None)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation,
                                      network_key(egress.node_network(new.network, ctx.egress)))
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
@@ -287,18 +289,22 @@ class Lifecycle:
                     tg.start_soon(one, i)
             done.set()
         if gone.is_set():
-            await self._drop_batch(team_id, items)
+            await self._drop_batch(team_id, items, idempotency_key)
         created = sum(1 for it in items if it.sandbox is not None)
         return BatchCreateResponse(items=items, created=created, failed=req.count - created)
 
-    async def _drop_batch(self, team_id: str, items: list[BatchItem]) -> None:
-        """Kill what a batch whose client left made (keys released first: a retry makes fresh ones)."""
-        made = [it.sandbox.id for it in items if it.sandbox is not None]
+    async def _drop_batch(self, team_id: str, items: list[BatchItem], key: str | None) -> None:
+        """Kill what a batch whose client left made, unless a retry (same key) was handed it meanwhile: the
+        key is released first (a compare-and-set against ``_replay``'s claim), so a later retry makes a
+        fresh one and a sandbox a retry holds is never killed."""
+        made = [(it.index, it.sandbox.id) for it in items if it.sandbox is not None]
         log.warning("batch client left: killing the %d sandboxes made for it", len(made))
         with anyio.CancelScope(shield=True):
-            for sid in made:
+            for i, sid in made:
                 try:
-                    await self.ctx.store.update_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
+                    if key and not await self.ctx.store.release_unclaimed_key(sid, f"{key}:{i}"):
+                        log.info("%s of a left batch was handed to a retry: it stays", sid)
+                        continue
                     await self.kill(team_id, sid)
                 except errors.PillDropsError as exc:
                     log.warning("could not kill %s of a left batch: %s", sid, exc)
@@ -306,7 +312,8 @@ class Lifecycle:
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
         attempt failed to start and released the key (its node refused, or its control plane died before the
-        node made it), so that the caller makes a fresh attempt."""
+        node made it; or a batch whose client left released it to kill the sandbox), so that the caller makes
+        a fresh attempt. Handing it out is a claim on it (``Store.claim_replay``)."""
         if row.request_hash != req_hash:
             raise errors.Conflict("Idempotency-Key was already used with a different request body",
                                   details={"sandbox_id": row.id})
@@ -314,7 +321,8 @@ class Lifecycle:
             while row.state == S.starting.value:   # the first attempt is still booting it
                 await anyio.sleep(0.05)
                 row = await self.ctx.get_row(row.team_id, row.id)
-        if row.state == S.failed.value and row.idempotency_key is None:
+        key = row.idempotency_key
+        if key is None or not await self.ctx.store.claim_replay(row.id, key, self.ctx.clock.now()):
             return None
         return row
 

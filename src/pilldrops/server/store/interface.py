@@ -45,6 +45,7 @@ class NodeRecord(Protocol):
     url: str
     capacity_vcpu: float
     capacity_memory_mb: int
+    ram_mb: int | None                      # the host's RAM: no sandbox's memory_mb can be more
     state: str
     draining: bool
     templates: list[Any]
@@ -80,6 +81,7 @@ class SandboxRecord(Protocol):
     access_token: str
     idempotency_key: str | None
     request_hash: str | None
+    replayed_at: datetime | None
     error: str | None
     end_reason: str | None
     created_at: datetime
@@ -114,6 +116,8 @@ class TemplateVersionRecord(Protocol):
     size_bytes: int
     description: str
     isolation: str | None
+    disk_mb: int | None
+    network: dict[str, Any] | None
     parent: str | None
     builder: str | None
     build_seconds: float
@@ -211,6 +215,8 @@ class Store(Protocol):
                              cursor: str | None = None, template: str | None = None,
                              since: datetime | None = None, until: datetime | None = None) -> PageOf: ...
     async def live_sandboxes_on(self, node_id: str) -> list[Any]: ...
+    async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool: ...
+    async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool: ...
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool: ...
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              not_paused: bool = False, **values: Any) -> SandboxRecord | None: ...

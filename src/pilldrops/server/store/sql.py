@@ -21,7 +21,20 @@ import anyio
 import orjson
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    create_engine,
+    event,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
@@ -322,7 +335,7 @@ class Store:
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
                           templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
-                          isolation: dict[str, Any] | None = None) -> Node:
+                          isolation: dict[str, Any] | None = None, ram_mb: int | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
@@ -332,6 +345,7 @@ class Store:
             node.instance = instance or node.instance
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
+            node.ram_mb = ram_mb or None
             node.templates = templates
             node.isolation = isolation
             node.state = "ready"
@@ -485,6 +499,19 @@ class Store:
 
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
         return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
+
+    async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool:
+        """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key)
+             .values(replayed_at=func.coalesce(_SB.c.replayed_at, literal(now, _SB.c.replayed_at.type))))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+
+    async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool:
+        """Release ``key`` unless a retry was handed the sandbox (``claim_replay``): one compare-and-set, so
+        a replay and a release never both win."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key, _SB.c.replayed_at.is_(None))
+             .values(idempotency_key=None))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
