@@ -302,11 +302,12 @@ class Lifecycle:
         log.warning("batch client left: killing the %d sandboxes made for it", len(made))
         with anyio.CancelScope(shield=True):
             for sid in made:
-                try:
-                    await self.ctx.store.update_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
-                    await self.kill(team_id, sid)
-                except errors.PillDropsError as exc:
-                    log.warning("could not kill %s of a left batch: %s", sid, exc)
+                await self.ctx.store.set_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
+            if made:        # one node call per node, one store transaction (``kill_many``)
+                res = await self.kill_many(team_id, KillSandboxesRequest(ids=made))
+                for it in res.items:
+                    if it.error is not None:
+                        log.warning("could not kill %s of a left batch: %s", it.id, it.error.message)
 
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
