@@ -236,8 +236,11 @@ class NodeAgent:
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
+        # journaled once, when it runs (``_adopt_new``), not also before: an agent killed in between leaves
+        # a half-made sandbox that the next start reaps as unrecorded (``Recovery``: every id the runtime
+        # holds, bundle directories included, that no entry names), and its control plane, which got no
+        # answer, records it as failed to start; a create is answered only after its entry is written
         try:
-            self.journal.write(sb.journal_entry())
             async with self._create_slots:
                 handle = await self.runtime.create(rt_spec)
         except BaseException as exc:
