@@ -5,14 +5,19 @@ could save per create). SQLite in a temp dir, in process; CPU time (``process_ti
 
     .venv/bin/python bench/store_kill.py 250      # and 1000
 """
-import asyncio, sys, tempfile, time
+import asyncio
+import sys
+import tempfile
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from pilldrops.server.store.sql import Store, _allocations_sync
-from pilldrops.server.store.interface import NewSandbox, EndSandbox
+
+from pilldrops.schema.api import SandboxState as S
 from pilldrops.server.domain.billing import Rates
 from pilldrops.server.service.context import legal_from
-from pilldrops.schema.api import SandboxState as S
+from pilldrops.server.store.interface import EndSandbox, NewSandbox
+from pilldrops.server.store.sql import Store, _allocations_sync
+
 
 async def main(n: int) -> None:
     d = Path(tempfile.mkdtemp())

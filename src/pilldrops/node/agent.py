@@ -60,7 +60,7 @@ from pilldrops.schema.node import (
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
 MONITOR_TICK_S = 2.0
-KILL_MANY_PARALLEL = 16     # teardowns of one batch kill at a time (each runs crun delete, umount, rm)
+KILL_MANY_PARALLEL = 8      # teardowns of one batch kill at a time (each runs crun delete, umount, rm)
 STOPPED_INIT_ERROR = ("its init was stopped by a signal from outside the sandbox (SIGSTOP on the node) and "
                       "could run nothing more; it was ended")
 _LIVE = (NodeState.running, NodeState.pausing, NodeState.ending)

@@ -94,7 +94,8 @@ class NodeClient:
         body = NodeKillMany(ids=sandbox_ids).model_dump_json()
         try:
             data = await self._call("POST", f"{node_url}/node/v1/sandboxes/kill", content=body,
-                                    headers={"content-type": "application/json"}, retry_stale=True)
+                                    headers={"content-type": "application/json"}, retry_stale=True,
+                                    timeout=httpx.Timeout(60.0 + 0.5 * len(sandbox_ids), connect=5.0))
         except (errors.NotFound, errors.InvalidRequest):    # an older node: the route is not there
             return {sid: NodeKilled(id=sid, status=await self.kill(node_url, sid)) for sid in sandbox_ids}
         return {item.id: item for item in NodeKilledMany.model_validate(data).items}

@@ -20,9 +20,9 @@ from pilldrops._internal.ids import new_id
 from pilldrops.schema.api import (
     DEFAULT_DISK_MB,
     DEFAULT_MAX_DISK_MB,
+    MAX_BATCH,
     BatchCreateRequest,
     BatchCreateResponse,
-    MAX_BATCH,
     BatchItem,
     CreateSandboxRequest,
     EndReason,
