@@ -730,7 +730,7 @@ class Store:
         """End many sandboxes (a kill, a batch kill) in ONE transaction: each row locked, the node's final
         usage report billed (exactly once, as ``commit_usage``), ``ended_at`` computed from the locked,
         just-billed row (start + final running seconds + paused time; ``now`` when the node had no final
-        report or the sandbox was paused), an open paused interval closed at ``now`` with its storage
+        report or the sandbox was paused), an open paused interval closed then (never before it began) with its storage
         billed (``end_interval``), and the new state set. A row not in ``from_states`` is left as it is
         (already ended: what it was billed is final). The credits of each team are charged once."""
         states = set(from_states)
@@ -750,8 +750,13 @@ class Store:
                     if entry is not None:
                         out.entries.append(entry)
                         charges[sb.team_id] = charges.get(sb.team_id, 0.0) + entry.cost_usd
-                ended_at = end_time(sb.started_at, sb.billed_run_s, sb.paused_s, e.run_s, now) if e.final and sb.paused_at is None else now
-                out.storage_charged |= _close_pause(s, sb, now, rates, charge_credits, resumed=False)
+                if sb.paused_at is not None:    # paused (maybe just now): the interval ends with it, never
+                    ended_at = max(now, sb.paused_at)      # before its own start (issue 16 item 5)
+                    out.storage_charged |= _close_pause(s, sb, ended_at, rates, charge_credits, resumed=False)
+                elif e.final:
+                    ended_at = end_time(sb.started_at, sb.billed_run_s, sb.paused_s, e.run_s, now)
+                else:
+                    ended_at = now
                 sb.state, sb.end_reason, sb.ended_at = e.state, e.end_reason, ended_at
                 out.ended.add(sb.id)
             if charge_credits:
