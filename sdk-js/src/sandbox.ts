@@ -608,7 +608,6 @@ async function killMany(c: APIClient, sandboxIds: string[] | null, metadata: Rec
   if (sandboxIds != null) {
     const ids = [...new Set(sandboxIds)]
     for (let i = 0; i < ids.length; i += MAX_KILL) bodies.push({ ids: ids.slice(i, i + MAX_KILL) })
-    if (!ids.length) bodies.push({ ids: [] }) // the server's typed 400
   } else {
     bodies.push({ labels: stringMap(metadata, 'metadata', false) })
   }
