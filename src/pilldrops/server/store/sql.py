@@ -157,10 +157,6 @@ def _charge_sync(c: Any, team_id: str, cost: float, at: datetime) -> None:
               .values(credits_exhausted_at=at))
 
 
-async def _charge(s: Any, team_id: str, cost: float, at: datetime) -> None:
-    await s.run_sync(lambda ss: _charge_sync(ss.connection(), team_id, cost, at))
-
-
 def _bill_running(s: Session, sb: Sandbox, seq: int, run_s: float, now: datetime, rates: Rates
                   ) -> UsageEntry | None:
     """Bill a node's cumulative running seconds ``run_s`` (report ``seq``) of a LOCKED row, exactly once:
