@@ -21,6 +21,8 @@ from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
     NodeBuildRequest,
     NodeDeadline,
+    NodeKilledMany,
+    NodeKillMany,
     NodePoolSpec,
     NodePoolStatus,
     NodeResume,
@@ -82,6 +84,10 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     @node.delete("/sandboxes/{sandbox_id}", response_model=NodeSandboxStatus)
     async def kill(sandbox_id: str) -> NodeSandboxStatus:
         return await agent.kill(sandbox_id)
+
+    @node.post("/sandboxes/kill", response_model=NodeKilledMany)
+    async def kill_many(body: NodeKillMany) -> NodeKilledMany:
+        return NodeKilledMany(items=await agent.kill_many(body.ids))
 
     @node.put("/sandboxes/{sandbox_id}/deadline", response_model=NodeSandboxStatus)
     async def deadline(sandbox_id: str, body: NodeDeadline) -> NodeSandboxStatus:

@@ -181,6 +181,23 @@ class NodeSandboxStatus(_Model):
     timeout_left: float | None = None       # paused: seconds its deadline had left when it was paused
 
 
+class NodeKillMany(_Model):
+    """Kill these sandboxes (``POST /node/v1/sandboxes/kill``): one call for many."""
+    ids: list[str] = Field(..., max_length=1000)
+
+
+class NodeKilled(_Model):
+    """One sandbox of a ``NodeKillMany``: its final status, or (not on this node) neither, or an error."""
+    id: str
+    status: NodeSandboxStatus | None = None
+    error_code: str | None = None
+    error: str | None = None
+
+
+class NodeKilledMany(_Model):
+    items: list[NodeKilled]
+
+
 class NodeDeadline(_Model):
     end_at: datetime
     timeout_s: float | None = None

@@ -170,6 +170,29 @@ class NewSandbox:
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
 
 
+@dataclass(frozen=True)
+class EndSandbox:
+    """One sandbox to end (``Store.end_sandboxes``): its new state and end reason, and the node's final
+    usage report when the node answered one (``final``; ``seq``/``run_s`` None when it carried none)."""
+    sandbox_id: str
+    state: str
+    end_reason: str
+    final: bool = False
+    seq: int | None = None
+    run_s: float | None = None
+
+
+@dataclass
+class Ended:
+    """What ``Store.end_sandboxes`` did: each sandbox's row after the transaction (ended, or as it was
+    when it was not in ``from_states``; absent when there is no such row), the ledger rows of the final
+    running usage it billed, and whether a paused interval's storage was charged."""
+    rows: dict[str, Any] = field(default_factory=dict)          # id -> SandboxRecord
+    entries: list[Any] = field(default_factory=list)            # UsageRecord
+    ended: set[str] = field(default_factory=set)                 # the ids this call ended
+    storage_charged: bool = False
+
+
 class DuplicateIdempotencyKey(Exception):
     """``place_and_insert``: another sandbox of the team already holds this idempotency key."""
 
@@ -228,6 +251,9 @@ class Store(Protocol):
     async def commit_usage_many(self, reports: list[tuple[str, int, float]], *, now: datetime, rates: Rates,
                                 charge_credits: bool, before_commit: Callable[[], None] | None = None
                                 ) -> list[Any]: ...
+    async def end_sandboxes(self, ends: list[EndSandbox], *, from_states: Iterable[str], now: datetime,
+                            rates: Rates, charge_credits: bool, before_commit: Callable[[], None] | None = None
+                            ) -> Ended: ...
     async def record_pause(self, sandbox_id: str, *, paused_at: datetime, checkpoint_bytes: int,
                            timeout_left: float) -> SandboxRecord | None: ...
     async def end_interval(self, sandbox_id: str, *, from_states: Iterable[str], until: datetime, rates: Rates,
