@@ -47,7 +47,7 @@ from pathlib import Path
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, diskquota, procs
+from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
@@ -191,6 +191,10 @@ class CrunRuntime:
         self.crun_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.init_path = Path(init_path) if init_path else build_init(self.state_dir)
+        # what /.pd/init is bound from: a copy on a tmpfs of its own, so that the sandbox's mountinfo names
+        # no host path (isolation.pdfs)
+        self.init_dir = self.state_dir / "pd-init"
+        self.init_bind = self._init_copy()
         # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
         self._defaults: dict[str, tuple[dict[str, str], str]] = {}
         # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
@@ -203,6 +207,17 @@ class CrunRuntime:
             self._init_current = False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _init_copy(self) -> Path:
+        try:
+            return pdfs.init_copy(self.init_dir, self.init_path)
+        except OSError as e:
+            raise RuntimeFailure(f"cannot put the sandbox init on its tmpfs at {self.init_dir}", detail=str(e)) from e
+
+    def _ensure_init(self) -> None:
+        """The init's tmpfs is there (another instance on this state dir may have closed it)."""
+        if not self.init_bind.exists():
+            self.init_bind = self._init_copy()
+
     @staticmethod
     def _binary() -> str:
         """hook: the OCI runtime's path (raises ``HostNotReady`` when it is not installed)."""
@@ -248,7 +263,7 @@ class CrunRuntime:
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+            self._make_run_dir(d)
             if spec.disk_mb:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
@@ -289,6 +304,14 @@ class CrunRuntime:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
 
+    def _make_run_dir(self, d: Path) -> None:
+        """``d/pd`` (bound at /.pd/run) on a tmpfs of its own; the init's tmpfs is checked on the way."""
+        try:
+            self._ensure_init()
+            pdfs.mount_run_dir(d / "pd")
+        except OSError as e:
+            raise RuntimeFailure(f"cannot mount the run dir of sandbox {d.name}", detail=str(e)) from e
+
     def _make_disk(self, d: Path, disk_mb: int) -> None:
         try:
             diskquota.make(self.state_dir, d, disk_mb)
@@ -317,7 +340,7 @@ class CrunRuntime:
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         """hook: the sandbox's OCI config."""
-        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
+        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_bind, cgroup_parent=self.cgroup_parent,
                           nofile=_nofile_limit(), run_dir=d / "pd")
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
@@ -538,6 +561,10 @@ class CrunRuntime:
                 problem = f"cannot move the writable layer to {save_to}: {e}"
         unlock_dir(d / "pd")
         try:
+            pdfs.umount_run_dir(d / "pd")
+        except MountError:
+            pass                               # umount_all_under below tries again
+        try:
             remove_tree(d)             # iterative: a sandbox's tree may be any depth (issue 16 item 4)
         except OSError:
             umount_all_under(d)
@@ -655,7 +682,7 @@ class CrunRuntime:
         code = await self._userland_crun(
             "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
             f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
-            binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
+            binds=[self.state_dir, image_dir, self.init_bind.parent], err_path=d / "crun.err")
         if code != 0:
             raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
                                  detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
@@ -686,7 +713,7 @@ class CrunRuntime:
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+            self._make_run_dir(d)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
             if has_disk:
                 try:
@@ -733,3 +760,9 @@ class CrunRuntime:
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.cleanup_parent)
+        # the init's tmpfs goes with the last sandbox of this state dir (running ones hold their own bind)
+        if not any(p.is_dir() for p in self.sandboxes_dir.iterdir()):
+            try:
+                pdfs.umount_init(self.init_dir)
+            except MountError:
+                pass
