@@ -8,8 +8,8 @@ mount options say. So neither bind comes from the data dir's file system:
   sandbox (``mount_run_dir``): its root field is ``/``, its source ``pd``. tmpfs keeps the immutable flag
   (``isolation.fsflags``, kernel 6.0+), and the size cap bounds what the sandbox's root can write there
   before the directory is locked;
-- ``/.pd/init`` is bound from ``<state dir>/pd-init/init``, a copy of the built init on one tmpfs per runtime
-  state dir (``init_copy``; root field ``/init``), mounted when the runtime starts and kept across agent
+- ``/.pd/init`` is bound from ``<state dir>/pd-init/init-<hash>``, a copy of the built init on one tmpfs per runtime
+  state dir (``init_copy``; root field ``/init-<hash>``), mounted when the runtime starts and kept across agent
   restarts (re-adopted and restored sandboxes find it at the same path), unmounted by the runtime's close.
 
 Both are host mounts below the runtime's state dir: the agent and CRIU (which binds the state dir) reach the
@@ -18,6 +18,8 @@ socket at the same path as before.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 from pathlib import Path
 
@@ -40,23 +42,29 @@ def umount_run_dir(path: Path) -> None:
 
 
 def init_copy(directory: Path, init: Path) -> Path:
-    """``directory/init``, a copy of ``init`` on the tmpfs mounted at ``directory`` (mounted if it is not).
-
-    A changed init is written beside and renamed over: sandboxes running the old one keep their inode."""
+    """A copy of ``init`` on the tmpfs mounted at ``directory`` (mounted if it is not), named by its content:
+    runtimes with different inits on one state dir each bind their own, and a rebuilt init never replaces
+    the file a checkpointed sandbox's init came from. When the tmpfs is full, the other copies go."""
     directory.mkdir(parents=True, exist_ok=True)
     if not is_mountpoint(directory):
         mount(b"pd-init", directory, b"tmpfs", MS_NOSUID | MS_NODEV, INIT_OPTS)
-    target = directory / INIT_NAME
     data = init.read_bytes()
-    try:
-        same = target.read_bytes() == data
-    except OSError:
-        same = False
-    if not same:
-        tmp = directory / f".{INIT_NAME}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
+    target = directory / f"{INIT_NAME}-{hashlib.sha256(data).hexdigest()[:16]}"
+    if target.is_file() and target.stat().st_size == len(data):
+        return target
+    tmp = directory / f".{INIT_NAME}.{os.getpid()}.tmp"
+    for attempt in range(2):
+        try:
+            tmp.write_bytes(data)
+            break
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno != errno.ENOSPC or attempt:
+                raise
+            for old in directory.glob(f"{INIT_NAME}-*"):
+                old.unlink()      # a sandbox running it keeps its inode
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, target)
     return target
 
 
