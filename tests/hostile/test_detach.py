@@ -53,6 +53,19 @@ async def test_timeout_kills_everything_the_command_started(crun_rt, box, case):
     assert (await sh(crun_rt, box, "echo ok", timeout=10))[:2] == (0, "ok\n")
 
 
+@pytest.mark.parametrize("case", ["double_fork", "setsid_double_fork"])
+async def test_crun_exec_fallback_timeout_kills_everything(crun_rt, box, case, monkeypatch):  # type: ignore[no-untyped-def]
+    """Without pd-init's channel (``crun exec``, e.g. PILLDROPS_EXEC=crun) the command runs under
+    ``/.pd/init --shepherd`` (a subreaper): the host's kill of its tree reaches the orphans too."""
+    monkeypatch.setenv("PILLDROPS_EXEC", "crun")
+    code, _, _, p = await sh(crun_rt, box, ESCAPES[case], timeout=1.5)
+    assert p.timed_out, (code, p.timed_out)
+    assert wait_only_init(box) == [], f"{case}: left running after the timeout (crun exec)"
+    code, out, _, p = await sh(crun_rt, box, "echo ok; exit 3", timeout=10)
+    assert (code, out) == (3, "ok\n")
+    assert (await sh(crun_rt, box, "kill -TERM $$; sleep 5", timeout=10))[0] == 128 + 15
+
+
 async def test_kill_kills_detached_children(crun_rt, box):  # type: ignore[no-untyped-def]
     p = await crun_rt.exec(box, ["sh", "-c", ESCAPES["setsid_double_fork"]], env={}, cwd=None, timeout=60)
     await anyio.sleep(0.5)

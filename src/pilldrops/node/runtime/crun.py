@@ -56,7 +56,7 @@ from pilldrops.node.isolation.rmtree import remove_tree
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init, source_hash
-from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
+from pilldrops.node.runtime.oci_spec import INIT_PATH_IN_SANDBOX, NOFILE, build_spec
 from pilldrops.node.runtime.registry import Probe
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -178,6 +178,7 @@ class CrunRuntime:
     IMAGE_SUBDIR = "criu"           # hook: where the process image goes inside a checkpoint image
     HOST_PIDS = True                # the sandbox's processes are host processes (their pids mean something)
     CTL_WAIT = 0.5                  # seconds create waits for pd-init's control socket
+    SHEPHERD_EXEC = True            # a fallback exec runs under ``/.pd/init --shepherd`` (a subreaper)
 
     def __init__(self, state_dir: Path, *, name: str = "default", init_path: Path | None = None) -> None:
         if not _NAME_RE.match(name):
@@ -195,8 +196,9 @@ class CrunRuntime:
         # no host path (isolation.pdfs)
         self.init_dir = self.state_dir / "pd-init"
         self.init_bind = self._init_copy()
-        # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
-        self._defaults: dict[str, tuple[dict[str, str], str]] = {}
+        # exec defaults (env, cwd, what /.pd/init is bound from) per live sandbox, so an exec does not
+        # re-read config.json
+        self._defaults: dict[str, tuple[dict[str, str], str, str]] = {}
         # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
         # instance started runs our init; an adopted or restored one may run an older build (asked once)
         self._proto: dict[str, tuple[int, int | None, int]] = {}
@@ -354,7 +356,7 @@ class CrunRuntime:
         d = self._dir(handle.id)
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
-        base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
+        base_env, base_cwd, init_src = self._defaults.get(handle.id) or self._process_defaults(d)
         if exec_mode() == "supervisor":
             proto = await self._init_proto(d, handle)
             if pty is not None and proto == 1:
@@ -377,6 +379,10 @@ class CrunRuntime:
             raise RuntimeFailure(f"a PTY needs pd-init's control socket, which sandbox {handle.id} lacks "
                                  "(or PILLDROPS_EXEC=crun is set)")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
+        if self.SHEPHERD_EXEC and init_src == str(self.init_bind):
+            # this build's init (content-named copy): the command runs below a subreaper, so that a kill
+            # of the tree from the host reaches whatever it detached (setsid, double fork; issue 16 part 3)
+            argv = [INIT_PATH_IN_SANDBOX, "--shepherd", *argv]
         try:
             return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
                                                               pid_file, user),
@@ -470,7 +476,7 @@ class CrunRuntime:
             return None
 
     @staticmethod
-    def _process_defaults(d: Path) -> tuple[dict[str, str], str]:
+    def _process_defaults(d: Path) -> tuple[dict[str, str], str, str]:
         """The sandbox's own env (PATH, template env, spec.envs) and cwd from its config.json.
 
         crun exec with ``--env`` starts from an empty environment and defaults cwd to "/", so both are
@@ -482,9 +488,11 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
 
     @staticmethod
-    def _defaults_from(config: dict) -> tuple[dict[str, str], str]:  # type: ignore[type-arg]
+    def _defaults_from(config: dict) -> tuple[dict[str, str], str, str]:  # type: ignore[type-arg]
         proc = config["process"]
-        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
+        init_src = next((m.get("source", "") for m in config.get("mounts", [])
+                         if m.get("destination") == INIT_PATH_IN_SANDBOX), "")
+        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/", init_src
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.

@@ -514,7 +514,42 @@ static struct pollfd pfd[NPFD];
 static short owner[NPFD], kind[NPFD];      /* slot index (-1: signalfd, -2: listener); fd kind */
 enum { K_CONN, K_OUT, K_ERR, K_IN };
 
-int main(void) {
+/* ``/.pd/init --shepherd CMD [ARG...]``: a command the agent runs with ``crun exec`` (its fallback without
+ * the control socket) under a shepherd of its own: a child subreaper, so that every process the command
+ * starts (setsid, double fork) stays below it, where the agent's kill finds it (a walk of the host's /proc
+ * from this process, which is what crun exec's pid file names). Every signal is forwarded to the command,
+ * orphans are reaped, and it exits with the command's status (128+N when killed by signal N). */
+static int shepherd_exec(char **argv) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    pid_t c = fork();
+    if (c < 0) { dprintf(2, "pd-init: fork: %s\n", strerror(errno)); return 126; }
+    if (c == 0) {
+        sigprocmask(SIG_UNBLOCK, &all, NULL);
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "pd-init: exec `%s`: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    /* hold no end of the command's pipes: its output ends when it closes them */
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) { dup2(null, 0); dup2(null, 1); dup2(null, 2); if (null > 2) close(null); }
+    for (;;) {
+        siginfo_t si;
+        int sig = sigwaitinfo(&all, &si);
+        if (sig < 0) continue;
+        if (sig != SIGCHLD) { kill(c, sig); continue; }
+        int st;
+        pid_t w;
+        while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+            if (w == c) return WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--shepherd") == 0) return shepherd_exec(argv + 2);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGCHLD);
