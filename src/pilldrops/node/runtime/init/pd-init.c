@@ -154,10 +154,14 @@ static void release(struct slot *s) {
 }
 
 /* SIGKILL every live descendant of ``root`` (found through /proc ppid links; the shepherd is a subreaper,
- * so no descendant is ever re-parented past it), walking again until a walk finds no new one. */
+ * so no descendant is ever re-parented past it). Each one found is first SIGSTOPped, walking again until a
+ * walk finds no new one, and only then is everything found SIGKILLed: a process killed in the middle of the
+ * tree would orphan its children before the next walk, and where the subreaper does not hold (gVisor
+ * re-parents orphans to PID 1) they would no longer be found. */
 static void kill_tree(pid_t root) {
     size_t cap = 0, n = 0, ncap = 0, nkilled = 0;
     pid_t *pid = NULL, *ppid = NULL, *killed = NULL;
+    kill(root, SIGSTOP);
     for (int pass = 0; pass < 64; pass++) {
         DIR *d = opendir("/proc");
         if (!d) break;
@@ -207,12 +211,12 @@ static void kill_tree(pid_t root) {
             int seen = 0;
             for (size_t k = 0; k < nkilled && !seen; k++) seen = killed[k] == pid[i];
             if (seen) continue;
-            kill(pid[i], SIGKILL);
+            kill(pid[i], SIGSTOP);
             fresh = 1;
             if (nkilled == ncap) {
                 size_t nc = ncap ? ncap * 2 : 64;
                 pid_t *a = realloc(killed, nc * sizeof *a);
-                if (!a) continue;
+                if (!a) { kill(pid[i], SIGKILL); continue; }   /* unrecorded: never left stopped */
                 killed = a;
                 ncap = nc;
             }
@@ -221,6 +225,7 @@ static void kill_tree(pid_t root) {
         free(mark);
         if (!fresh) break;
     }
+    for (size_t k = 0; k < nkilled; k++) kill(killed[k], SIGKILL);
     free(pid); free(ppid); free(killed);
 }
 
