@@ -8,7 +8,8 @@ watch them. Each duty beyond that has a module of its own:
 - ``template_cache``: the built templates and what a sandbox spec becomes with them;
 - ``pools``: warm pools;
 - ``egress``: the network of sandboxes that asked for one (veth, NAT, per-sandbox rules; attached after
-  the runtime made the sandbox, so a warm-pool member gets it at claim time).
+  the runtime made the sandbox: a member of a warm pool with that policy has it already, a member of the
+  loopback-only pool gets it at claim time).
 
 It journals intent before creating and confirms after, enforces deadlines itself (the control plane may be
 down) and notices sandboxes whose init died (``oom`` when the memory cgroup killed it, ``exited``
@@ -49,6 +50,7 @@ from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeBuildRequest,
+    NodeNetwork,
     NodePoolSpec,
     NodeResume,
     NodeSandboxSpec,
@@ -129,7 +131,8 @@ class NodeAgent:
                                     state_dir / "builds") if hasattr(templates, "_build_into") else None)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
-                               template_version=self.template_cache.version)
+                               template_version=self.template_cache.version,
+                               attach=self._attach_member, release=lambda mid: self.egress.release(mid))
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
@@ -226,13 +229,13 @@ class NodeAgent:
             raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
                                                       "isolation": rt_spec.isolation})
         # warm pools are containers, and their members have the template's default disk
-        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
+        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb, spec.network)
                   if spec.isolation == "container" and self.template_cache.pooled_version(spec)
                   and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None}))
                   else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
-            return await self._adopt_new(sb, member, claimed=True)
+            return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
         try:
             self.journal.write(sb.journal_entry())
@@ -259,9 +262,12 @@ class NodeAgent:
             raise errors.NotSupported(f"egress is not available on node {self.settings.name}: {why}",
                                       details={"feature": "egress"})
 
-    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
+    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool,
+                         attached: bool = False) -> NodeSandboxStatus:
         try:
-            if sb.spec.network is not None and handle.pid is not None:
+            if attached:                   # a member of the pool of this policy: its network is there already
+                self.egress.rekey(handle.id, sb.id)
+            elif sb.spec.network is not None and handle.pid is not None:
                 try:
                     await self.egress.attach(sb.id, handle.pid, _rootfs(handle), sb.spec.network)
                 except RuntimeFailure as exc:
@@ -276,6 +282,8 @@ class NodeAgent:
             with anyio.CancelScope(shield=True):
                 await self._destroy_quietly(handle)
                 await self.egress.release(sb.id)
+                if attached:
+                    await self.egress.release(handle.id)    # a rekey that failed: still the member's
             self.journal.remove(sb.id)
             if self.sandboxes.is_current(sb, NodeState.creating, NodeState.ending):
                 self.sandboxes.move(sb, NodeState.gone)
@@ -289,6 +297,13 @@ class NodeAgent:
         base = NodeSandboxSpec(id=member_id, template=pool.template, vcpu=pool.vcpu, memory_mb=pool.memory_mb,
                                end_at=self.now(), access_token="-")
         return self._runtime_spec(base)
+
+    async def _attach_member(self, handle: Handle, net: NodeNetwork) -> None:
+        """A new member of a warm pool with a policy gets its network now, under its member id."""
+        why = self.egress.unavailable()
+        if why or handle.pid is None:
+            raise RuntimeFailure(f"egress is not available on node {self.settings.name}: {why or 'no init pid'}")
+        await self.egress.attach(handle.id, handle.pid, _rootfs(handle), net)
 
     def configure_pools(self, pools: list[NodePoolSpec]) -> None:
         self.pools.configure(pools)

@@ -6,6 +6,12 @@ shape claims instead of booting one (issue 5).
   the claim). A restarted agent reaps unclaimed members like any unrecorded container, then refills.
 - A claim hands a member to exactly one sandbox and it never returns to the pool: when that sandbox ends
   its container is destroyed like any other, so nothing of one tenant reaches another.
+- A pool is also one egress policy (issue 14 part 3): members of a pool with ``network`` are made with
+  their network attached (``attach``: veth, rules, resolv.conf, keyed by the member's id), so a create of
+  that shape and policy claims one with nothing to set up. A create with egress that no pool of its
+  policy can serve falls back to the loopback-only pool of its shape (the agent attaches at the claim);
+  a create without egress never gets a member with a network. A destroyed member's network goes with
+  it (``release``).
 - Refill keeps ``ready + starting == size`` with at most ``concurrency`` creates in flight across all
   pools (a burst of claims never becomes a burst of boots that starves cold creates), oldest deficit
   first. After ``BREAKER_FAILURES`` consecutive failed refills a pool's breaker opens: no refills for a
@@ -19,24 +25,34 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 from pilldrops.node.runtime.base import Handle, Runtime, SandboxSpec
-from pilldrops.schema.node import NodePoolSpec, NodePoolStatus
+from pilldrops.schema.node import NodeNetwork, NodePoolSpec, NodePoolStatus, network_key
 
 log = logging.getLogger("pilldrops.node.pools")
-Key = tuple[str, float, int]
+Key = tuple[str, float, int, str]       # shape and the members' ``network_key`` ("" loopback only)
 BREAKER_FAILURES = 5
 BACKOFF_MIN_S = 2.0
 BACKOFF_MAX_S = 300.0
 TICK_S = 1.0
 
 
-def key_of(template: str, vcpu: float, memory_mb: int) -> Key:
-    return (template, round(float(vcpu), 3), int(memory_mb))
+def key_of(template: str, vcpu: float, memory_mb: int, network: NodeNetwork | None = None) -> Key:
+    return (template, round(float(vcpu), 3), int(memory_mb), network_key(network))
+
+
+def spec_key(spec: NodePoolSpec) -> Key:
+    return key_of(spec.template, spec.vcpu, spec.memory_mb, spec.network)
+
+
+@dataclass(frozen=True)
+class Claim:
+    handle: Handle
+    network_attached: bool    # the member's egress (the create's policy) is attached under its id already
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,12 @@ class WarmPools:
 
     def __init__(self, runtime: Runtime, make_spec: Callable[[NodePoolSpec, str], SandboxSpec],
                  has_template: Callable[[str], bool], *, concurrency: int = 2,
-                 template_version: Callable[[str], object] = lambda name: None) -> None:
+                 template_version: Callable[[str], object] = lambda name: None,
+                 attach: Callable[[Handle, NodeNetwork], Awaitable[object]] | None = None,
+                 release: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.runtime = runtime
+        self.attach = attach
+        self.release = release
         self.make_spec = make_spec
         self.has_template = has_template
         self.template_version = template_version
@@ -91,7 +111,7 @@ class WarmPools:
     def configure(self, specs: list[NodePoolSpec]) -> None:
         """Apply the fleet's pool config (from the control plane). Removed or shrunk pools give their
         surplus members back (destroyed by the refill loop); counters of kept pools carry on."""
-        wanted = {key_of(s.template, s.vcpu, s.memory_mb): s for s in specs if s.size > 0}
+        wanted = {spec_key(s): s for s in specs if s.size > 0}
         for key, spec in wanted.items():
             pool = self.pools.get(key)
             if pool is None:
@@ -103,13 +123,22 @@ class WarmPools:
                 pool.spec = pool.spec.model_copy(update={"size": 0})
         self.wake()
 
-    def claim(self, template: str, vcpu: float, memory_mb: int) -> Handle | None:
-        """A ready member of this shape, now the caller's (never handed out twice), or None (a miss)."""
-        pool = self.pools.get(key_of(template, vcpu, memory_mb))
+    def claim(self, template: str, vcpu: float, memory_mb: int, network: NodeNetwork | None = None) -> Claim | None:
+        """A ready member of this shape, now the caller's (never handed out twice), or None (a miss): one of
+        the pool of ``network``'s policy (its network attached), else, for a create with egress, one of the
+        loopback-only pool (the caller attaches the network)."""
+        for key in dict.fromkeys([key_of(template, vcpu, memory_mb, network), key_of(template, vcpu, memory_mb)]):
+            handle = self._take(key)      # an empty pool counts a miss, also when the fallback then hits
+            if handle is not None:
+                return Claim(handle, network_attached=key[3] != "")
+        return None
+
+    def _take(self, key: Key) -> Handle | None:
+        pool = self.pools.get(key)
         if pool is None or pool.spec.size == 0:
             return None
         self.wake()
-        current = self.template_version(template)
+        current = self.template_version(pool.spec.template)
         while pool.ready:
             member = pool.ready.popleft()
             if member.version == current:
@@ -176,6 +205,15 @@ class WarmPools:
         version = self.template_version(pool.spec.template)
         try:
             handle = await self.runtime.create(self.make_spec(pool.spec, member_id))
+            if pool.spec.network is not None:
+                try:
+                    if self.attach is None:
+                        raise RuntimeError("this node gives warm-pool members no network")
+                    await self.attach(handle, pool.spec.network)
+                except BaseException:
+                    await self._destroy(handle)
+                    handle = None
+                    raise
         except Exception as exc:  # noqa: BLE001 - any failure counts towards the breaker
             pool.failures += 1
             pool.last_error = str(exc)[:500]
@@ -192,7 +230,7 @@ class WarmPools:
             self.in_flight -= 1
             self.wake()
         if handle is not None:
-            current = self.pools.get(key_of(pool.spec.template, pool.spec.vcpu, pool.spec.memory_mb))
+            current = self.pools.get(spec_key(pool.spec))
             if current is pool and len(pool.ready) < pool.spec.size and not self._closing \
                     and version == self.template_version(pool.spec.template):
                 pool.ready.append(Member(handle, version))
@@ -205,6 +243,11 @@ class WarmPools:
                 await self.runtime.destroy(handle)
             except Exception:  # a restarted agent reaps it as unrecorded
                 log.exception("destroying pool member %s failed", handle.id)
+            if self.release is not None:
+                try:
+                    await self.release(handle.id)        # its veth, rules and slot (nothing if it had none)
+                except Exception:  # a restarted agent releases records no sandbox explains
+                    log.exception("releasing the network of pool member %s failed", handle.id)
 
     async def close(self) -> None:
         """Destroy every ready member (agent shutdown); refills in flight destroy theirs when they finish."""

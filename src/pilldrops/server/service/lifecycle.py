@@ -30,7 +30,7 @@ from pilldrops.schema.api import (
     SandboxList,
     SandboxState,
 )
-from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus, network_key
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import egress, isolation, placement
@@ -147,7 +147,8 @@ class Lifecycle:
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
             new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
-            want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
+            want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation,
+                                     network_key(egress.node_network(new.network, ctx.egress)))
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
