@@ -47,7 +47,7 @@ from pathlib import Path
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, diskquota, procs
+from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
@@ -56,7 +56,7 @@ from pilldrops.node.isolation.rmtree import remove_tree
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init, source_hash
-from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
+from pilldrops.node.runtime.oci_spec import INIT_PATH_IN_SANDBOX, NOFILE, build_spec
 from pilldrops.node.runtime.registry import Probe
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -181,6 +181,7 @@ class CrunRuntime:
     IMAGE_SUBDIR = "criu"           # hook: where the process image goes inside a checkpoint image
     HOST_PIDS = True                # the sandbox's processes are host processes (their pids mean something)
     CTL_WAIT = 0.5                  # seconds create waits for pd-init's control socket
+    SHEPHERD_EXEC = True            # a fallback exec runs under ``/.pd/init --shepherd`` (a subreaper)
 
     def __init__(self, state_dir: Path, *, name: str = "default", init_path: Path | None = None) -> None:
         if not _NAME_RE.match(name):
@@ -194,8 +195,13 @@ class CrunRuntime:
         self.crun_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.init_path = Path(init_path) if init_path else build_init(self.state_dir)
-        # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
-        self._defaults: dict[str, tuple[dict[str, str], str]] = {}
+        # what /.pd/init is bound from: a copy on a tmpfs of its own, so that the sandbox's mountinfo names
+        # no host path (isolation.pdfs)
+        self.init_dir = self.state_dir / "pd-init"
+        self.init_bind = self._init_copy()
+        # exec defaults (env, cwd, what /.pd/init is bound from) per live sandbox, so an exec does not
+        # re-read config.json
+        self._defaults: dict[str, tuple[dict[str, str], str, str]] = {}
         # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
         # instance started runs our init; an adopted or restored one may run an older build (asked once)
         self._proto: dict[str, tuple[int, int | None, int]] = {}
@@ -206,6 +212,17 @@ class CrunRuntime:
             self._init_current = False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _init_copy(self) -> Path:
+        try:
+            return pdfs.init_copy(self.init_dir, self.init_path)
+        except OSError as e:
+            raise RuntimeFailure(f"cannot put the sandbox init on its tmpfs at {self.init_dir}", detail=str(e)) from e
+
+    def _ensure_init(self) -> None:
+        """The init's tmpfs is there (another instance on this state dir may have closed it)."""
+        if not self.init_bind.exists():
+            self.init_bind = self._init_copy()
+
     @staticmethod
     def _binary() -> str:
         """hook: the OCI runtime's path (raises ``HostNotReady`` when it is not installed)."""
@@ -251,7 +268,7 @@ class CrunRuntime:
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+            self._make_run_dir(d)
             if spec.disk_mb:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
@@ -292,6 +309,14 @@ class CrunRuntime:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
 
+    def _make_run_dir(self, d: Path) -> None:
+        """``d/pd`` (bound at /.pd/run) on a tmpfs of its own; the init's tmpfs is checked on the way."""
+        try:
+            self._ensure_init()
+            pdfs.mount_run_dir(d / "pd")
+        except OSError as e:
+            raise RuntimeFailure(f"cannot mount the run dir of sandbox {d.name}", detail=str(e)) from e
+
     def _make_disk(self, d: Path, disk_mb: int) -> None:
         try:
             diskquota.make(self.state_dir, d, disk_mb)
@@ -320,7 +345,7 @@ class CrunRuntime:
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         """hook: the sandbox's OCI config."""
-        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
+        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_bind, cgroup_parent=self.cgroup_parent,
                           nofile=_nofile_limit(), run_dir=d / "pd")
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
@@ -334,7 +359,7 @@ class CrunRuntime:
         d = self._dir(handle.id)
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
-        base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
+        base_env, base_cwd, init_src = self._defaults.get(handle.id) or self._process_defaults(d)
         if exec_mode() == "supervisor":
             proto = await self._init_proto(d, handle)
             if pty is not None and proto == 1:
@@ -357,6 +382,10 @@ class CrunRuntime:
             raise RuntimeFailure(f"a PTY needs pd-init's control socket, which sandbox {handle.id} lacks "
                                  "(or PILLDROPS_EXEC=crun is set)")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
+        if self.SHEPHERD_EXEC and init_src == str(self.init_bind):
+            # this build's init (content-named copy): the command runs below a subreaper, so that a kill
+            # of the tree from the host reaches whatever it detached (setsid, double fork; issue 16 part 3)
+            argv = [INIT_PATH_IN_SANDBOX, "--shepherd", *argv]
         try:
             return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
                                                               pid_file, user),
@@ -450,7 +479,7 @@ class CrunRuntime:
             return None
 
     @staticmethod
-    def _process_defaults(d: Path) -> tuple[dict[str, str], str]:
+    def _process_defaults(d: Path) -> tuple[dict[str, str], str, str]:
         """The sandbox's own env (PATH, template env, spec.envs) and cwd from its config.json.
 
         crun exec with ``--env`` starts from an empty environment and defaults cwd to "/", so both are
@@ -462,9 +491,11 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
 
     @staticmethod
-    def _defaults_from(config: dict) -> tuple[dict[str, str], str]:  # type: ignore[type-arg]
+    def _defaults_from(config: dict) -> tuple[dict[str, str], str, str]:  # type: ignore[type-arg]
         proc = config["process"]
-        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
+        init_src = next((m.get("source", "") for m in config.get("mounts", [])
+                         if m.get("destination") == INIT_PATH_IN_SANDBOX), "")
+        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/", init_src
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.
@@ -540,6 +571,10 @@ class CrunRuntime:
             except (OSError, subprocess.CalledProcessError) as e:
                 problem = f"cannot move the writable layer to {save_to}: {e}"
         unlock_dir(d / "pd")
+        try:
+            pdfs.umount_run_dir(d / "pd")
+        except MountError:
+            pass                               # umount_all_under below tries again
         if save_to is not None and problem:
             self._keep_layer(d, save_to)
             return left, problem
@@ -690,7 +725,7 @@ class CrunRuntime:
         code = await self._userland_crun(
             "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
             f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
-            binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
+            binds=[self.state_dir, image_dir, self.init_bind.parent], err_path=d / "crun.err")
         if code != 0:
             raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
                                  detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
@@ -723,7 +758,7 @@ class CrunRuntime:
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True, exist_ok=kept)
-            (d / "pd").mkdir(mode=0o700, exist_ok=kept)
+            self._make_run_dir(d)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
             if has_disk:
                 try:
@@ -775,3 +810,9 @@ class CrunRuntime:
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.cleanup_parent)
+        # the init's tmpfs goes with the last sandbox of this state dir (running ones hold their own bind)
+        if not any(p.is_dir() for p in self.sandboxes_dir.iterdir()):
+            try:
+                pdfs.umount_init(self.init_dir)
+            except MountError:
+                pass
