@@ -38,7 +38,7 @@ class NodeRegister(_Model):
     isolation: dict[str, IsolationSupport] = Field(
         default_factory=dict, description="each isolation mode, probed at agent start; empty (an agent from "
                                           "before isolation modes): container only")
-    ram_mb: int = Field(0, ge=0, description="the host's RAM in MiB: no sandbox's memory_mb may be more "
+    ram_mb: int = Field(0, ge=0, exclude_if=lambda v: not v, description="the host's RAM in MiB: no sandbox's memory_mb may be more "
                                             "(capacity_memory_mb overcommits it); 0: unknown (an older agent)")
 
 
@@ -125,8 +125,10 @@ class NodeTemplateRef(_Model):
     user: str | None = None             # "uid:gid" commands run as (a Dockerfile's USER); None: root
     home: str | None = None
     isolation: str | None = None
-    disk_mb: int | None = None          # its sandboxes' default disk size in MiB (the spec's disk_mb)
-    network: TemplateNetwork | None = None   # its sandboxes' default egress (the spec's [network])
+    # its sandboxes' default disk size in MiB and egress (the spec's disk_mb and [network]); left out when
+    # None, so agents from before these fields (extra="forbid") still take the other templates' creates
+    disk_mb: int | None = Field(None, exclude_if=lambda v: v is None)
+    network: TemplateNetwork | None = Field(None, exclude_if=lambda v: v is None)
     built_at: datetime | None = None
     size_bytes: int = 0
 

@@ -430,6 +430,7 @@ class AsyncSandbox:
         else:
             bodies = [{"labels": dict(metadata or {})}]
         out = KillSandboxesResponse(items=[], killed=0, failed=0)
+        seen: set[str] = set()
         while bodies:
             body = build_model(KillSandboxesRequest, **bodies.pop(0)).model_dump(mode="json", exclude_none=True)
             n = len(body["ids"]) if "ids" in body else MAX_BATCH       # ~0.5 s a sandbox, as a batch create
@@ -439,8 +440,12 @@ class AsyncSandbox:
             out.items.extend(got.items)
             out.killed += got.killed
             out.failed += got.failed
-            if "labels" in body and got.killed >= MAX_BATCH:
-                bodies.append(body)        # the server kills at most MAX_BATCH matches a call: more may match
+            new_ids = {it.id for it in got.items} - seen
+            seen |= new_ids
+            if "labels" in body and got.killed >= MAX_BATCH and new_ids:
+                # the server kills at most MAX_BATCH matches a call: more may match (a round that ended
+                # nothing new stops: rows it cannot end must not make this loop forever)
+                bodies.append(body)
         return out
 
     @classmethod

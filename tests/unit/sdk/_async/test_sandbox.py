@@ -547,3 +547,20 @@ async def test_kill_many_by_ids_and_by_metadata_in_one_request(fake: FakeControl
     await AsyncSandbox._drop_made(made[3]._client, [made[3], made[4]])    # a failed batch's teardown
     assert len(fake.requests_to("POST", "/v1/sandboxes/kill")) == 3 and not fake.requests_to("DELETE", ".*")
     assert made[3].info.state == made[4].info.state == SandboxState.stopped
+
+
+@pytest.mark.anyio
+async def test_kill_many_by_metadata_stops_when_a_round_ends_nothing_new() -> None:
+    """The server ends at most 1,000 matches a call, so the SDK asks again while a round was full; a server
+    that keeps answering the same rows (ones it cannot end) must not make that loop forever."""
+    calls: list[int] = []
+    items = [{"id": f"sb_{i:04d}", "sandbox": None, "error": None} for i in range(1000)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        assert len(calls) < 10, "kill_many looped"
+        return httpx.Response(200, json={"items": items, "killed": 1000, "failed": 0})
+
+    res = await AsyncSandbox.kill_many(metadata={"run": "a"}, api_key="pd_test", api_url="http://cp.test",
+                                       transport=httpx.MockTransport(handler))
+    assert len(calls) == 2 and res.killed == 2000
