@@ -346,6 +346,13 @@ class _MoveFails(CrunRuntime):
         return result
 
 
+class _RunDirFails(CrunRuntime):
+    """A resume fails before it reaches the writable layer (its run dir cannot be made)."""
+
+    def _make_run_dir(self, d):  # type: ignore[no-untyped-def]
+        raise RuntimeFailure("injected: no run dir")
+
+
 async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntime, criu_ready: None,  # type: ignore[no-untyped-def]
                                                            tiny, tmp_path: Path) -> None:
     """Reviewer finding 3: a checkpoint whose writable layer could not be moved into the image deleted it
@@ -364,7 +371,14 @@ async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntim
     with pytest.raises(RuntimeFailure, match="writable layer is kept") as e:
         await rt.checkpoint(h, img)
     assert "cannot move the writable layer" in (e.value.detail or ""), e.value.detail
-    assert (Path(runtime.sandboxes_dir) / "keep1" / "disk.img").is_file()
+    kept_dir = Path(runtime.sandboxes_dir) / "keep1"
+    assert (kept_dir / "disk.img").is_file()
+    # reviewer finding (fixes 1): a resume failing before it reached the layer deleted the kept one with the
+    # sandbox dir; now it keeps it again (here the image's disk.img is still in the way) and resumes later
+    failing = _RunDirFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    with pytest.raises(RuntimeFailure):
+        await failing.restore(spec, img)
+    assert (kept_dir / "disk.img").is_file() and (kept_dir / "layer-kept-for-restore").is_file()
     h2 = await runtime.restore(spec, img)
     assert (await sh(runtime, h2, "cat /root/data")) == "precious\n"
     assert (await sh(runtime, h2, "cat /tmp/tok")).strip() == token

@@ -754,7 +754,10 @@ class CrunRuntime:
         if not (has_disk or (layer / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
             raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no disk.img or upper/, or no "
                                  f"{self.IMAGE_SUBDIR}/)")
-        moved = ok = False
+        # ``moved``: the writable layer is out of the image, so a failed restore puts it back (or keeps it
+        # in ``d`` again); a kept layer is out of it from the start, and a teardown without ``save_to``
+        # would delete its only copy
+        moved, ok = kept, False
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True, exist_ok=kept)
