@@ -35,6 +35,7 @@ from pilldrops.node.runtime.base import (
     RuntimeState,
     SandboxSpec,
 )
+from pilldrops.node.runtime.base import abort_restore as base_abort_restore
 from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES, IsolationSupport
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,10 @@ class RuntimeRegistry:
         else:       # an id nobody recorded (a reaped leftover): every runtime's destroy is idempotent
             for rt in self.runtimes.values():
                 await rt.destroy(Handle(id=handle.id))
+        self._owner.pop(handle.id, None)
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        await base_abort_restore(self._for(handle), handle, image_dir)
         self._owner.pop(handle.id, None)
 
     def oom_kills(self, handle: Handle) -> int | None:
