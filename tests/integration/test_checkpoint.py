@@ -387,6 +387,7 @@ async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntim
     assert "cannot move the writable layer" in (e.value.detail or ""), e.value.detail
     kept_dir = Path(runtime.sandboxes_dir) / "keep1"
     assert (kept_dir / "disk.img").is_file()
+    assert runtime.kept_layer("keep1") == kept_dir / "disk.img"     # (fixes 3) what the agent bills / drops
     # reviewer finding (fixes 1): a resume failing before it reached the layer deleted the kept one with the
     # sandbox dir; now it keeps it again (here the image's disk.img is still in the way) and resumes later
     failing = _RunDirFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)

@@ -129,6 +129,17 @@ class Runtime(Protocol):
     # restored again. A runtime whose restore leaves the image intact needs none (see ``abort_restore``).
 
 
+    # optional: ``kept_layer(sandbox_id) -> Path | None``, the writable layer (a file or a directory) that a
+    # checkpoint of ``sandbox_id`` could not move into its image and kept outside it (``restore`` resumes
+    # with it; ``destroy`` of the id removes it); None when the image holds the whole sandbox
+
+
+def kept_layer(runtime: Runtime, sandbox_id: str) -> Path | None:
+    """``runtime.kept_layer`` where the runtime has one, else None (its images are whole)."""
+    fn = getattr(runtime, "kept_layer", None)
+    return fn(sandbox_id) if fn is not None else None
+
+
 async def abort_restore(runtime: Runtime, handle: Handle, image_dir: Path) -> None:
     """``runtime.abort_restore`` where the runtime has one, else ``destroy`` (its image is intact)."""
     fn = getattr(runtime, "abort_restore", None)

@@ -529,6 +529,13 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 
+    def kept_layer(self, sandbox_id: str) -> Path | None:
+        """The writable layer a checkpoint kept in the sandbox dir (``_keep_layer``), or None."""
+        d = self._dir(sandbox_id)
+        if not (d / LAYER_KEPT).is_file():
+            return None
+        return d / diskquota.IMAGE if (d / diskquota.IMAGE).is_file() else d / "upper"
+
     async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
         """A restore the agent was killed in: tear it down, the writable layer going back into ``image_dir``
         (or kept in the sandbox dir again, see ``_keep_layer``) unless the image still holds its own one

@@ -36,6 +36,7 @@ from pilldrops.node.runtime.base import (
     SandboxSpec,
 )
 from pilldrops.node.runtime.base import abort_restore as base_abort_restore
+from pilldrops.node.runtime.base import kept_layer as base_kept_layer
 from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES, IsolationSupport
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,13 @@ class RuntimeRegistry:
             for rt in self.runtimes.values():
                 await rt.destroy(Handle(id=handle.id))
         self._owner.pop(handle.id, None)
+
+    def kept_layer(self, sandbox_id: str) -> Path | None:
+        try:
+            rt = self._for(Handle(id=sandbox_id))
+        except RuntimeFailure:       # its isolation is not available here (any more): nothing of it is kept
+            return None
+        return base_kept_layer(rt, sandbox_id)
 
     async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
         await base_abort_restore(self._for(handle), handle, image_dir)
