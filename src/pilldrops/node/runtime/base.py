@@ -128,7 +128,6 @@ class Runtime(Protocol):
     # ``image_dir`` (or one a checkpoint kept in the sandbox dir) goes back into it, so the image can be
     # restored again. A runtime whose restore leaves the image intact needs none (see ``abort_restore``).
 
-
     # optional: ``kept_layer(sandbox_id) -> Path | None``, the writable layer (a file or a directory) that a
     # checkpoint of ``sandbox_id`` could not move into its image and kept outside it (``restore`` resumes
     # with it; ``destroy`` of the id removes it); None when the image holds the whole sandbox
