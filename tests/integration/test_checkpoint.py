@@ -346,6 +346,27 @@ class _MoveFails(CrunRuntime):
         return result
 
 
+class _RunDirFails(CrunRuntime):
+    """A resume fails before it reaches the writable layer (its run dir cannot be made)."""
+
+    def _make_run_dir(self, d):  # type: ignore[no-untyped-def]
+        raise RuntimeFailure("injected: no run dir")
+
+
+class _AgentKilled(Exception):
+    pass
+
+
+class _KilledInRestore(CrunRuntime):
+    """The agent dies just before the restored processes start: nothing of the restore is undone."""
+
+    async def _restore_init(self, spec, d, image_dir):  # type: ignore[no-untyped-def]
+        raise _AgentKilled
+
+    async def _teardown(self, sandbox_id, *, save_to=None):  # type: ignore[no-untyped-def]
+        raise _AgentKilled
+
+
 async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntime, criu_ready: None,  # type: ignore[no-untyped-def]
                                                            tiny, tmp_path: Path) -> None:
     """Reviewer finding 3: a checkpoint whose writable layer could not be moved into the image deleted it
@@ -364,7 +385,29 @@ async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntim
     with pytest.raises(RuntimeFailure, match="writable layer is kept") as e:
         await rt.checkpoint(h, img)
     assert "cannot move the writable layer" in (e.value.detail or ""), e.value.detail
-    assert (Path(runtime.sandboxes_dir) / "keep1" / "disk.img").is_file()
+    kept_dir = Path(runtime.sandboxes_dir) / "keep1"
+    assert (kept_dir / "disk.img").is_file()
+    assert runtime.kept_layer("keep1") == kept_dir / "disk.img"     # (fixes 3) what the agent bills / drops
+    # reviewer finding (fixes 1): a resume failing before it reached the layer deleted the kept one with the
+    # sandbox dir; now it keeps it again (here the image's disk.img is still in the way) and resumes later
+    failing = _RunDirFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    with pytest.raises(RuntimeFailure):
+        await failing.restore(spec, img)
+    assert (kept_dir / "disk.img").is_file() and (kept_dir / "layer-kept-for-restore").is_file()
+    # (fixes 2) an agent killed while resuming: recovery's abort_restore keeps the layer (the image's
+    # disk.img still in the way), then, the way clear, moves it into the image, and after a restore that
+    # had taken it out of the image (its teardown never ran) moves it back
+    with pytest.raises(RuntimeFailure, match="incomplete"):
+        await runtime.abort_restore(Handle(id="keep1"), img)
+    assert (kept_dir / "disk.img").is_file() and (kept_dir / "layer-kept-for-restore").is_file()
+    shutil.rmtree(img / "disk.img")
+    killed = _KilledInRestore(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    for _ in range(2):          # first from the kept layer, then from the image
+        with pytest.raises(_AgentKilled):
+            await killed.restore(spec, img)
+        assert (kept_dir / "disk.img").is_file() and not (img / "disk.img").exists()
+        await runtime.abort_restore(Handle(id="keep1"), img)
+        assert (img / "disk.img").is_file() and not kept_dir.exists()
     h2 = await runtime.restore(spec, img)
     assert (await sh(runtime, h2, "cat /root/data")) == "precious\n"
     assert (await sh(runtime, h2, "cat /tmp/tok")).strip() == token

@@ -371,7 +371,7 @@ class NodeAgent:
         if sb is not None and sb.state in _LIVE:
             return await self._end(sandbox_id, EndReason.killed, report=False)
         if sb is not None and sb.state is NodeState.paused:
-            return self.transfer.end_paused(sb, EndReason.killed)
+            return await self.transfer.end_paused(sb, EndReason.killed)
         if sandbox_id in self.outbox:
             return self.outbox[sandbox_id]
         raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
@@ -442,8 +442,8 @@ class NodeAgent:
     async def export_checkpoint(self, sandbox_id: str) -> AsyncIterator[bytes]:
         return await self.transfer.export(sandbox_id)
 
-    def forget(self, sandbox_id: str) -> None:
-        self.transfer.forget(sandbox_id)
+    async def forget(self, sandbox_id: str) -> None:
+        await self.transfer.forget(sandbox_id)
 
     # ---- templates -----------------------------------------------------------------------------------
 
@@ -523,7 +523,7 @@ class NodeAgent:
             async with sb.op:                # a pause in progress finishes first
                 pass
             if self.sandboxes.is_current(sb, NodeState.paused):
-                return self.transfer.end_paused(sb, reason)    # it was paused meanwhile
+                return await self.transfer.end_paused(sb, reason)    # it was paused meanwhile
         if sb is None or not self.sandboxes.is_current(sb, NodeState.running):
             return self.outbox.get(sandbox_id) or NodeSandboxStatus(id=sandbox_id, state=SandboxState.stopped,
                                                                     end_reason=reason, ended_at=self.now())

@@ -108,7 +108,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @node.delete("/sandboxes/{sandbox_id}/checkpoint")
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
-        agent.forget(sandbox_id)
+        await agent.forget(sandbox_id)
         return {"ok": True}
 
     @node.post("/templates/builds", response_class=StreamingResponse)

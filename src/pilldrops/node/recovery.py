@@ -21,7 +21,7 @@ from pathlib import Path
 from pilldrops.node.checkpoints import RecordEnd, drop_image
 from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.registry import Image, Sandbox, Sandboxes
-from pilldrops.node.runtime.base import Handle, Runtime
+from pilldrops.node.runtime.base import Handle, Runtime, abort_restore
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_cache import TemplateCache
 from pilldrops.schema.api import EndReason
@@ -100,8 +100,13 @@ class Recovery:
         """A paused sandbox survives a restart as its image. A restore the crash interrupted is undone (its
         half-started container destroyed), so the sandbox is simply paused again: the image was kept."""
         runtime_id = str(entry.handle.get("id") or spec.id)
-        if entry.phase == "resuming":
+        if entry.phase == "resuming" and not entry.checkpoint:
             await self._destroy_quietly(Handle(id=runtime_id))
+        elif entry.phase == "resuming":    # the writable layer the restore took goes back into the image
+            try:
+                await abort_restore(self.runtime, Handle(id=runtime_id), Path(entry.checkpoint))
+            except Exception:  # logged; an unrecorded container is reaped at the next start
+                log.exception("undoing the restore of %s failed", runtime_id)
         path = Path(entry.checkpoint or "")
         if entry.checkpoint and path.is_dir() and entry.phase != "pausing":
             started = datetime.fromisoformat(entry.started_at) if entry.started_at else None

@@ -3,6 +3,7 @@ half made or is unknown, report what is gone, and do it idempotently."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,10 +12,11 @@ import pytest
 
 from pilldrops.node.agent import NodeAgent, Settings
 from pilldrops.node.journal import Entry
-from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.base import Handle, SandboxSpec
 from pilldrops.node.runtime.fake import FakeRuntime
+from pilldrops.node.states import NodeState
 from pilldrops.schema.api import EndReason, SandboxState
-from pilldrops.schema.node import NodeSandboxSpec
+from pilldrops.schema.node import NodeResume, NodeSandboxSpec
 from tests.stack import FakeTemplates
 
 pytestmark = pytest.mark.anyio
@@ -206,5 +208,47 @@ async def test_a_paused_sandboxs_end_survives_an_agent_restart_until_delivered(t
     await alone.pause("sb_q")
     await alone.kill("sb_q")
     assert alone.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+class _LayerMovingFake(FakeRuntime):
+    """Like crun: a restore takes the writable layer (``fs/``) out of the image, so the image alone cannot
+    be restored again; ``abort_restore`` puts it back, ``destroy`` deletes it."""
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        handle = await super().restore(spec, image_dir)
+        shutil.rmtree(image_dir / "fs")
+        return handle
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        d = self.root / handle.id
+        if d.is_dir() and not (image_dir / "fs").exists():
+            shutil.move(str(d), image_dir / "fs")
+        await self.destroy(handle)
+
+
+async def test_an_agent_killed_while_resuming_keeps_the_writable_layer(tmp_path: Path) -> None:
+    """Reviewer finding (fixes 2): recovery undid an interrupted resume with ``destroy``, deleting the
+    writable layer the restore had taken out of the image; the sandbox came back paused with an image that
+    could not be restored. It now undoes it with ``abort_restore`` (the layer goes back into the image)."""
+    runtime = _LayerMovingFake(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_r"))
+    (runtime.root / "sb_r" / "data").write_text("precious")
+    await first.pause("sb_r")
+    sb = first.sandboxes.get("sb_r")
+    image = sb.image.path
+    first.sandboxes.move(sb, NodeState.resuming)                 # resume() up to the restore, then SIGKILL
+    first.journal.write(sb.journal_entry())
+    await runtime.restore(first.template_cache.runtime_spec(sb.spec), image)
+    assert not (image / "fs").exists()
+    second = agent(tmp_path, runtime)
+    await second._recover()
+    assert second.sandboxes.state_of("sb_r") is NodeState.paused
+    assert (image / "fs" / "data").read_text() == "precious"
+    back = await second.resume("sb_r", NodeResume(spec=spec("sb_r"), timeout_s=60))
+    assert back.state == SandboxState.running
+    assert (runtime.root / "sb_r" / "data").read_text() == "precious"
     with anyio.fail_after(1):
         await runtime.close()

@@ -98,7 +98,7 @@ async def test_end_sandboxes_closes_a_paused_interval_and_bills_its_storage(tmp_
         assert got.paused_s == pytest.approx((row.paused_s or 0) + 100)
         pauses = (await store.pauses_of([sb["id"]]))[sb["id"]]
         assert pauses[-1].storage_gb_s == pytest.approx(got.storage_gb_s - row.storage_gb_s)
-        s.agent.forget(sb["id"])
+        await s.agent.forget(sb["id"])
 
 
 async def test_a_kill_is_one_store_write_after_the_node_answers(tmp_path, store_url, monkeypatch) -> None:

@@ -529,6 +529,25 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
 
+    def kept_layer(self, sandbox_id: str) -> Path | None:
+        """The writable layer a checkpoint kept in the sandbox dir (``_keep_layer``), or None."""
+        d = self._dir(sandbox_id)
+        if not (d / LAYER_KEPT).is_file():
+            return None
+        return d / diskquota.IMAGE if (d / diskquota.IMAGE).is_file() else d / "upper"
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        """A restore the agent was killed in: tear it down, the writable layer going back into ``image_dir``
+        (or kept in the sandbox dir again, see ``_keep_layer``) unless the image still holds its own one
+        (the restore had not moved it yet, or was copying it onto a disk it had just made)."""
+        d, image_dir = self._dir(handle.id), Path(image_dir).resolve()
+        in_image = (image_dir / diskquota.IMAGE).is_file() or (image_dir / "upper").is_dir()
+        save = (d / LAYER_KEPT).is_file() or not in_image
+        self._defaults.pop(handle.id, None)
+        self._proto.pop(handle.id, None)
+        with anyio.CancelScope(shield=True):
+            await self._teardown(handle.id, save_to=image_dir if save and image_dir.is_dir() else None)
+
     async def _teardown(self, sandbox_id: str, *, save_to: Path | None = None) -> None:
         """Remove every process, cgroup, mount and file of the sandbox. With ``save_to`` (a checkpoint
         image dir), its writable layer is first moved there (``disk.img``, or ``upper/`` for a sandbox
@@ -754,7 +773,10 @@ class CrunRuntime:
         if not (has_disk or (layer / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
             raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no disk.img or upper/, or no "
                                  f"{self.IMAGE_SUBDIR}/)")
-        moved = ok = False
+        # ``moved``: the writable layer is out of the image, so a failed restore puts it back (or keeps it
+        # in ``d`` again); a kept layer is out of it from the start, and a teardown without ``save_to``
+        # would delete its only copy
+        moved, ok = kept, False
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True, exist_ok=kept)
