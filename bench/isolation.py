@@ -282,7 +282,7 @@ def report(res: dict[str, list[float]], mem: dict[str, dict[str, float]], skippe
                   "by memory alone, not a count: available memory / (the larger of the measured PSS and memory-cgroup "
                   f"charge per idle sandbox + {MEMCG_KERNEL_MIB:.2f} MiB of memory-cgroup kernel structures); CPU, "
                   "pids and the mount table are not in it (bench/live.py counts real live containers).")
-    console.print("Notes: PillDrops run(\"true\") is `sh -c true` through pd-init's control socket behind HTTP, in "
+    console.print("Notes: PillDrops run(\"true\") execs `true` (no `sh -c` for a plain line) through pd-init's control socket behind HTTP, in "
                   "every mode; raw exec is the runtime's own exec. Raw kill times only the runtime's delete "
                   "(PillDrops kill also unmounts, removes cgroups and the bundle).")
 
