@@ -704,6 +704,7 @@ class TemplateStore:
         (self.root / name).mkdir(parents=True, exist_ok=True)
         with open(self.root / name / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            self._reap_stale(self.root / name)
             if (final / "manifest.json").exists() and not force:
                 if record:
                     self._record(s, h)
@@ -742,6 +743,16 @@ class TemplateStore:
             if progress:
                 progress(f"built template {name} in {time.monotonic() - t0:.2f}s")
             return self.get(name)
+
+    @staticmethod
+    def _reap_stale(folder: Path) -> None:
+        """What a build of this template that was killed mid-way left (its ``.tmp-*`` dir, with the overlay,
+        ``proc`` and ``dev`` still mounted; a ``.old-*`` of a forced rebuild): the caller holds the
+        template's build lock, so no build of it is running and every such dir is stale."""
+        for p in folder.iterdir():
+            if p.is_dir() and not p.is_symlink() and p.name.startswith((".tmp-", ".old-")):
+                umount_all_under(p)
+                shutil.rmtree(p, ignore_errors=True)
 
     def _record(self, s: TemplateSpec, h: str) -> None:
         dest = self.root / s.name / RECORDED_SPEC
