@@ -195,3 +195,10 @@ def fake_egress(st: Any) -> FakeEgress:
     st.agent.egress = fake
     st.agent.transfer.egress = fake
     return fake
+
+
+async def until(pred: Any, timeout: float = 10.0) -> None:
+    """Poll ``pred`` every 20 ms until it holds; TimeoutError after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(0.02)
