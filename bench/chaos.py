@@ -74,6 +74,7 @@ class Attempt:
     sandbox: str | None = None
     killed: bool = False           # the client's kill answered
     seconds: float = 0.0
+    t: dict[str, float] = field(default_factory=dict)  # wall times (time.time()) of the steps' starts and ends
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Scenario:
     wall: float = 0.0
     findings: list[str] = field(default_factory=list)
     checks: dict[str, object] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)  # type: ignore[type-arg]  # per history record (--json)
 
 
 def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
@@ -91,9 +93,11 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
     t0 = time.monotonic()
     sb = None
     try:
+        at.t["create"] = time.time()
         sb = Sandbox.create(template=a.template, vcpu=1, memory_mb=a.memory_mb, timeout=a.sandbox_timeout,
                             api_url=dep.url, api_key=dep.key, request_timeout=a.request_timeout)
         at.sandbox = sb.id
+        at.t["created"] = time.time()
         at.step = "upload"
         sb.upload(ENV, "/env")
         at.step = "run"
@@ -105,7 +109,9 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
             at.typed = False
             raise RuntimeError(f"WRONG reward {reward} != {episode(policy)}")
         at.step = "kill"
+        at.t["kill"] = time.time()
         sb.kill()
+        at.t["killed"] = time.time()
         at.killed = True
         at.ok = True
     except PillDropsError as e:
@@ -115,7 +121,9 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
             and "exited" in str(e)
     if not at.ok and sb is not None and not at.killed:
         try:                       # as `with Sandbox.create(...)` would on the way out
+            at.t["kill"] = time.time()
             sb.kill()
+            at.t["killed"] = time.time()
             at.killed = True
         except Exception:  # noqa: BLE001 - it stays for the end-of-run check to find
             pass
@@ -271,6 +279,9 @@ def check(sc: Scenario, dep: Deployment, watch: CrunWatch, a: argparse.Namespace
         d = billed - (en - st)
         diffs_cp.append(d)
         node_life = watch.lifetime(r["id"])
+        sc.records.append({"id": r["id"], "billed": billed, "started_at": st, "ended_at": en,
+                           "end_reason": r["end_reason"], "node_first": watch.first.get(r["id"]),
+                           "node_last": watch.last.get(r["id"])})
         if node_life is not None:
             diffs_node.append(billed - node_life)
         if abs(d) > TOLERANCE_S:
@@ -374,8 +385,7 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                                       "machine": info,
-                                      "scenarios": [{**asdict(sc), "attempts": [asdict(x) for x in sc.attempts
-                                                                                if not x.ok]} for sc in scs]},
+                                      "scenarios": [asdict(sc) for sc in scs]},
                                      indent=1, default=str))
     return 1 if any(sc.findings for sc in scs) or len(scs) < len(names) else 0
 
