@@ -115,6 +115,37 @@ async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_st
         await runtime.close()
 
 
+async def test_a_kill_is_billed_up_to_its_start_not_through_the_runtimes_teardown(tmp_path: Path) -> None:
+    """Found by bench/chaos.py (the bill against the node's crun state dir): a kill's final usage point was
+    taken after the runtime had removed the sandbox (crun delete, cgroups, unmount, rm), so the bill ran
+    0.1-0.4 s past the container's end on a quiet machine and 1-3 s at load 20-46, while a kill the agent's
+    death cut short bills up to the kill's start. Both end at the kill's start now; so does a heartbeat
+    sent during the teardown."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    a = cp_agent(tmp_path, runtime)
+    await a.create(spec("sb_t"))
+    await anyio.sleep(0.2)
+    real_destroy = runtime.destroy
+    during: list[float] = []
+
+    async def slow_destroy(handle):  # type: ignore[no-untyped-def]
+        await anyio.sleep(0.3)
+        during.extend(st.run_s for st in a.statuses() if st.id == "sb_t" and st.run_s is not None)  # a heartbeat
+        await anyio.sleep(0.5)
+        await real_destroy(handle)
+
+    runtime.destroy = slow_destroy  # type: ignore[method-assign]
+    before = datetime.now(UTC)
+    final = await a.kill("sb_t")
+    assert final.end_reason == EndReason.killed and final.run_s is not None and final.ended_at is not None
+    assert 0.2 <= final.run_s < 0.2 + 0.25                # not the 0.8 s of teardown on top
+    assert final.ended_at - before < timedelta(seconds=0.25)
+    assert during and max(during) <= final.run_s          # a report during the teardown bills no further
+    a.journal.remove_ended("sb_t")
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
 async def test_an_end_the_control_plane_never_got_survives_an_agent_restart(tmp_path: Path) -> None:
     """Found by bench/chaos.py (``up`` SIGKILLed): the agent tore a sandbox down for the control plane's kill
     and died before the control plane recorded the answer; the end lived only in the agent's memory, so the
