@@ -25,10 +25,14 @@ would. Then it checks:
    the control plane does not list; the sandboxes the client saw fail to create or kill are killed through
    the API (as their owner would) and the host is checked again, then after stopping everything;
 3. **billing = lifetime ± 1 s**: for every sandbox in ``GET /v1/history``: billed running seconds
-   (``vcpu_s / vcpu``) against ``ended_at - started_at``, and against how long the node's crun state dir
-   held the container (a separate process at raised priority lists the crun state dir every 0.1 s; that
-   interval includes creation and teardown, which are not billed); and every sandbox the client got is in
-   history, ended.
+   (``vcpu_s / vcpu``) against ``ended_at - started_at``; the billed interval ``[started_at, started_at +
+   billed]`` lies within the node's holding of the container (a separate process at raised priority lists
+   the crun state dir every 0.1 s; the listings just before it appeared and just after it vanished bound
+   it exactly, however late they came) and covers the client's holding of every rollout that went through
+   (from create's answer to the kill it sent), both ± 1 s. The node's holding also includes creation
+   (``crun run`` until the node has it running) and teardown (from the kill's start), neither billed; how
+   many records differ from it by more than 1 s in each part is printed, not a finding. And every sandbox
+   the client got is in history, ended.
 
 Prints a table per scenario and writes ``--json``. Exits 1 when an invariant fails.
 """
