@@ -58,6 +58,7 @@ RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overl
 RUNTIME_PIDS = 128          # host tasks of gVisor itself (Sentry + gofer threads: 33 idle, 64-66 after a few commands), beyond the workload's
 PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
 CHANNELS_KEY = "sentry_channels"
+MOUNT_SYSCALLS = ("mount", "umount2")   # allowed by gVisor's seccomp for pd-init's cgroupfs (CAP_SYS_ADMIN gates them)
 
 
 def _channels(pid: int | None) -> set[str]:
@@ -173,7 +174,7 @@ class GvisorRuntime(CrunRuntime):
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         config = super()._config(spec, d)
         config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
-        return config
+        return with_command_cgroups(config)
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
                   user: str | None = None) -> list[str]:
@@ -238,6 +239,26 @@ class GvisorRuntime(CrunRuntime):
         if r.returncode != 0:
             raise RuntimeFailure(f"runsc restore of {spec.id} failed (exit {r.returncode})", detail=_first_lines(err))
         return _started_init(pid_file, spec.id, "restore", err_file=err)
+
+
+def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
+    """``config`` for pd-init's cgroup per command (``--cgroups``; pd-init.c, ``cg_setup``): the Sentry
+    re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so only a cgroup links
+    a detached process to its command. pd-init mounts gVisor's cgroupfs once at start, detaches it and then
+    drops CAP_SYS_ADMIN; for that it gets CAP_SYS_ADMIN in its permitted and effective sets but NOT in the
+    bounding set (nothing it forks and execs, nor ``runsc exec``, ever has it), and the seccomp profile lets
+    ``mount``/``umount2`` through: without CAP_SYS_ADMIN gVisor answers them EPERM, as the profile did."""
+    process = config["process"]
+    process["args"] = [*process["args"], "--cgroups"]
+    caps = process["capabilities"]
+    for key in ("effective", "permitted"):
+        caps[key] = [*caps[key], "CAP_SYS_ADMIN"]
+    seccomp = dict(config["linux"]["seccomp"])         # the shared profile is never mutated
+    seccomp["syscalls"] = [{**rule, "names": [n for n in rule["names"] if n not in MOUNT_SYSCALLS]}
+                           for rule in seccomp["syscalls"]]
+    seccomp["syscalls"] = [rule for rule in seccomp["syscalls"] if rule["names"]]
+    config["linux"]["seccomp"] = seccomp
+    return config
 
 
 def _first_lines(path: Path, n: int = 6, width: int = 600) -> str:
