@@ -151,6 +151,7 @@ class GvisorRuntime(CrunRuntime):
     HOST_PIDS = False
     SHEPHERD_EXEC = False   # runsc re-parents orphans to PID 1 in spite of a subreaper: no use here
     CTL_WAIT = 10.0    # the Sentry starts pd-init slowly under load; the fast path keeps host pipes out of it
+    COMMAND_CGROUPS = True   # pd-init --cgroups (with_command_cgroups); False only for bench/detach.py's baseline
 
     @staticmethod
     def _binary() -> str:
@@ -174,7 +175,7 @@ class GvisorRuntime(CrunRuntime):
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         config = super()._config(spec, d)
         config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
-        return with_command_cgroups(config)
+        return with_command_cgroups(config) if self.COMMAND_CGROUPS else config
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
                   user: str | None = None) -> list[str]:
