@@ -29,6 +29,9 @@ ESCAPES = {
     "stops_itself": "setsid sleep 1000 & kill -STOP $$; sleep 1001",
     "closes_pipes": "exec >&- 2>&- <&-; setsid sleep 1000 & sleep 1001",
     "many": "for i in 1 2 3 4 5 6 7 8 9 10; do setsid sh -c 'sleep 1000 & sleep 1001' & done; sleep 1002",
+    # gVisor's /proc lets a process follow pd-init's fd links: its cgroupfs must not be among them
+    "moves_out_of_its_cgroup": "setsid sh -c 'for f in /proc/1/fd/*; do echo $$ > $f/cgroup.procs; "
+                               "echo $$ > $f/tasks; done 2>/dev/null; exec sleep 1000' & sleep 1001",
 }
 
 

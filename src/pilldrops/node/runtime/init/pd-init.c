@@ -75,6 +75,7 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -97,7 +98,7 @@ struct slot {
     int state, conn, in_w, out_r, err_r;   /* -1 when closed */
     pid_t pid, pgid;                       /* pid: the shepherd's, 0 once reaped; pgid: the command's
                                             * process group, kept for late kills */
-    unsigned cg;                           /* the command's cgroup (its number under cg_root), 0: none */
+    unsigned cg;                           /* the command's cgroup (its number in pd-init's cgroupfs), 0: none */
     int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked, pty;
     long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
     char *req;                             /* request payload (malloc'ed once per request) */
@@ -114,8 +115,11 @@ static unsigned char inbufs[NSLOTS][INBUF_ROW] __attribute__((aligned(4096)));
 static unsigned char outbufs[NSLOTS][OUTBUF] __attribute__((aligned(4096)));
 extern char **environ;
 
-/* The commands' cgroups (``--cgroups``, gVisor): a directory fd on a cgroupfs mount nobody else can reach. */
-static int cg_root = -1;
+/* The commands' cgroups (``--cgroups``, gVisor): the root directory of a cgroupfs mount no path leads to.
+ * Its fd is parked in the queue of a socketpair (SCM_RIGHTS) between uses, never left in the fd table:
+ * gVisor's /proc lets any process follow another's /proc/PID/fd links (but opens no socket that way). */
+static int cg_park[2] = {-1, -1};
+static int cg_on;
 static unsigned cg_seq;
 #define CG_PENDING 1024
 static unsigned cg_pending[CG_PENDING];   /* cgroups not yet empty when their command ended */
@@ -247,15 +251,59 @@ static void kill_tree(pid_t root) {
  * every orphan to PID 1), so the /proc walk of kill_tree cannot find a process that left the command's
  * session after its parent exited; but a process is born in its parent's cgroup and stays there whatever
  * becomes of its parents. So pd-init mounts a cgroupfs hierarchy of its own (gVisor's, inside the Sentry)
- * over /.pd/run for a moment, keeps a directory fd on it and detaches it (MNT_DETACH): no path leads to it,
- * and no process of the sandbox can mount another one (pd-init holds CAP_SYS_ADMIN only in its permitted
- * and effective sets, never in the bounding set, and drops it here, before any command exists), so a
- * command can neither see its cgroup's files nor move itself out. Each shepherd joins a fresh cgroup
- * before it forks the command, and a kill SIGKILLs everything listed in the cgroup's cgroup.procs. */
+ * over /.pd/run for a moment, takes a directory fd on it and detaches it (MNT_DETACH): no path leads to it.
+ * No process of the sandbox can mount another (pd-init holds CAP_SYS_ADMIN only in its permitted and
+ * effective sets, never in the bounding set, and drops it here, before any command exists), and the fd
+ * waits in cg_park between uses, so a command neither sees its cgroup nor can move out of it; only a
+ * process that catches the fd in pd-init's fd table during the few system calls of a use could (a
+ * deliberate race, which wins nothing a command cannot have by exiting and leaving a daemon behind). Each
+ * shepherd joins a fresh cgroup before it forks the command, and a kill SIGKILLs everything listed in the
+ * cgroup's cgroup.procs. */
+/* Park ``fd`` (closed here) in cg_park's queue; 0 when it is there. */
+static int cg_put(int fd) {
+    char b = 0;
+    struct iovec iov = {.iov_base = &b, .iov_len = 1};
+    union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    int ok = sendmsg(cg_park[1], &m, MSG_DONTWAIT | MSG_NOSIGNAL) == 1;
+    close(fd);
+    if (!ok) cg_on = 0;                        /* lost: later commands are tracked by kill_tree alone */
+    return ok ? 0 : -1;
+}
+
+/* Take the cgroupfs root out of cg_park (give it back with cg_put); -1 when there is none. */
+static int cg_take(void) {
+    if (!cg_on) return -1;
+    char b;
+    struct iovec iov = {.iov_base = &b, .iov_len = 1};
+    union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } u;
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    int fd = -1;
+    if (recvmsg(cg_park[0], &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) == 1) {
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+            memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    }
+    if (fd < 0) cg_on = 0;
+    return fd;
+}
+
 static void cg_setup(void) {
-    if (mount("pd", RUN_DIR, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "cpu") == 0) {
-        cg_root = open(RUN_DIR, O_DIRECTORY | O_RDONLY | O_CLOEXEC);
-        if (umount2(RUN_DIR, MNT_DETACH) != 0 && cg_root >= 0) { close(cg_root); cg_root = -1; }
+    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, cg_park) == 0 &&
+        mount("pd", RUN_DIR, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "cpu") == 0) {
+        int root = open(RUN_DIR, O_DIRECTORY | O_RDONLY | O_CLOEXEC);
+        if (umount2(RUN_DIR, MNT_DETACH) == 0 && root >= 0) {
+            cg_on = 1;
+            cg_put(root);
+        } else if (root >= 0) {
+            close(root);
+        }
     }
     struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3};
     struct __user_cap_data_struct d[2];
@@ -271,46 +319,58 @@ static void cg_setup(void) {
  * in *procs an fd on its cgroup.procs, which the shepherd writes itself into before it forks the command. */
 static unsigned cg_new(int *procs) {
     *procs = -1;
-    if (cg_root < 0) return 0;
+    int root = cg_take();
+    if (root < 0) return 0;
     char name[32];
     unsigned n = ++cg_seq ? cg_seq : ++cg_seq;
     snprintf(name, sizeof name, "%u", n);
-    if (mkdirat(cg_root, name, 0700) != 0) return 0;
-    snprintf(name, sizeof name, "%u/cgroup.procs", n);
-    if ((*procs = openat(cg_root, name, O_WRONLY | O_CLOEXEC)) >= 0) return n;
-    snprintf(name, sizeof name, "%u", n);
-    unlinkat(cg_root, name, AT_REMOVEDIR);
-    return 0;
+    if (mkdirat(root, name, 0700) == 0) {
+        snprintf(name, sizeof name, "%u/cgroup.procs", n);
+        if ((*procs = openat(root, name, O_WRONLY | O_CLOEXEC)) < 0) {
+            snprintf(name, sizeof name, "%u", n);
+            unlinkat(root, name, AT_REMOVEDIR);
+        }
+    }
+    if (cg_put(root) != 0 && *procs >= 0) { close(*procs); *procs = -1; }
+    return *procs >= 0 ? n : 0;
 }
 
 /* Remove cgroup n once it is empty; while it is not (background processes of a command that exited), it
  * waits in cg_pending, retried whenever pd-init reaps a process (the last one of a cgroup to exit is
  * always re-parented to pd-init: a parent in the cgroup would still be in it). */
-static int cg_rmdir(unsigned n) {
+static int cg_rmdir(int root, unsigned n) {
     char name[16];
     snprintf(name, sizeof name, "%u", n);
-    return unlinkat(cg_root, name, AT_REMOVEDIR) == 0 || errno == ENOENT;
+    return unlinkat(root, name, AT_REMOVEDIR) == 0 || errno == ENOENT;
 }
 
 static void cg_done(unsigned n) {
-    if (n && !cg_rmdir(n) && cg_npending < CG_PENDING) cg_pending[cg_npending++] = n;
+    int root = n ? cg_take() : -1;
+    if (root < 0) return;
+    if (!cg_rmdir(root, n) && cg_npending < CG_PENDING) cg_pending[cg_npending++] = n;
+    cg_put(root);
 }
 
 static void cg_sweep(void) {
+    int root = cg_take();
+    if (root < 0) return;
     for (int i = 0; i < cg_npending;)
-        if (cg_rmdir(cg_pending[i])) cg_pending[i] = cg_pending[--cg_npending];
+        if (cg_rmdir(root, cg_pending[i])) cg_pending[i] = cg_pending[--cg_npending];
         else i++;
+    cg_put(root);
 }
 
 /* SIGKILL every process in cgroup n, reading its cgroup.procs again until a read lists none not killed yet
  * (a process forked in the meantime is born in the cgroup). The list is bounded by the pids limit. */
-static void cg_kill(unsigned n) {
+static int cg_kill(unsigned n) {
+    int root = cg_take();
+    if (root < 0) return -1;
     char name[32];
     snprintf(name, sizeof name, "%u/cgroup.procs", n);
     pid_t *done = NULL;
     size_t ndone = 0, cap = 0;
     for (int pass = 0; pass < 64; pass++) {
-        int fd = openat(cg_root, name, O_RDONLY | O_CLOEXEC), fresh = 0;
+        int fd = openat(root, name, O_RDONLY | O_CLOEXEC), fresh = 0;
         if (fd < 0) break;
         char buf[4096];
         long long cur = -1;
@@ -345,12 +405,13 @@ static void cg_kill(unsigned n) {
         if (!fresh) break;
     }
     free(done);
+    cg_put(root);
+    return 0;
 }
 
 static void do_kill(struct slot *s) {
     if (!s->killed && s->pgid > 0) {
-        if (s->pid > 0 && s->cg) cg_kill(s->cg);
-        else if (s->pid > 0) kill_tree(s->pid);
+        if (s->pid > 0 && !(s->cg && cg_kill(s->cg) == 0)) kill_tree(s->pid);
         kill(-s->pgid, SIGKILL);
         if (s->pid > 0) kill(s->pid, SIGKILL);
     }
