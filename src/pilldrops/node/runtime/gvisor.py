@@ -24,8 +24,13 @@ What differs is in the hooks:
   past ``memory_mb`` the host OOM-kills the Sentry, i.e. the whole sandbox (``oom_killed``);
 - ``handle.pid`` is the Sentry's host pid (the sandbox's processes are not host processes), so pd-init is
   signalled with ``runsc kill``, and an exec's pid is never a host pid;
+- the Sentry re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so pd-init
+  runs with ``--cgroups`` (``with_command_cgroups``): each command in a cgroup of its own on a cgroupfs only
+  pd-init can reach, and a timeout or kill ends every process listed there, also one that left the
+  command's session after its parent exited (tests/hostile/test_detach.py);
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
-  kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``);
+  kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``: an orphan that left the
+  session before is not in that tree);
 - pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket,
   and an image holding any host pipe or socket does not restore, so a pause while the Sentry holds one it
   did not start with is refused with that reason and the sandbox keeps running) and resume ``runsc restore``
