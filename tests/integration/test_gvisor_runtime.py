@@ -128,8 +128,8 @@ async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path, monke
         assert isinstance(p, SupervisorExec)            # pd-init listens again after the restore
         # pd-init's cgroup per command (--cgroups) survives the restore: a timeout still ends a process that
         # left the session and lost its parent, and the earlier command's background sleep stays
-        code, _, _, p = await run(gvisor, h, ["/bin/sh", "-c", "setsid sh -c '( setsid sleep 1001 & ) ; sleep 1002' "
-                                              "& sleep 1003"], timeout=2)
+        escape = "setsid sh -c '( setsid sleep 1001 & ) ; sleep 1002' & sleep 1003"
+        code, _, _, p = await run(gvisor, h, ["/bin/sh", "-c", escape], timeout=2)
         assert code == 137 and p.timed_out
         with anyio.fail_after(10):
             while (await run(gvisor, h, ["/bin/sh", "-c", "ps -o comm | grep -c sleep"]))[1].strip() != "1":
