@@ -41,7 +41,9 @@
  * SIGTERM, SIGSTOP itself, close its pipes, leave its session) it cannot outlive its kill. The shepherd
  * blocks every signal and holds no fd but its pid pipe; it exits with the command's status (128+N when
  * killed by signal N) as soon as the command's own process is reaped, so background processes a command
- * leaves behind when it exits normally go on running (re-parented to PID 1), as from a shell.
+ * leaves behind when it exits normally go on running (re-parented to PID 1), as from a shell. Under gVisor,
+ * which re-parents every orphan to PID 1 in spite of the subreaper, pd-init runs with --cgroups and each
+ * command also gets a cgroup of its own, which a kill empties (see cg_setup).
  * The command's pid reaches pd-init through that pipe, so 'P' and $$ stay the command's own pid.
  *
  * The command does setpgid(0, 0) (so -pid names its process group; with a PTY it becomes the terminal's
@@ -499,11 +501,12 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
 
 /* Fork the shepherd; the command's pid (read back from it) goes to *cmd. */
 static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
-                   const uint32_t *ids, int cg_procs, pid_t *cmd) {
+                   const uint32_t *ids, int *cg_procs, pid_t *cmd) {
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
-    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids, cg_procs); }
+    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids, *cg_procs); }
+    cl(cg_procs);                                    /* the shepherd's alone from here */
     close(pp[1]);
     int32_t v = -1;
     ssize_t n;
@@ -560,10 +563,10 @@ static int start(struct slot *s) {
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
             (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
             (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
-            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, cg_procs, &cmd);
+            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cg_procs, &cmd);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
-        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, cg_procs, &cmd);
+        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cg_procs, &cmd);
     }
     free(vec);
     free(s->req);
