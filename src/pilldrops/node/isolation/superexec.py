@@ -460,7 +460,7 @@ class SupervisorExec(OutputRelay):
         """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
         frame that could only be sent in part ends the command (the framing would be broken)."""
         deadline = time.monotonic() + timeout
-        if not await self._wait_drained(timeout=timeout):
+        if not await self._wait_drained(timeout=timeout) or self._killed:
             return False
         self._wbuf += frame
         self._flush()
