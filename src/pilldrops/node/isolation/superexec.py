@@ -5,14 +5,15 @@ The fast exec path (issue 5 part 2): instead of one ``crun exec`` per command, t
 request and reads framed output. The wire format is described in ``runtime/init/pd-init.c``; every frame is
 ``u8 type | u32 little-endian length | payload``.
 
-Same semantics as ``PipeExec`` (execproc.py): one reader thread pushes ``(stream, bytes)`` into one small
-bounded anyio memory object stream (backpressure: a slow reader stops the thread, the socket fills, pd-init
-stops reading the command's pipes, the command blocks), bytes past ``output_cap`` are read and dropped
-(``truncated``), a timer thread enforces ``timeout`` whether or not anyone reads, and pd-init itself sends the
-exit frame once the command has exited and its pipes went quiet for 100 ms (a background child holding the
-pipes does not block the return). ``kill`` shuts down the socket's sending side: pd-init takes the EOF as
-"kill the command's process group" (SIGKILL to -pgid; the command runs in its own session), which works
-even while a stdin frame is stuck; it also sends a ``K`` frame when the socket is free.
+Same semantics as ``PipeExec`` (execproc.py), without its threads (issue 15): the socket is read and
+written on the event loop (``add_reader``/``add_writer``), chunks go into one small bounded anyio memory
+object stream (backpressure: while it is full the socket is not read, it fills, pd-init stops reading the
+command's pipes, the command blocks), bytes past ``output_cap`` are read and dropped (``truncated``), a loop
+timer enforces ``timeout`` whether or not anyone reads, and pd-init itself sends the exit frame once the
+command has exited and its pipes went quiet for 100 ms (a background child holding the pipes does not block
+the return). ``kill`` shuts down the socket's sending side: pd-init takes the EOF as "kill the command's
+process group" (SIGKILL to -pgid; the command runs in its own session), which works even while a stdin
+frame is stuck; it also sends a ``K`` frame when nothing else waits to be sent.
 
 ``pid`` is the command's host pid, found among the init's children by their NSpid (``/proc/<pid>/status``);
 ``None`` if the command already exited.
