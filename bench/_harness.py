@@ -73,17 +73,23 @@ def ok(dt: float, r: subprocess.CompletedProcess, err: str | bytes) -> float:
 def pd_cycle(up: Up, template: str, runs: int, rec: Callable[[str, float], None], memory_mb: int,
              **create: object) -> None:
     """One PillDrops cycle through the sync SDK, each step timed into ``rec``: ``pd_create`` (returns once it
-    runs), ``runs`` x ``pd_run`` (``sb.run("true")``), ``pd_kill``."""
+    runs), ``runs`` x ``pd_run`` (``sb.run("true")``), each followed by ``pd_get`` (one bare ``GET /healthz``
+    to the same server, the sandbox's data plane, on the same kept-alive client: the floor of one request),
+    ``pd_kill``."""
     from pilldrops import Sandbox
     t = time.perf_counter()
     sb = Sandbox.create(template=template, memory_mb=memory_mb, api_url=up.url, api_key=up.key, **create)  # type: ignore[arg-type]
     rec("pd_create", time.perf_counter() - t)
+    http, health = sb._client._http, f"{(sb.info.envd_url or up.url).rstrip('/')}/healthz"
     try:
         for _ in range(runs):
             t = time.perf_counter()
             r = sb.run("true")
             rec("pd_run", time.perf_counter() - t)
             assert r.exit_code == 0, r
+            t = time.perf_counter()
+            http.get(health).raise_for_status()
+            rec("pd_get", time.perf_counter() - t)
     finally:
         t = time.perf_counter()
         sb.kill()

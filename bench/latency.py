@@ -184,6 +184,7 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
             ("create→ready, warm pool", "pd_create_warm", "crun run --detach", "raw_run"),
             ('run("true")', "pd_run", "crun exec <id> true", "raw_exec"),
             ('run("true")', "pd_run", "host fork+exec /bin/true", "host_true"),
+            ('run("true")', "pd_run", "one GET /healthz, same server+client", "pd_get"),
             ("kill", "pd_kill", "crun delete --force", "raw_delete"),
             ("create→ready, egress", "pd_create_egress", "create→ready, loopback only", "pd_create"),
             ("kill, egress", "pd_kill_egress", "kill, loopback only", "pd_kill"),
@@ -198,6 +199,10 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
                   f"{p50 / b50:.2f}×", f"{p50 - b50:+.1f} ms")
     console.print(t)
     c, r = pct(res["pd_create"], 50) / pct(res["raw_run"], 50), pct(res["pd_run"], 50)
+    console.print(f'run("true"): p50 {r:.2f} ms, p90 {pct(res["pd_run"], 90):.2f} ms; '
+                  f'÷ host fork+exec {r / pct(res["host_true"], 50):.2f}×, ÷ one GET {r / pct(res["pd_get"], 50):.2f}× '
+                  f'(GET p50 {pct(res["pd_get"], 50):.2f} ms, p90 {pct(res["pd_get"], 90):.2f}); '
+                  f'loadavg {" ".join(Path("/proc/loadavg").read_text().split()[:3])}')
     console.print(f"Targets: cold create p50 ≤ 1.3× raw crun (now {c:.2f}×, {'met' if c <= 1.3 else 'NOT met'}); "
                   f"run p50 ≤ 3 ms (now {r:.1f} ms, {'met' if r <= 3 else 'NOT met'})"
                   + (f"; warm claim p50 ≤ 3 ms (now {pct(res['pd_create_warm'], 50):.1f} ms, "
@@ -238,7 +243,7 @@ def main() -> int:
     up = raw = None
     res: dict[str, list[float]] = {k: [] for k in ("pd_create", "pd_run", "pd_kill", "raw_run", "raw_exec",
                                                    "raw_delete", "host_true", "pd_create_warm",
-                                                   "pd_create_egress", "pd_kill_egress", "pd_create_warm_egress",
+                                                   "pd_get", "pd_create_egress", "pd_kill_egress", "pd_create_warm_egress",
                                                    "raw_nft")}
     info = machine()
     code = 0

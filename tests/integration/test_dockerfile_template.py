@@ -80,12 +80,13 @@ def _build(data_dir: Path, ctx: Path, *args: str) -> str:
 
 async def _run(dp: DataPlane, target, cmd: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
     out, err, code = [], [], None
-    async for line in await dp.run(target, RunRequest(cmd=cmd)):
-        ev = json.loads(line)
-        if ev["type"] in ("stdout", "stderr"):
-            (out if ev["type"] == "stdout" else err).append(base64.b64decode(ev["data"]).decode())
-        elif ev["type"] == "exit":
-            code = ev["exit_code"]
+    async for chunk in await dp.run(target, RunRequest(cmd=cmd)):
+        for line in chunk.splitlines():        # NDJSON: a chunk may carry several lines
+            ev = json.loads(line)
+            if ev["type"] in ("stdout", "stderr"):
+                (out if ev["type"] == "stdout" else err).append(base64.b64decode(ev["data"]).decode())
+            elif ev["type"] == "exit":
+                code = ev["exit_code"]
     assert code is not None
     return code, "".join(out), "".join(err)
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from pilldrops import errors
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
@@ -14,7 +15,7 @@ from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
 from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
-from pilldrops.node.dataplane import DataPlane, Target
+from pilldrops.node.dataplane import DataPlane, Last, Target
 from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
 from pilldrops.schema.api import FileInfo, RunRequest
@@ -30,6 +31,22 @@ from pilldrops.schema.node import (
     NodeSandboxStatus,
     NodeTemplateRef,
 )
+
+
+class RunStream(StreamingResponse):
+    """A run's NDJSON stream whose ``Last`` chunk (the exit line) ends the body in the same write as the
+    chunked encoding's terminator (one send for the end of a run instead of two)."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            if ended:
+                continue                # nothing follows the exit line; the generator runs to its end
+            ended = isinstance(chunk, Last)
+            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
@@ -134,7 +151,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     @data.post("/run", response_class=StreamingResponse)
     async def run(sandbox_id: str, body: RunRequest, x_access_token: Token = None) -> StreamingResponse:
         stream = await plane.run(target(sandbox_id, x_access_token), body)
-        return StreamingResponse(stream, media_type="application/x-ndjson")
+        return RunStream(stream, media_type="application/x-ndjson")
 
     @data.put("/archive")
     async def put_archive(sandbox_id: str, request: Request, path: Path_,

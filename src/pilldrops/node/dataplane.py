@@ -61,6 +61,11 @@ def _line(ev: RunEvent) -> bytes:
     return ev.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
+class Last(bytes):
+    """The last chunk of a run stream (its exit line): the HTTP layer sends it with the end of the body,
+    in one write (node/api.py ``RunStream``)."""
+
+
 def _check_path(path: str) -> str:
     if not path.startswith("/") or "\0" in path or len(path) > 4096:
         raise errors.InvalidRequest(f"path must be absolute: {path!r}")
@@ -168,20 +173,25 @@ class DataPlane:
     async def _stream(self, t: Target, proc: ExecProcess, started: float,
                       ooms: int | None = None) -> AsyncIterator[bytes]:
         finished = False
+        # The start line goes out with the next one (the first output, or the exit): a command that
+        # writes nothing is answered in one write, and the client wakes once for its whole body.
+        start: bytes | None = _line(RunEvent(type="start", pid=proc.pid))
         try:
-            yield _line(RunEvent(type="start", pid=proc.pid))
             while (chunk := await proc.read()) is not None:
-                yield _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
+                line = _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
+                if start is not None:
+                    line, start = start + line, None
+                yield line
             code = await proc.wait()
             finished = True
             t.active.discard(proc)
             # SIGKILLed while the memory cgroup's kill count grew: the limit killed it (or its child)
             oom = (code == 128 + 9 and not proc.timed_out and not t.pausing and ooms is not None
                    and (self._oom_kills(t) or 0) > ooms)
-            yield _line(RunEvent(type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
-                                 duration=round(time.monotonic() - started, 6), truncated=proc.truncated,
-                                 timed_out=proc.timed_out, paused=True if t.pausing else None,
-                                 oom_killed=True if oom else None))
+            yield Last((start or b"") + _line(RunEvent(
+                type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
+                duration=round(time.monotonic() - started, 6), truncated=proc.truncated, timed_out=proc.timed_out,
+                paused=True if t.pausing else None, oom_killed=True if oom else None)))
         finally:
             t.active.discard(proc)
             if not finished:      # the client went away or the stream failed: never leave the command

@@ -5,14 +5,15 @@ The fast exec path (issue 5 part 2): instead of one ``crun exec`` per command, t
 request and reads framed output. The wire format is described in ``runtime/init/pd-init.c``; every frame is
 ``u8 type | u32 little-endian length | payload``.
 
-Same semantics as ``PipeExec`` (execproc.py): one reader thread pushes ``(stream, bytes)`` into one small
-bounded anyio memory object stream (backpressure: a slow reader stops the thread, the socket fills, pd-init
-stops reading the command's pipes, the command blocks), bytes past ``output_cap`` are read and dropped
-(``truncated``), a timer thread enforces ``timeout`` whether or not anyone reads, and pd-init itself sends the
-exit frame once the command has exited and its pipes went quiet for 100 ms (a background child holding the
-pipes does not block the return). ``kill`` shuts down the socket's sending side: pd-init takes the EOF as
-"kill the command's process group" (SIGKILL to -pgid; the command runs in its own session), which works
-even while a stdin frame is stuck; it also sends a ``K`` frame when the socket is free.
+Same semantics as ``PipeExec`` (execproc.py), without its threads (issue 15): the socket is read and
+written on the event loop (``add_reader``/``add_writer``), chunks go into one small bounded anyio memory
+object stream (backpressure: while it is full the socket is not read, it fills, pd-init stops reading the
+command's pipes, the command blocks), bytes past ``output_cap`` are read and dropped (``truncated``), a loop
+timer enforces ``timeout`` whether or not anyone reads, and pd-init itself sends the exit frame once the
+command has exited and its pipes went quiet for 100 ms (a background child holding the pipes does not block
+the return). ``kill`` shuts down the socket's sending side: pd-init takes the EOF as "kill the command's
+process group" (SIGKILL to -pgid; the command runs in its own session), which works even while a stdin
+frame is stuck; it also sends a ``K`` frame when nothing else waits to be sent.
 
 ``pid`` is the command's host pid, found among the init's children by their NSpid (``/proc/<pid>/status``);
 ``None`` if the command already exited.
@@ -28,9 +29,9 @@ protocol violation before anything is buffered.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-import select
 import signal
 import socket
 import struct
@@ -175,7 +176,16 @@ def host_pid(init_pid: int, ns_pid: int) -> int | None:
 
 
 class SupervisorExec(OutputRelay):
-    """``ExecProcess`` over a connection to pd-init's control socket (one command per connection)."""
+    """``ExecProcess`` over a connection to pd-init's control socket (one command per connection).
+
+    Read and written on the event loop itself (issue 15): the socket is non-blocking and registered with
+    the loop (``add_reader``/``add_writer``), frames are parsed in the reader callback and chunks go
+    straight into the bounded queue, so a command costs no thread and no thread-to-loop hand-off. When
+    the queue is full the reader is taken off the loop (``remove_reader``) until ``read`` makes room:
+    the socket fills, pd-init stops reading the command's pipes, the command blocks (backpressure).
+    Everything written (request, stdin, control frames) goes through one buffer of whole frames, sent
+    in order. Only an async-iterable ``stdin`` uses a thread (it pulls the iterator through the loop).
+    """
 
     def __init__(self, sock_path: Path, argv: list[str], *, env: dict[str, str], cwd: str,
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
@@ -190,17 +200,24 @@ class SupervisorExec(OutputRelay):
         self.pty = pty is not None
         self.protocol_error: str | None = None
         self.init_unresponsive = False         # the init never ended it after its timeout (see _abandon)
+        self._loop = asyncio.get_running_loop()
         self._init_pid = init_pid
         self._ns_pid: int | None = None
         self._pid: int | None = None
         self._code: int | None = None
         self._finished = False
         self._killed = False
-        self._lock = threading.Lock()          # one writer at a time on the socket (stdin vs kill)
-        self._request = encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user)
+        self._hello = False                    # the init's 'V' frame was read
+        self._deliver_ok = True                # False once the reader is gone: drain to the exit frame
+        self._pending: tuple[StreamName, bytes] | None = None    # a chunk waiting for room in the queue
+        self._reading = False
+        self._writing = False
+        self._rbuf = bytearray()
+        self._wbuf = bytearray(encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user))
+        self._drained: list[asyncio.Future[None]] = []
+        self._timers: list[asyncio.TimerHandle] = []
         self._sock_path = str(sock_path)
         self._connected = False
-        self._started = threading.Event()      # the request is sent: stdin frames may follow
         if sock is not None:
             self._sock = sock
             self._connected = True
@@ -212,157 +229,267 @@ class SupervisorExec(OutputRelay):
                 self._connected = True
                 check_peer(self._sock, init_pid)
             except BlockingIOError:
-                pass      # backlog full (all 64 slots busy): the reader thread connects blocking
+                pass      # backlog full (all 64 slots busy): connect again in a moment (_retry_connect)
             except OSError:
                 self._sock.close()
                 if path_fd is not None:
                     os.close(path_fd)
                 raise
         self._path_fd = path_fd
-        if self._connected:
-            self._close_path_fd()
-        self._sock.setblocking(True)
-        # every attribute the threads touch is set before the first one starts (a command can finish
-        # before this constructor returns)
-        self._timer: threading.Timer | None = None
+        self._sock.setblocking(False)
+        if isinstance(stdin, bytes):
+            self._queue_stdin(stdin)
+            self._wbuf += HDR.pack(ord("E"), 0)
         if timeout is not None:
-            self._timer = threading.Timer(timeout, self._on_timeout)
-            self._timer.daemon = True
-        threading.Thread(target=self._pump, daemon=True).start()
-        if stdin is not None:
-            src: bytes | AsyncIterator[bytes] = stdin if isinstance(stdin, bytes) else stdin.__aiter__()
-            threading.Thread(target=self._feed, args=(src,), daemon=True).start()
-        if self._timer is not None:
-            self._timer.start()
+            self._timers.append(self._loop.call_later(timeout, self._on_timeout))
+        if self._connected:
+            self._on_connected()
+        else:
+            self._timers.append(self._loop.call_later(0.005, self._retry_connect))
+        if stdin is not None and not isinstance(stdin, bytes):
+            threading.Thread(target=self._feed, args=(stdin.__aiter__(),), daemon=True).start()
 
+    # -- connection ------------------------------------------------------------------------------
     def _close_path_fd(self) -> None:
         if self._path_fd is not None:
             os.close(self._path_fd)
             self._path_fd = None
 
-    # -- threads ---------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        deliver = True
-        code = 137
+    def _retry_connect(self) -> None:
+        if self._finished:
+            return
+        if self._killed:                 # killed before it ever reached the init: nothing ran
+            self._finish(137)
+            return
         try:
-            if not self._connected:
-                try:
-                    self._sock.connect(self._sock_path)
-                    check_peer(self._sock, self._init_pid)
-                finally:
-                    self._close_path_fd()
-            self._sock.sendall(self._request)
-            self._started.set()
-            if self._killed:
-                self._kill_sync()
-            # (EOF here is a lost connection, as anywhere: the runtime asked the init's version before)
-            typ, data = _read_frame(self._sock)
-            if typ != ord("V") or _i32(data) < PROTO:
-                raise ProtocolError(f"the sandbox's init answered {chr(typ)!r} "
-                                    f"{_i32(data) if typ == ord('V') else ''} to the version hello "
-                                    f"(this agent speaks {PROTO})")
-            while True:
-                typ, data = _read_frame(self._sock)
-                if typ == ord("P"):
-                    self._ns_pid = _i32(data)
-                    continue
-                if typ == ord("X"):
-                    code = _i32(data)
-                    break
-                name = _STREAMS.get(typ)
-                if name is None or not deliver:
-                    continue
-                data = self._capped(name, data)
-                if not data:
-                    continue              # past the cap: keep draining, drop the bytes
-                try:
-                    self._deliver(name, data)
-                except Exception:  # noqa: BLE001 - receiver closed or loop gone: drain to the exit frame
-                    deliver = False
-        except (OSError, EOFError, struct.error):
-            pass                  # connection lost without an exit frame: report the kill
-        except ProtocolError as e:
-            self.protocol_error = str(e)
-            code = PROTOCOL_EXIT
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)     # pd-init kills the command on the hang-up
-            with contextlib.suppress(Exception):
-                self._deliver("stderr", f"pilldrops: protocol violation: {e}\n".encode())
-        finally:
-            self._code = code
-            self._finished = True
-            self._started.set()
-            if self._timer is not None:
-                self._timer.cancel()
-            self._sock.close()
-            self._end_output()
-            self._set_done()
+            self._sock.connect(self._sock_path)
+            check_peer(self._sock, self._init_pid)
+        except BlockingIOError:
+            self._timers.append(self._loop.call_later(0.005, self._retry_connect))
+            return
+        except OSError:
+            self._finish(137)
+            return
+        self._connected = True
+        self._on_connected()
 
-    def _feed(self, src: bytes | AsyncIterator[bytes]) -> None:
-        def put(chunk: bytes) -> None:
-            for i in range(0, len(chunk), STDIN_CHUNK):
-                part = chunk[i:i + STDIN_CHUNK]
-                with self._lock:
-                    self._sock.sendall(HDR.pack(ord("I"), len(part)) + part)
-        self._started.wait()
+    def _on_connected(self) -> None:
+        self._close_path_fd()
+        self._resume_reading()
+        self._flush()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _queue_stdin(self, data: bytes) -> None:
+        for i in range(0, len(data), STDIN_CHUNK):
+            part = data[i:i + STDIN_CHUNK]
+            self._wbuf += HDR.pack(ord("I"), len(part)) + part
+
+    def _flush(self) -> None:
+        """Send what the buffer holds, as far as the socket takes it; the rest when it is writable."""
+        if not self._connected or self._finished:
+            return
+        while self._wbuf:
+            try:
+                n = self._sock.send(self._wbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:                 # the init hung up: the reader sees it (EOF or reset)
+                self._wbuf.clear()
+                break
+            del self._wbuf[:n]
+        if self._wbuf and not self._writing:
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+            self._writing = True
+        elif not self._wbuf:
+            if self._writing:
+                self._loop.remove_writer(self._sock.fileno())
+                self._writing = False
+            self._wake_drained()
+
+    def _wake_drained(self) -> None:
+        for f in self._drained:
+            if not f.done():
+                f.set_result(None)
+        self._drained.clear()
+
+    async def _wait_drained(self, limit: int = 0, timeout: float | None = None) -> bool:
+        """Wait until at most ``limit`` bytes wait to be sent (False: finished first, or ``timeout``)."""
+        with anyio.move_on_after(timeout):
+            while len(self._wbuf) > limit or not self._connected:
+                if self._finished:
+                    return False
+                f = self._loop.create_future()
+                self._drained.append(f)
+                await f
+            return not self._finished
+        return False
+
+    async def _put_stdin(self, chunk: bytes | None) -> None:
+        """From the feed thread: queue one stdin chunk (None: EOF); waits while much is unsent."""
+        if self._finished or self._killed:
+            raise anyio.ClosedResourceError
+        if chunk is None:
+            self._wbuf += HDR.pack(ord("E"), 0)
+        else:
+            self._queue_stdin(chunk)
+        self._flush()
+        if not await self._wait_drained(limit=4 * STDIN_CHUNK):
+            raise anyio.ClosedResourceError
+
+    def _feed(self, src: AsyncIterator[bytes]) -> None:
         try:
-            if isinstance(src, bytes):
-                put(src)
-            else:
-                while (chunk := anyio.from_thread.run(_next_chunk, src, token=self._token)) is not None:
-                    if chunk:
-                        put(chunk)
-            with self._lock:
-                self._sock.sendall(HDR.pack(ord("E"), 0))
+            while (chunk := anyio.from_thread.run(_next_chunk, src, token=self._token)) is not None:
+                if chunk:
+                    anyio.from_thread.run(self._put_stdin, chunk, token=self._token)
+            anyio.from_thread.run(self._put_stdin, None, token=self._token)
         except BaseException:  # noqa: BLE001 - connection closed (command done or killed), loop gone or
             pass                   # shutting down (a CancelledError from a stdin source nobody closed)
 
-    def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
-        """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
-        frame that could only be sent in part ends the command (the framing would be broken). The
-        socket's own blocking mode is left alone: the reader thread is blocked in it."""
-        deadline = time.monotonic() + timeout
-        if not self._started.wait(timeout) or self._finished:
-            return False
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            return False
+    # -- reading ---------------------------------------------------------------------------------
+    def _resume_reading(self) -> None:
+        if not self._reading and not self._finished and self._connected:
+            self._loop.add_reader(self._sock.fileno(), self._on_readable)
+            self._reading = True
+
+    def _pause_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self._sock.fileno())
+            self._reading = False
+
+    def _on_readable(self) -> None:
         try:
-            view = memoryview(frame)
-            while view:
-                try:
-                    view = view[self._sock.send(view, socket.MSG_DONTWAIT):]
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        if len(view) < len(frame):
-                            self._kill_sync()
-                        return False
-                    select.select([], [self._sock], [], 0.05)
-                except OSError:
-                    return False
+            data = self._sock.recv(MAX_FRAME + HDR.size)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:                # connection lost without an exit frame: report the kill
+            self._finish(137)
+            return
+        self._rbuf += data
+        try:
+            self._parse()
+        except Exception:  # noqa: BLE001 - a loop callback must never leave the command hanging
+            self._pending = None
+            self._finish(137)
+
+    def _parse(self) -> None:
+        """Act on the whole frames in the read buffer (it never holds more than one frame and one recv)."""
+        buf = self._rbuf
+        try:
+            while len(buf) >= HDR.size and not self._finished:
+                typ, n = HDR.unpack_from(buf)
+                if n > MAX_FRAME:
+                    raise ProtocolError(f"frame of {n} bytes from the sandbox's init (at most {MAX_FRAME})")
+                if len(buf) < HDR.size + n:
+                    return
+                data = bytes(buf[HDR.size:HDR.size + n])
+                del buf[:HDR.size + n]
+                if not self._hello:
+                    if typ != ord("V") or _i32(data) < PROTO:
+                        raise ProtocolError(f"the sandbox's init answered {chr(typ)!r} "
+                                            f"{_i32(data) if typ == ord('V') else ''} to the version hello "
+                                            f"(this agent speaks {PROTO})")
+                    self._hello = True
+                elif typ == ord("P"):
+                    self._ns_pid = _i32(data)
+                elif typ == ord("X"):
+                    self._finish(_i32(data))
+                elif (name := _STREAMS.get(typ)) is not None and self._deliver_ok:
+                    data = self._capped(name, data)
+                    if data and not self._offer(name, data):
+                        self._pending = (name, data)
+                        self._pause_reading()
+                        return
+        except ProtocolError as e:
+            self.protocol_error = str(e)
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)     # pd-init kills the command on the hang-up
+            self._pending = None
+            self._offer("stderr", f"pilldrops: protocol violation: {e}\n".encode())
+            self._finish(PROTOCOL_EXIT)
+
+    def _offer(self, name: StreamName, data: bytes) -> bool:
+        """Into the queue now; False when it is full (the caller holds the chunk and pauses)."""
+        try:
+            self._send.send_nowait((name, data))
+        except anyio.WouldBlock:
+            return False
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._deliver_ok = False     # nobody reads any more: drain to the exit frame, drop the bytes
+        return True
+
+    def _unblock(self) -> None:
+        """Room in the queue (or nobody reads any more): hand over the held chunk, go on reading."""
+        if self._pending is not None:
+            name, data = self._pending
+            if self._deliver_ok and not self._offer(name, data):
+                return
+            self._pending = None
+        if not self._finished:
+            self._parse()
+            if self._pending is None:
+                self._resume_reading()
+
+    async def read(self) -> tuple[StreamName, bytes] | None:
+        chunk = await super().read()
+        if self._pending is not None:
+            self._unblock()
+        return chunk
+
+    def _finish(self, code: int) -> None:
+        if self._finished:
+            return
+        self._code = code
+        self._finished = True
+        for t in self._timers:
+            t.cancel()
+        self._timers.clear()
+        self._pause_reading()
+        if self._writing:
+            self._loop.remove_writer(self._sock.fileno())
+            self._writing = False
+        self._wbuf.clear()
+        self._sock.close()
+        self._close_path_fd()
+        self._wake_drained()
+        self._send.close()
+        self._done.set()
+
+    # -- control ---------------------------------------------------------------------------------
+    async def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
+        """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
+        frame that could only be sent in part ends the command (the framing would be broken)."""
+        deadline = time.monotonic() + timeout
+        if not await self._wait_drained(timeout=timeout) or self._killed:
+            return False
+        self._wbuf += frame
+        self._flush()
+        if not self._wbuf:
             return True
-        finally:
-            self._lock.release()
+        if await self._wait_drained(timeout=max(0.0, deadline - time.monotonic())):
+            return True
+        if not self._finished:
+            self._kill_sync()
+        return False
 
     async def signal(self, signo: int) -> bool:
         """Send ``signo`` to the command's process group (False if it could not be delivered)."""
         if self._finished:
             return False
-        return await anyio.to_thread.run_sync(self._send_ctl, HDR.pack(ord("S"), 4) + struct.pack("<i", signo))
+        return await self._send_ctl(HDR.pack(ord("S"), 4) + struct.pack("<i", signo))
 
     async def resize(self, rows: int, cols: int) -> bool:
         """New window size of the command's PTY (SIGWINCH to its foreground group)."""
         if not self.pty or self._finished:
             return False
-        frame = HDR.pack(ord("W"), 4) + struct.pack("<HH", *_size(rows, cols))
-        return await anyio.to_thread.run_sync(self._send_ctl, frame)
+        return await self._send_ctl(HDR.pack(ord("W"), 4) + struct.pack("<HH", *_size(rows, cols)))
 
     def _on_timeout(self) -> None:
         if not self._finished:
             self.timed_out = True
             self._kill_sync()
-            hard = threading.Timer(ABANDON_AFTER_S, self._abandon)
-            hard.daemon = True
-            hard.start()
+            self._timers.append(self._loop.call_later(ABANDON_AFTER_S, self._abandon))
 
     def _abandon(self) -> None:
         """The init did not end the command within ``ABANDON_AFTER_S`` of its timeout (it is stopped, say:
@@ -378,19 +505,26 @@ class SupervisorExec(OutputRelay):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)       # the reader gets EOF: exit 137, timed out
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._finish(137)                                # exit 137, timed out
 
     def _kill_sync(self) -> None:
+        """'K' when nothing else waits to be sent, then EOF: pd-init kills on either, even behind a
+        half-sent stdin frame (the rest of which is dropped)."""
         self._killed = True
-        if self._lock.acquire(blocking=False):
-            try:
+        if not self._connected or self._finished:
+            return                   # never connected: _retry_connect ends it without running anything
+        if self._wbuf:
+            self._wbuf.clear()
+        else:
+            with contextlib.suppress(OSError):
                 self._sock.send(HDR.pack(ord("K"), 0), socket.MSG_DONTWAIT)
-            except OSError:
-                pass
-            finally:
-                self._lock.release()
+        if self._writing:
+            self._loop.remove_writer(self._sock.fileno())
+            self._writing = False
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_WR)     # EOF = kill, even behind a stuck stdin frame
+            self._sock.shutdown(socket.SHUT_WR)     # EOF = kill
+        self._wake_drained()
 
     # -- ExecProcess -----------------------------------------------------------------------------
     @property
@@ -415,6 +549,9 @@ class SupervisorExec(OutputRelay):
         if not self._killed and not self._finished:
             self._kill_sync()
         self._recv.close()
+        self._deliver_ok = False
+        if self._pending is not None:
+            self._unblock()
         await self._done.wait()
 
     async def __aenter__(self) -> Self:
