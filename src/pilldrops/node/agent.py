@@ -30,6 +30,7 @@ import anyio
 import httpx
 
 from pilldrops import errors
+from pilldrops._internal.ids import same_secret
 from pilldrops.node.checkpoints import Checkpoints
 from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
@@ -129,7 +130,9 @@ class NodeAgent:
                                     state_dir / "builds") if hasattr(templates, "_build_into") else None)
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
-                               template_version=self.template_cache.version)
+                               template_version=self.template_cache.version,
+                               grant_version=self.template_cache.store_version,
+                               on_ready=lambda: self._wake_heartbeat.set())
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
@@ -226,10 +229,25 @@ class NodeAgent:
             raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
                                                       "isolation": rt_spec.isolation})
         # warm pools are containers, and their members have the template's default disk
-        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb)
-                  if spec.isolation == "container" and self.template_cache.pooled_version(spec)
-                  and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None}))
-                  else None)
+        existing = self.sandboxes.get(spec.id)    # again: a concurrent create of this id may have made it
+        if existing is not None and existing.state in _LIVE:
+            return existing.status()
+        if existing is not None:
+            raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
+                                      current=existing.state.value, target="running")
+        poolable = (spec.isolation == "container" and self.template_cache.pooled_version(spec)
+                    and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None})))
+        grant = self.pools.granted(spec.id)
+        if grant is not None:     # the control plane answered this create from a pre-issued member (issue 15)
+            if not same_secret(grant.access_token, spec.access_token):
+                raise errors.InvalidRequest(f"sandbox {spec.id} is a pre-issued member with another access token")
+            member = self.pools.claim_grant(spec.id, spec.template, spec.vcpu, spec.memory_mb) if poolable else None
+            if member is None:
+                raise errors.InvalidState(f"pre-issued member {spec.id} does not fit this create (template "
+                                          "rebuilt, other shape, isolation or disk)", current="ready",
+                                          target="running")
+        else:
+            member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb) if poolable else None
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member, claimed=True)

@@ -49,7 +49,17 @@ class NodePoolSpec(_Model):
     size: int = Field(..., ge=0)
 
 
+class NodeGrant(_Model):
+    """A ready warm-pool member, pre-issued to the control plane: a create of its shape may be answered
+    with it from memory (one store write), and the node is told afterwards (a create with this ``id``)."""
+
+    id: str                            # the sandbox id it becomes
+    access_token: str                  # its data-plane token (the node checks the create carries it)
+    template_version: str | None = None   # a template-store version it was made from (None: node-built)
+
+
 class NodePoolStatus(NodePoolSpec):
+    grants: list[NodeGrant] = Field(default_factory=list)   # heartbeats only (never in API views)
     ready: int = 0
     starting: int = 0
     hits: int = 0

@@ -8,6 +8,8 @@ over-commit a node; the node is called only after that transaction.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import secrets
 from collections.abc import Awaitable, Callable
@@ -34,7 +36,7 @@ from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import egress, isolation, placement
-from pilldrops.server.service.context import SandboxContext, legal_from, log
+from pilldrops.server.service.context import SandboxContext, legal_from, log, outcome_unknown
 from pilldrops.server.store.interface import (
     Allocations,
     DuplicateIdempotencyKey,
@@ -60,6 +62,7 @@ class Lifecycle:
         self.max_disk_mb = DEFAULT_MAX_DISK_MB                  # `up/serve --max-disk-mb`
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
+        self._telling: set[asyncio.Task[None]] = set()         # claims the node is being told of
 
     # ---- views ---------------------------------------------------------------------------------------
 
@@ -137,6 +140,8 @@ class Lifecycle:
         specs = await ctx.pools.specs() if ctx.pools else []
         ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
         new.template_version = ref.version if ref is not None else None
+        if (claimed := await self._claim(req, new, ref)) is not None:
+            return claimed, True
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
@@ -200,6 +205,81 @@ class Lifecycle:
             with anyio.CancelScope(shield=True):
                 await ctx.quiet_kill(node, row.id, "(killed while starting) ")
         return (updated or await ctx.get_row(team_id, row.id)), True
+
+    # ---- warm claims from pre-issued grants (issue 15; failure analysis in ``service.claims``) ---------
+
+    async def _claim(self, req: CreateSandboxRequest, new: NewSandbox, ref: object) -> SandboxRecord | None:
+        """The create answered from a ready warm member a node pre-issued, with ONE store write; None when no
+        grant fits (the regular path then places it, and may still claim an unreported member there)."""
+        ctx = self.ctx
+        if req.isolation not in (None, "container") or req.disk_mb is not None or not ctx.grants.size():
+            return None                      # members are containers with the template's default disk
+        version = str(ref.version) if ref is not None else None       # type: ignore[attr-defined]
+        stored_isolation = getattr(ref, "isolation", None)
+        while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
+                                     lambda node_id: (n := ctx.node_cache.get(node_id)) is None
+                                     or (n.state == "ready" and not n.draining))) is not None:
+            node_id, grant = got
+            node = await ctx.node(node_id)
+            if node is None or node.state != "ready" or node.draining:
+                continue
+            nodes = [node]
+            iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation, stored_isolation)
+            if iso != "container":
+                return None
+            tpl_disk = isolation.template_disk_mb(nodes, req.template)
+            now = ctx.clock.now()
+            claim = dataclasses.replace(
+                new, id=grant.id, access_token=grant.access_token, state=S.running.value, isolation=iso,
+                disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
+                else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
+                created_at=now, end_at=now + timedelta(seconds=req.timeout))
+            row = await ctx.store.insert_claimed(claim, node.id, now)
+            if row is None:
+                continue                     # another control plane claimed this member first
+            spec = ctx.node_spec(row, float(req.timeout), ref)       # type: ignore[arg-type]
+            ctx.creating.add(row.id)
+            if row.network is not None:      # its egress is attached by the node: answered once it is
+                await self._tell(node, row, spec, raise_=True)
+            else:                            # the node is told right after the answer
+                task = asyncio.get_running_loop().create_task(self._tell(node, row, spec))
+                self._telling.add(task)
+                task.add_done_callback(self._telling.discard)
+            return row
+        return None
+
+    async def _tell(self, node: NodeRecord, row: SandboxRecord, spec: object, raise_: bool = False) -> None:
+        """Hand the claimed member over on its node (``create`` with the grant's id). A refusal ends the
+        record ``failed`` (never billed: the node reported no running time); an unknown outcome is left to
+        the node's next heartbeat (``Reconciler.reconcile_node`` tells it again, or ends the record)."""
+        ctx = self.ctx
+        try:
+            await ctx.nodes.create(node.url, spec)       # type: ignore[arg-type]
+        except Exception as exc:
+            if not outcome_unknown(exc):
+                log.warning("node %s refused pre-issued member %s: %s", node.name, row.id, exc)
+                with anyio.CancelScope(shield=True):
+                    await ctx.store.update_sandbox(
+                        row.id, from_states=[S.running.value], state=S.failed.value,
+                        end_reason=EndReason.failed_start.value, ended_at=row.started_at, idempotency_key=None,
+                        error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
+            if raise_:
+                raise
+        finally:
+            ctx.creating.discard(row.id)
+
+    async def resync_claim(self, node: NodeRecord, row: SandboxRecord) -> None:
+        """A claim recorded whose node was never told (its control plane died in between; the node still
+        lists the grant): tell it now, with the deadline the record has left."""
+        ctx = self.ctx
+        if row.id in ctx.creating:
+            return
+        left = max(1.0, ((row.end_at or ctx.clock.now()) - ctx.clock.now()).total_seconds())
+        spec = ctx.node_spec(row, left, await ctx.template_ref(row))
+        ctx.creating.add(row.id)
+        log.info("telling node %s of claimed member %s again (its create's control plane never did)",
+                 node.name, row.id)
+        await self._tell(node, row, spec)
 
     async def create_batch(self, team_id: str, req: BatchCreateRequest, idempotency_key: str | None = None,
                            disconnected: Callable[[], Awaitable[bool]] | None = None) -> BatchCreateResponse:
