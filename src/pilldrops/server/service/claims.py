@@ -86,5 +86,10 @@ class GrantIndex:
                 return node_id, g
         return None
 
+    def give_back(self, node_id: str, grant: NodeGrant, template: str, vcpu: float, memory_mb: int) -> None:
+        """A grant popped but not used (the create replayed an earlier one instead): offered again."""
+        self._used.pop(grant.id, None)
+        self._by_node.setdefault(node_id, {}).setdefault(shape(template, vcpu, memory_mb), deque()).appendleft(grant)
+
     def size(self) -> int:
         return sum(len(g) for shapes in self._by_node.values() for g in shapes.values())

@@ -122,7 +122,9 @@ class Lifecycle:
         """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
         ctx = self.ctx
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
-        if idempotency_key:
+        # a claimable create checks its key by its insert (the unique index), not by a read before it
+        claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
+        if idempotency_key and not claimable:
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
@@ -140,8 +142,16 @@ class Lifecycle:
         specs = await ctx.pools.specs() if ctx.pools else []
         ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
         new.template_version = ref.version if ref is not None else None
-        if (claimed := await self._claim(req, new, ref)) is not None:
-            return claimed, True
+        if claimable:
+            try:
+                if (claimed := await self._claim(req, new, ref)) is not None:
+                    return claimed, True
+            except DuplicateIdempotencyKey:
+                pass        # an earlier attempt holds the key: replayed below
+            if idempotency_key:
+                existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+                if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+                    return replayed, False
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
@@ -211,9 +221,7 @@ class Lifecycle:
     async def _claim(self, req: CreateSandboxRequest, new: NewSandbox, ref: object) -> SandboxRecord | None:
         """The create answered from a ready warm member a node pre-issued, with ONE store write; None when no
         grant fits (the regular path then places it, and may still claim an unreported member there)."""
-        ctx = self.ctx
-        if req.isolation not in (None, "container") or req.disk_mb is not None or not ctx.grants.size():
-            return None                      # members are containers with the template's default disk
+        ctx = self.ctx                       # (members are containers with the template's default disk)
         version = str(ref.version) if ref is not None else None       # type: ignore[attr-defined]
         stored_isolation = getattr(ref, "isolation", None)
         while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
@@ -234,7 +242,11 @@ class Lifecycle:
                 disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
                 else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
                 created_at=now, end_at=now + timedelta(seconds=req.timeout))
-            row = await ctx.store.insert_claimed(claim, node.id, now)
+            try:
+                row = await ctx.store.insert_claimed(claim, node.id, now)
+            except DuplicateIdempotencyKey:
+                ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                raise
             if row is None:
                 continue                     # another control plane claimed this member first
             spec = ctx.node_spec(row, float(req.timeout), ref)       # type: ignore[arg-type]

@@ -636,12 +636,12 @@ class Store:
             return list((await s.scalars(q)).all())
 
     async def template_version(self, name: str, version: int | None = None) -> TemplateVersion | None:
-        """That version, or (``None``) the current one: the highest."""
-        async with self.session() as s:
-            q = select(TemplateVersion).where(TemplateVersion.name == name)
-            q = (q.where(TemplateVersion.version == version) if version is not None
-                 else q.order_by(TemplateVersion.version.desc()).limit(1))
-            return (await s.scalars(q)).first()
+        """That version, or (``None``) the current one: the highest (Core, one ``_run``: read by creates)."""
+        q = select(*_cols(TemplateVersion)).where(TemplateVersion.name == name)
+        q = (q.where(TemplateVersion.version == version) if version is not None
+             else q.order_by(TemplateVersion.version.desc()).limit(1))
+        return await self._run(lambda c: next((_record(TemplateVersion, r) for r in c.execute(q)), None),
+                               write=False)
 
     async def template_versions_in_use(self) -> set[tuple[str, int]]:
         """(name, version) of every sandbox not yet ended (running, paused, starting...)."""
