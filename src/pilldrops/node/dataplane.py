@@ -21,6 +21,7 @@ import anyio
 
 from pilldrops import errors
 from pilldrops.node.archive import sanitize
+from pilldrops.node.cmdline import shell_free_argv
 from pilldrops.node.isolation import diskquota
 from pilldrops.node.runtime.base import ExecProcess, Handle, Runtime, RuntimeFailure
 from pilldrops.schema.api import FileInfo, RunEvent, RunRequest
@@ -145,7 +146,10 @@ class DataPlane:
     # ---- run -----------------------------------------------------------------------------------------
 
     async def run(self, t: Target, req: RunRequest) -> AsyncIterator[bytes]:
-        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        if isinstance(req.cmd, str):      # a plain command line runs without the shell (same semantics)
+            argv = shell_free_argv(req.cmd) or ["/bin/sh", "-c", req.cmd]
+        else:
+            argv = list(req.cmd)
         if req.cwd is not None:
             _check_path(req.cwd)
         started = time.monotonic()

@@ -552,9 +552,15 @@ class AsyncSandbox:
                                            json=body.model_dump(mode="json", exclude_none=True),
                                            timeout=stream_timeout(self._client.config),
                                            idempotent=False) as resp:
+                after = 0
                 async for line in resp.aiter_lines():
-                    decoder.feed(line)
-                    if decoder.done:
+                    if not decoder.done:
+                        decoder.feed(line)
+                        continue
+                    # after the exit event the stream ends: it is read to its end (nothing more comes) so
+                    # the kept-alive connection goes back to the pool instead of being closed half-read
+                    after += len(line)
+                    if after > 65536:
                         break
         except PillDropsError as exc:
             better = await self._explain(exc)
