@@ -44,6 +44,7 @@ async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:
         await anyio.sleep(0.5)                        # pool time is never billed
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
         assert sb["state"] == "running"
+        await _until(lambda: sb["id"] in s.agent.live)    # told right after the answer (a pre-issued member)
         live = s.agent.live[sb["id"]]
         assert live.target.handle.id in members and s.agent.stats.claimed == 1
         info = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
