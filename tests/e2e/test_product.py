@@ -84,6 +84,23 @@ def test_run_result_shape_streaming_and_check(sdk_env: Server) -> None:
         assert ei.value.result.exit_code == 3
 
 
+def test_plain_command_lines_run_without_a_shell_with_the_same_semantics(sdk_env: Server) -> None:
+    """Issue 15: ``run("true")`` and other plain lines exec directly (node/cmdline.py): PATH lookup, exit
+    127 / 126, envs and cwd as under ``sh -c``; anything with shell syntax still gets the shell."""
+    with Sandbox.create(template="tiny", envs={"FROM_CREATE": "c"}) as sb:
+        assert sb.run("true").exit_code == 0 and sb.run("false").exit_code == 1
+        assert sb.run("no-such-command-xyz").exit_code == 127                   # PATH lookup, not found
+        assert sb.run("/etc/hostname").exit_code == 126                         # found, not executable
+        r = sb.run("env", envs={"FROM_RUN": "r"})
+        assert "FROM_CREATE=c" in r.stdout and "FROM_RUN=r" in r.stdout and "PATH=" in r.stdout
+        assert sb.run("readlink -f .", cwd="/tmp").stdout == "/tmp\n"
+        assert sb.run("/bin/echo a   b").stdout == "a b\n"
+        # the process is the command itself, not a shell: its parent is the init's shepherd
+        assert sb.run("cat /proc/self/comm").stdout == "cat\n"
+        assert sb.run("echo $FROM_CREATE").stdout == "c\n"                     # syntax: still the shell
+        assert sb.run("exit 4").exit_code == 4                                    # a builtin: the shell
+
+
 def test_command_timeout_kills_the_tree_and_output_is_capped(sdk_env: Server) -> None:
     with Sandbox.create(template="tiny") as sb:
         t0 = time.monotonic()
