@@ -38,7 +38,7 @@ def clean_env(config_home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60, after: int = 0) -> str:
+def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 120, after: int = 0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         content = log.read_text()[after:] if log.exists() else ""
