@@ -214,7 +214,8 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
     how = ("pd-init's control socket (fast exec path, PILLDROPS_EXEC=supervisor)"
            if os.environ.get("PILLDROPS_EXEC", "supervisor").strip().lower() != "crun"
            else "`crun exec --no-new-privs --env.. --cwd --pid-file` (PILLDROPS_EXEC=crun)")
-    console.print(f"Notes: PillDrops run(\"true\") is `sh -c true` via {how} behind HTTP;\n"
+    console.print(f"Notes: PillDrops run(\"true\") execs `true` directly (a plain line needs no `sh -c`: "
+                  f"node/cmdline.py) via {how} behind HTTP;\n"
                   "       raw kill times only `crun delete --force` (PillDrops kill also unmounts, removes the cgroups and the bundle). Samples: create/kill N, run N×runs.")
 
 
