@@ -67,6 +67,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         s.runtime.create_delay = 0.3
         await _set(c, 1)
         await _until(lambda: len(_pool(s).ready) == 1)
+        await s.agent._heartbeat()       # the control plane holds its grant (a reported member is claimed by it)
         codes: list[int] = []
 
         async def create() -> None:
@@ -80,6 +81,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         other = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})
         assert other.status_code == 201                           # another shape: not pooled, not a miss
         pool = _pool(s)
+        await _until(lambda: pool.hits == 1)             # the claim's node is told right after its answer
         assert (pool.hits, pool.misses) == (1, 2) and s.agent.stats.claimed == 1
         await s.agent._heartbeat()
         info = (await c.get("/v1/pools")).json()["items"][0]
@@ -142,6 +144,7 @@ async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:
         await _set(c, 2)
         await _until(lambda: len(_pool(s).ready) == 2)
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
+        await _until(lambda: sb["id"] in s.agent.live)   # a pre-issued member: told after the answer
         member = s.agent.live[sb["id"]].target.handle.id
         await _until(lambda: len(_pool(s).ready) == 2)
         unclaimed = {m.handle.id for m in _pool(s).ready}
