@@ -232,19 +232,21 @@ class Lifecycle:
             if node is None or node.state != "ready" or node.draining:
                 continue
             nodes = [node]
-            iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation, stored_isolation)
-            if iso != "container":
-                return None
-            tpl_disk = isolation.template_disk_mb(nodes, req.template)
             now = ctx.clock.now()
-            claim = dataclasses.replace(
-                new, id=grant.id, access_token=grant.access_token, state=S.running.value, isolation=iso,
-                disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
-                else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
-                created_at=now, end_at=now + timedelta(seconds=req.timeout))
-            try:
+            try:           # a create refused here (or replayed) gives the grant back: no member is stranded
+                iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
+                                        stored_isolation)
+                if iso != "container":
+                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                    return None
+                tpl_disk = isolation.template_disk_mb(nodes, req.template)
+                claim = dataclasses.replace(
+                    new, id=grant.id, access_token=grant.access_token, state=S.running.value, isolation=iso,
+                    disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
+                    else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
+                    created_at=now, end_at=now + timedelta(seconds=req.timeout))
                 row = await ctx.store.insert_claimed(claim, node.id, now)
-            except DuplicateIdempotencyKey:
+            except BaseException:
                 ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
                 raise
             if row is None:
