@@ -44,8 +44,11 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
         # a request for it (data plane or kill) waits for that (milliseconds; a control plane that died in
         # between has its heartbeat handler tell us)
         sid = conn.path_params.get("sandbox_id")
-        if sid and agent.sandboxes.get(sid) is None and agent.pools.granted(sid) is not None:
-            await agent.pools.wait_granted(sid, GRANT_WAIT_S)
+        if sid and agent.sandboxes.get(sid) is None and (grant := agent.pools.granted(sid)) is not None:
+            token = conn.headers.get("x-access-token") or conn.query_params.get("access_token") or ""
+            node_call = same(bearer(conn) or "", node_token)  # type: ignore[arg-type]
+            if same(token, grant.access_token) or node_call:      # only its holder waits: no oracle of ids
+                await agent.pools.wait_granted(sid, GRANT_WAIT_S)
 
     app = FastAPI(title="PillDrops node agent", version=__version__, dependencies=[Depends(recovered)])
     app.add_middleware(RequestIdMiddleware)
