@@ -97,10 +97,9 @@ async def test_an_idempotent_retry_replays_the_claim_and_wastes_no_member(tmp_pa
         assert other.json()["id"] != first.json()["id"]
 
 
-async def test_a_claim_whose_node_was_never_told_is_resynced_by_the_next_heartbeat(tmp_path, store_url,
-                                                                                   monkeypatch) -> None:
+async def test_a_claim_whose_node_was_never_told_is_resynced_by_the_next_heartbeat(tmp_path, monkeypatch) -> None:
     """The control plane "died" between the store write (and its answer) and telling the node."""
-    async with stack(tmp_path, db_url=store_url) as s, s.client() as c:
+    async with stack(tmp_path) as s, s.client() as c:
         await _granted_pool(s, c)
         real_tell = Lifecycle._tell
         dropped: list[str] = []
