@@ -146,10 +146,8 @@ class DataPlane:
     # ---- run -----------------------------------------------------------------------------------------
 
     async def run(self, t: Target, req: RunRequest) -> AsyncIterator[bytes]:
-        if isinstance(req.cmd, str):      # a plain command line runs without the shell (same semantics;
-            # without PATH in its environment the shell's default search path differs from execvp's)
-            plain = shell_free_argv(req.cmd) if "PATH" in t.env or "PATH" in req.envs else None
-            argv = plain or ["/bin/sh", "-c", req.cmd]
+        if isinstance(req.cmd, str):      # a plain command line runs without the shell (same semantics)
+            argv = shell_free_argv(req.cmd) or ["/bin/sh", "-c", req.cmd]
         else:
             argv = list(req.cmd)
         if req.cwd is not None:
