@@ -6,7 +6,9 @@ escapes, ``$``, globs, ``~``, redirections, pipes, separators, newlines, comment
 word splitting is exactly ``str.split``. The first word must not be an assignment (``A=1 cmd``), a shell
 keyword or a builtin (``cd``, ``exit``, ``echo``, ``export``...: they run inside the shell or differ from
 the external command of the same name), except ``true`` and ``false``, whose external commands do the same.
-Everything else keeps ``/bin/sh -c``. What stays the same: the PATH lookup (pd-init's ``execvp`` with the
+Everything else keeps ``/bin/sh -c``. The command's environment always has PATH: the runtimes start
+commands with the sandbox's process environment (``oci_spec.merged_env``: PATH defaults to ``DEFAULT_PATH``,
+the shell's own default directories) under the template's and the request's. What stays the same: the PATH lookup (pd-init's ``execvp`` with the
 command's environment), exit 127 when it is not found and 126 when it cannot be executed, the environment
 and the working directory. What differs: the not-found message on stderr is pd-init's, not the shell's,
 and ``true``/``false`` need ``/bin/true``/``/bin/false`` (or elsewhere on PATH) in the template.
