@@ -1,6 +1,7 @@
 """PillDrops latency vs raw crun, measured in one run on the same machine and the same rootfs.
 
     .venv/bin/python bench/latency.py [--n 200] [--template tiny] [--runs 5] [--warmup 5] [--json out.json]
+    .venv/bin/python bench/latency.py --egress --pool 4 --pool-net [--n 40]   # warm claims with egress only
 
 Needs root and crun. What it does:
 
@@ -20,6 +21,10 @@ Needs root and crun. What it does:
    members with egress attached at claim time, and times ``nft -f`` of one sandbox's rules alone (what a
    pool of pre-networked members per policy would still pay at claim).
    The bench's agent gets a free 10.x pool, no DNS, no uplink and an egress cap of 198.18.0.0/15.
+   With ``--pool-net`` (and ``--egress --pool N``) it runs only the warm-claims-with-egress comparison of
+   ``bench/_pool_net.py``: a claim from a per-policy pool (network attached before the claim) vs a loopback
+   member with the network attached at the claim vs a loopback-only claim, p50/p95 in the same run, plus
+   what a per-policy member costs idle (links, nft rules, kernel memory).
 4. Prints a table (p50/p99, ratio and overhead vs the baseline) and optionally writes raw numbers as JSON.
 5. Checks that nothing is left: no crun containers in either root, no mounts under the data dir, no
    ``pilldrops-bench*`` cgroups; then removes the temp dirs.
@@ -37,8 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _pool_net
 import httpx
-from _harness import PID, Raw, Up, leftovers, machine, ok, pct, timed
+from _harness import MATCH, PID, Raw, Up, leftovers, machine, ok, pct, timed
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -219,6 +225,10 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
                   "       raw kill times only `crun delete --force` (PillDrops kill also unmounts, removes the cgroups and the bundle). Samples: create/kill N, run N×runs.")
 
 
+class _Done(Exception):
+    """The --pool-net phase is all this run measures."""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200, help="timed sandboxes")
@@ -229,7 +239,12 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=4, help="warm pool size for the warm-create phase (0: skip it)")
     ap.add_argument("--egress", action=argparse.BooleanOptionalAction, default=True,
                     help="also time creates with egress (veth + NAT + rules) in the same run")
+    ap.add_argument("--pool-net", action="store_true",
+                    help="only warm claims with egress: per-policy pool vs attach-at-claim vs loopback claim")
     a = ap.parse_args()
+    if a.pool_net and not (a.egress and a.pool):
+        sys.exit("--pool-net needs --egress and --pool N (N > 0)")
+    pool_net: dict[str, object] | None = None
     if os.geteuid() != 0:
         sys.exit("bench/latency.py needs root (crun, mounts, cgroups)")
     tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
@@ -246,6 +261,10 @@ def main() -> int:
             os.environ.update(PILLDROPS_EGRESS_POOL=free_pool(), PILLDROPS_EGRESS_DNS="none",
                               PILLDROPS_EGRESS_UPLINKS="")
         up = Up(tmp, a.template, ["--egress-allow", "198.18.0.0/15"] if a.egress else None)
+        if a.pool_net:
+            with console.status("") as st:
+                pool_net = _pool_net.run(up, a.template, MEMORY_MB, a.pool, a.n, a.warmup, MATCH, st)
+            raise _Done
         raw = Raw(up.data, a.template, MEMORY_MB)
         for i in range(a.warmup):
             iteration(f"w{i}", up, raw, a.template, a.runs, None)
@@ -270,6 +289,8 @@ def main() -> int:
                 set_pool(up, a.template, 0)
             if a.egress:
                 res["raw_nft"] = raw_nft(a.n)
+    except _Done:
+        pass
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: cleaning up")
         code = 130
@@ -291,6 +312,12 @@ def main() -> int:
             code = code or 1
         else:
             shutil.rmtree(tmp)
+    if code == 0 and pool_net is not None:
+        console.print(f"[bold]PillDrops warm claims with egress[/] — {info['cores']} cores, kernel {info['kernel']}, "
+                      f"{info['date']}, loadavg {Path('/proc/loadavg').read_text().split()[:3]}")
+        _pool_net.report(console, pool_net, a.pool, a.n)
+        if a.json:
+            a.json.write_text(json.dumps({"n": a.n, "pool": a.pool, "machine": info, **pool_net}, indent=1))
     if code == 0 and res["pd_create"]:
         report(res, a.n, a.runs, info)
         if a.json:

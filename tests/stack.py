@@ -160,13 +160,20 @@ class FakeEgress:
     def __init__(self) -> None:
         self.attached: dict[str, NodeNetwork] = {}
         self.released: list[str] = []
+        self.rekeyed: list[tuple[str, str]] = []
+        self.attaches = 0                       # attach calls (a claim of a per-policy member makes none)
 
     def unavailable(self) -> str | None:
         return None
 
     async def attach(self, sandbox_id: str, pid: int, rootfs: Path | None, net: NodeNetwork) -> int:
         self.attached[sandbox_id] = net
+        self.attaches += 1
         return 0
+
+    def rekey(self, old_id: str, new_id: str) -> None:
+        self.attached[new_id] = self.attached.pop(old_id)
+        self.rekeyed.append((old_id, new_id))
 
     async def release(self, sandbox_id: str) -> None:
         self.released.append(sandbox_id)

@@ -2,9 +2,9 @@
 
     with_up.py [--template NAME ...] -- COMMAND...
 
-Starts `pilldrops up` the way the end-to-end tests do (tests/e2e/conftest.py: free ports, its own data dir,
+Starts `pilldrops up` the way the end-to-end tests do (tests/up.py: free ports, its own data dir,
 config dir and node name, the `tiny` template, a warm-up sandbox), seeds extra built templates from the
-user's template cache like tests/e2e/test_pause_e2e.py (built there once if missing), and runs COMMAND with
+user's template cache (``Up.seed``: built there once if missing), and runs COMMAND with
 PILLDROPS_API_URL / PILLDROPS_API_KEY set, plus PD_CONFIG_HOME (the config dir `up` wrote),
 PD_LEAK_SNAPSHOT / PD_LEAKS_PY / PD_PYTHON (for per-test host leak checks with tools/leaks.py) and
 PD_CRUN_ROOT. Afterwards: no sandbox may be left in a live state, `up` must stop cleanly on SIGINT, and no
@@ -15,7 +15,6 @@ or 1 when a check fails.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -28,11 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import httpx
 import leakcheck
 
-from tests.e2e import conftest as e2e
-from tests.e2e.test_pause_e2e import seed_templates
+from tests.e2e.fleet import clean_env
+from tests.up import Up
 
 COMMAND_TIMEOUT_S = 900   # a hung test run fails instead of holding CI
 LIVE = ["pending", "starting", "running", "pausing", "paused", "resuming", "stopping"]
@@ -47,32 +45,28 @@ def main() -> int:
     if os.geteuid() != 0 or not shutil.which("crun"):
         print("with_up.py: needs root and crun (scripts/install-system-deps)", file=sys.stderr)
         return 1
-    e2e.NAME = f"tsjs{os.getpid()}"          # scope the node name (cgroups) and paths to this session
-    match = f"pilldrops-{e2e.NAME}"
+    name = f"tsjs{os.getpid()}"          # scope the node name (cgroups) and paths to this session
+    match = f"pilldrops-{name}"
     root = Path(tempfile.mkdtemp(prefix=f"{match}-"))
-    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    crun_root = data_dir / "node" / "crun"
+    up = Up(root, name)
+    config_home, log, crun_root = up.config_home, up.log, up.crun_root
     before = leakcheck.snapshot([crun_root], match=match)
     t0 = time.monotonic()
-    proc, url = e2e.start_up(data_dir, config_home, log)
+    up.start()
+    url = up.api_url
     rc = 1
     try:
-        key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
+        key = up.api_key
+        with up.client() as c:
             sid = c.post("/v1/sandboxes", json={"template": "tiny"}).raise_for_status().json()["id"]
             c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
             if args.template:
-                seed_templates(data_dir, args.template)
-                deadline = time.monotonic() + 60
-                while not set(args.template) <= {t["name"] for t in c.get("/v1/templates").json()["items"]}:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the node never announced {args.template}")
-                    time.sleep(0.2)
+                up.seed(*args.template)
             snap = root / "leak-snapshot.json"
             subprocess.run([sys.executable, str(Path(__file__).with_name("leaks.py")), "snapshot", str(crun_root),
                             match, str(snap)], check=True)
             print(f"with_up.py: pilldrops up at {url} ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-            env = {**e2e.clean_env(config_home), "PILLDROPS_API_URL": url, "PILLDROPS_API_KEY": key,
+            env = {**clean_env(config_home), "PILLDROPS_API_URL": url, "PILLDROPS_API_KEY": key,
                    "PD_CONFIG_HOME": str(config_home), "PD_LEAK_SNAPSHOT": str(snap), "PD_CRUN_ROOT": str(crun_root),
                    "PD_LEAKS_PY": str(Path(__file__).with_name("leaks.py")), "PD_PYTHON": sys.executable}
             env.pop("XDG_CONFIG_HOME")
@@ -86,7 +80,7 @@ def main() -> int:
                 print(f"with_up.py: sandboxes left live: {[s['id'] for s in left]}", file=sys.stderr)
                 rc = rc or 1
     finally:
-        code = e2e.stop_up(proc)
+        code = up.stop()
         if code != 0:
             print(f"with_up.py: `pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}", file=sys.stderr)
             rc = rc or 1

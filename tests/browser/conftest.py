@@ -1,12 +1,11 @@
 """The browser tier: the dashboard in Debian's headless Chromium, driven by Playwright (both installed by
-scripts/install-browser; `playwright install` is never used), against a real `pilldrops up` of its own
-(started like tests/e2e does, with its own node name so its cgroups and mounts are its own; leak-checked
-per test and at the end). Every test fails on a script error or a console error it did not expect, and
+scripts/install-browser; `playwright install` is never used), against the session's shared real `pilldrops up`
+(tests/up.py: its own node name so its cgroups and mounts are its own; leak-checked per test and at the
+end). Every test fails on a script error or a console error it did not expect, and
 leaves a full-page screenshot in test-artifacts/browser/."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -17,13 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests import leakcheck
-from tests.e2e.conftest import Server, _why_not_runnable, start_up, stop_up
+from tests.up import Up, no_leaks_of
 
 CHROMIUM = Path(os.environ.get("PILLDROPS_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "browser"
-NAME = f"br{os.getpid()}"
-MATCH = f"pilldrops-{NAME}"
 
 
 def _why_no_browser() -> str | None:
@@ -37,26 +33,12 @@ def _why_no_browser() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def dash_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    why = _why_not_runnable() or _why_no_browser()
+def dash_server(shared_up: Up) -> Up:
+    """The session's shared `pilldrops up` (tests/conftest.py)."""
+    why = _why_no_browser()
     if why:
         pytest.skip(why)
-    root = tmp_path_factory.mktemp(MATCH, numbered=False)
-    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    crun = data_dir / "node" / "crun"
-    before = leakcheck.snapshot([crun], match=MATCH)
-    proc, url = start_up(data_dir, config_home, log, "--node-name", NAME)   # the last --node-name wins
-    key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-    srv = Server(url, key, data_dir, config_home, proc, log)
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
-        sid = c.post("/v1/sandboxes", json={"template": "tiny"}).raise_for_status().json()["id"]  # cgroup parent
-        c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
-    try:
-        yield srv
-    finally:
-        code = stop_up(proc)
-        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
-        leakcheck.assert_no_leaks(before, settle=5)
+    return shared_up
 
 
 @pytest.fixture(autouse=True)
@@ -64,21 +46,19 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     if "dash_server" not in request.fixturenames:
         yield
         return
-    srv: Server = request.getfixturevalue("dash_server")
-    before = leakcheck.snapshot([srv.crun_root], match=MATCH)
-    yield
-    leakcheck.assert_no_leaks(before, settle=5)
+    with no_leaks_of(request.getfixturevalue("dash_server")):
+        yield
 
 
 @pytest.fixture
-def api(dash_server: Server) -> Iterator[httpx.Client]:
+def api(dash_server: Up) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=dash_server.api_url, headers={"Authorization": f"Bearer {dash_server.api_key}"},
                       timeout=60) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def browser(dash_server: Server) -> Iterator[Any]:
+def browser(dash_server: Up) -> Iterator[Any]:
     """Per module, not per session: Playwright's sync API keeps an event loop running in this thread
     while it is started, and the asyncio tests that run after this tier need the thread's loop free."""
     from playwright.sync_api import sync_playwright
@@ -106,7 +86,7 @@ class Console:
 
 
 @pytest.fixture
-def page(browser: Any, dash_server: Server, request: pytest.FixtureRequest) -> Iterator[Any]:
+def page(browser: Any, dash_server: Up, request: pytest.FixtureRequest) -> Iterator[Any]:
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000}, base_url=dash_server.api_url)
     pg = ctx.new_page()
     pg.set_default_timeout(15_000)

@@ -62,7 +62,7 @@ def test_sandboxes_costs_charts_and_kill(page: Any, dash_server: Server, api: ht
         row = page.locator(f"#live-table tr[data-id='{live['id']}']")
         row.wait_for()
         assert "running" in row.inner_text() and dash_server.log.exists()
-        assert row.locator("td").nth(4).inner_text().startswith("br")      # node name (admin key)
+        assert row.locator("td").nth(4).inner_text() == dash_server.name   # node name (admin key)
         assert re.search(r"\$0\.0\d+", row.locator("td.cost").inner_text())
         hist = page.locator(f"#history-table tr[data-id='{ended[0]['id']}']")
         hist.wait_for()

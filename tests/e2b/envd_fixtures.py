@@ -1,8 +1,7 @@
 """Fixtures of the envd tests (``test_envd_*.py``): the envd app served over real HTTP in front of a sandbox of
 a real ``pilldrops up`` (the Debian ``base`` template, for the ``/bin/bash`` E2B commands use).
 
-- ``envd_up``: the session's ``pilldrops up``: the E2B tier's ``pd_up`` when this directory's conftest has
-  one, else one of our own (same shape: free ports, own data dir and node name, leak-checked);
+- ``envd_up``: the session's ``pilldrops up``: the E2B tier's ``pd_up`` (tests/up.py, leak-checked);
 - ``envd``: a fresh sandbox (through our REST API) with ``make_envd_app()`` served by uvicorn on a free port
   behind the smallest router there is: every request is for this sandbox (``scope["state"]["e2b_sandbox"]``
   as the E2B router sets it). The stock client reaches it in E2B debug mode (``E2B_DEBUG=true``,
@@ -15,15 +14,11 @@ a real ``pilldrops up`` (the Debian ``base`` template, for the ``/bin/bash`` E2B
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,121 +40,20 @@ def _import_stock_client() -> None:
 
 _import_stock_client()
 
-from tests import leakcheck
-from tests.e2e.fleet import clean_env, free_port
-
-NAME = f"envd{os.getpid()}"
-MATCH = f"pilldrops-{NAME}"
-
-
-@dataclass
-class UpRef:
-    api_url: str
-    api_key: str
-    snapshot: Callable[[], dict[str, object]]      # its leak-check snapshot (containers, mounts, cgroups)
-
-
-def _why_not_runnable() -> str | None:
-    if os.geteuid() != 0:
-        return "the envd tests run a real `pilldrops up`, which needs root (mounts, cgroups, crun)"
-    if not shutil.which("crun"):
-        return "crun is not installed (run scripts/install-system-deps)"
-    return None
-
-
-def _relocate(templates: Path) -> None:
-    """Manifests name their layers by absolute path: point the copies' at the copies."""
-    for manifest in templates.glob("*/*/manifest.json"):
-        m = json.loads(manifest.read_text())
-        m["layers"] = [str(templates / p.split("/templates/", 1)[1]) for p in m["layers"]]
-        manifest.write_text(json.dumps(m))
-
-
-_shared: dict[str, Any] = {"up": None, "users": 0}
+from tests.e2e.fleet import free_port
+from tests.up import Up, no_leaks_of
 
 
 @pytest.fixture(scope="session")
-def envd_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
-    """One ``up`` per test session even though every test module imports these fixtures (pytest then holds
-    one session fixture per module): the first starts it, the last one out stops it."""
-    why = _why_not_runnable()
-    if why:
-        pytest.skip(why)
-    _shared["users"] += 1
-    try:
-        if _shared["up"] is None:
-            gen = _start_own_up(tmp_path_factory)
-            _shared["up"] = (next(gen), gen)
-        yield _shared["up"][0]
-    finally:
-        _shared["users"] -= 1
-        if _shared["users"] == 0 and _shared["up"] is not None:
-            gen = _shared["up"][1]
-            _shared["up"] = None
-            with contextlib.suppress(StopIteration):
-                next(gen)
-
-
-def _start_own_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpRef]:
-    root = tmp_path_factory.mktemp(MATCH, numbered=False)
-    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    src = os.environ.get("PILLDROPS_E2B_TEMPLATES_FROM")
-    if src and (Path(src) / "templates").is_dir():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", "-a", "--reflink=auto", str(Path(src) / "templates"), str(data_dir / "templates")],
-                       check=True)
-        _relocate(data_dir / "templates")
-    before = leakcheck.snapshot([data_dir / "node" / "crun"], match=MATCH)
-    port, node_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
-         "--data-dir", str(data_dir), "--templates", "base", "--node-name", NAME],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=clean_env(config_home, PYTHONUNBUFFERED="1"))
-    try:
-        deadline = time.monotonic() + 900               # the first start builds the Debian template
-        while "is up at" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-        crun_root = data_dir / "node" / "crun"
-        up = UpRef(f"http://127.0.0.1:{port}", key, lambda: leakcheck.snapshot([crun_root], match=MATCH))
-        with httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as c:
-            r = c.post("/v1/sandboxes", json={"template": "base"})
-            assert r.status_code == 201, r.text
-            c.delete(f"/v1/sandboxes/{r.json()['id']}").raise_for_status()
-    except BaseException:
-        proc.send_signal(signal.SIGINT)                 # never leave a half-started `up` behind
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        raise
-    try:
-        yield up
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
-        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
-        leakcheck.assert_no_leaks(before, settle=5)
-
-
-@pytest.fixture(scope="session")
-def envd_up(request: pytest.FixtureRequest) -> UpRef:
-    try:
-        up = request.getfixturevalue("pd_up")
-    except pytest.FixtureLookupError:
-        return request.getfixturevalue("envd_own_up")
-    return UpRef(up.api_url, up.api_key, up.snapshot)
+def envd_up(pd_up: Up) -> Up:
+    """The E2B tier's `pilldrops up` (tests/e2b/conftest.py: the session's shared one, ``base`` seeded)."""
+    return pd_up
 
 
 @pytest.fixture
-def envd_no_leaks(envd_up: UpRef) -> Iterator[None]:
-    before = envd_up.snapshot()
-    yield
-    leakcheck.assert_no_leaks(before, settle=5)
+def envd_no_leaks(envd_up: Up) -> Iterator[None]:
+    with no_leaks_of(envd_up):
+        yield
 
 
 # -- the envd app in front of one sandbox ------------------------------------------------------------------
@@ -238,7 +132,7 @@ def _serve(app: Any) -> tuple[str, Any, threading.Thread]:
 
 
 @pytest.fixture
-def envd(envd_up: UpRef, envd_no_leaks: None) -> Iterator[Envd]:
+def envd(envd_up: Up, envd_no_leaks: None) -> Iterator[Envd]:
     from pilldrops.e2b.envd.app import make_envd_app
     api = httpx.Client(base_url=envd_up.api_url, headers={"Authorization": f"Bearer {envd_up.api_key}"},
                        timeout=60)

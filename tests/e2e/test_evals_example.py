@@ -11,13 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pilldrops import Sandbox
 from tests.e2e.conftest import Server
 from tests.e2e.fleet import clean_env
-from tests.e2e.test_pause_e2e import seed_templates
 
 pytestmark = pytest.mark.integration
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "evals" / "run_eval.py"
@@ -25,12 +23,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "evals" / "run_eval
 
 @pytest.fixture(scope="module")
 def ci_server(server: Server) -> Server:
-    seed_templates(server.data_dir, ["code-interpreter"])
-    deadline = time.monotonic() + 30
-    with httpx.Client(base_url=server.api_url, headers={"Authorization": f"Bearer {server.api_key}"}) as c:
-        while "code-interpreter" not in {t["name"] for t in c.get("/v1/templates").json()["items"]}:
-            assert time.monotonic() < deadline, "the node never announced the seeded code-interpreter template"
-            time.sleep(0.2)
+    server.seed("code-interpreter")
     return server
 
 

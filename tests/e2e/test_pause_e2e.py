@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +30,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pilldrops import FileNotFound, InvalidState, Sandbox
@@ -39,10 +37,9 @@ from pilldrops.node.isolation import criu
 from tests import leakcheck
 from tests.e2e.conftest import MATCH, Server, _why_not_runnable
 from tests.e2e.fleet import Fleet, clean_env
+from tests.up import TEMPLATE_CACHE, seed_templates  # noqa: F401  (their home is tests/up.py; kept importable here)
 
 pytestmark = pytest.mark.integration
-
-TEMPLATE_CACHE = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pilldrops"
 
 # holds a random token and 32 MiB of random bytes in memory; 20x/s appends "token pid count time digest_ok"
 # to a log and renames the count into /home/user/counter
@@ -78,31 +75,10 @@ def criu_ready() -> None:
         pytest.skip(f"pause/resume needs real crun + CRIU: {why}")
 
 
-def seed_templates(data: Path, names: list[str]) -> None:
-    """Make the cached built templates ``names`` (and their parents) usable in the data dir ``data``
-    (building them in the cache first if needed)."""
-    from pilldrops.node.templates import TemplateStore
-    store = TemplateStore(TEMPLATE_CACHE)
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        tpl = store.ensure(name)
-        dst = data / "templates" / name / tpl.hash
-        dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TEMPLATE_CACHE / "templates" / name / tpl.hash / "manifest.json", dst / "manifest.json")
-        if not store.spec(name).is_builder:
-            todo.append(store.spec(name).base)
-
-
 @pytest.fixture(scope="module")
 def py_server(server: Server, criu_ready: None) -> Server:
     """The session's server with the code-interpreter template (announced by the node within a second)."""
-    seed_templates(server.data_dir, ["code-interpreter"])
-    deadline = time.monotonic() + 30
-    with httpx.Client(base_url=server.api_url, headers={"Authorization": f"Bearer {server.api_key}"}) as c:
-        while "code-interpreter" not in {t["name"] for t in c.get("/v1/templates").json()["items"]}:
-            assert time.monotonic() < deadline, "the node never announced the seeded code-interpreter template"
-            time.sleep(0.2)
+    server.seed("code-interpreter")
     return server
 
 

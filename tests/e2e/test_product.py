@@ -280,22 +280,27 @@ def test_set_timeout_extends_life(sdk_env: Server) -> None:
         assert sb.run("echo later").stdout == "later\n"
 
 
-@pytest.mark.parametrize("isolation", ["container", "gvisor", "microvm"])
-def test_sandbox_outlives_sigkilled_agent_and_is_adopted(tmp_path: Path, isolation: str) -> None:
-    """SIGKILL `pilldrops up`: the sandbox keeps running (not a child of the agent); a restarted `up`
-    on the same data dir adopts it (through the runtime of its isolation mode), and it accepts run and
-    upload again."""
+def test_sandboxes_outlive_a_sigkilled_agent_and_are_adopted(tmp_path: Path) -> None:
+    """SIGKILL `pilldrops up`: the sandboxes keep running (not children of the agent); a restarted `up`
+    on the same data dir (new ports) adopts them, each through the runtime of its isolation mode, and they
+    accept run and upload again. One `up`, one SIGKILL, one sandbox per mode this machine runs (container
+    always; gVisor and the microVM when available, else named in a warning)."""
     from pilldrops.node.runtime.gvisor import probe
+    from pilldrops.node.runtime.qemu import probe_host
     from tests import leakcheck
     from tests.e2e.conftest import MATCH
 
-    if isolation == "gvisor" and not probe().available:
-        pytest.skip(f"gVisor: {probe().reason}")
-    if isolation == "microvm":
-        from pilldrops.node.runtime.qemu import probe_host
-        ok, reason, _ = probe_host()
-        if not ok:
-            pytest.skip(f"microVM: {reason}")
+    modes = ["container"]
+    unavailable = []
+    if probe().available:
+        modes.append("gvisor")
+    else:
+        unavailable.append(f"gVisor: {probe().reason}")
+    ok, reason, _ = probe_host()
+    if ok:
+        modes.append("microvm")
+    else:
+        unavailable.append(f"microVM: {reason}")
     root = tmp_path / MATCH
     data, cfg, log = root / "data", root / "cfg", root / "up.log"
     root.mkdir()
@@ -305,29 +310,38 @@ def test_sandbox_outlives_sigkilled_agent_and_is_adopted(tmp_path: Path, isolati
     proc, url = start_up(data, cfg, log)
     key = json.loads((cfg / "pilldrops" / "config.json").read_text())["api_key"]
     try:
-        sb = Sandbox.create(template="tiny", api_url=url, api_key=key, isolation=isolation,
-                            memory_mb=256)     # the microVM tier's snapshot size (one template boot per session)
-        sb.run("echo 41 > /root/state")
-        handle = json.loads((data / "node" / "journal" / f"{sb.id}.json").read_text())["handle"]
-        assert handle["extra"]["isolation"] == isolation          # re-adoption goes to the right runtime
-        pid = int(handle["pid"])
+        boxes = {m: Sandbox.create(template="tiny", api_url=url, api_key=key, isolation=m,
+                                   memory_mb=256)    # the microVM tier's snapshot size (one template boot per session)
+                 for m in modes}
+        pids = {}
+        for m, sb in boxes.items():
+            sb.run(f"echo 41-{m} > /root/state")
+            handle = json.loads((data / "node" / "journal" / f"{sb.id}.json").read_text())["handle"]
+            assert handle["extra"]["isolation"] == m          # re-adoption goes to the right runtime
+            pids[m] = int(handle["pid"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         time.sleep(0.5)
-        os.kill(pid, 0)                                           # still alive
+        for pid in pids.values():
+            os.kill(pid, 0)                                   # still alive
         proc, url2 = start_up(data, cfg, log)
-        again = Sandbox.connect(sb.id, api_url=url2, api_key=key)
-        assert again.run("cat /root/state").stdout == "41\n"
-        again.files.write("/root/after.txt", "yes")
-        assert again.files.read("/root/after.txt") == "yes"
-        again.kill()
-        with pytest.raises(OSError):
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.05)
+        for m, sb in boxes.items():
+            again = Sandbox.connect(sb.id, api_url=url2, api_key=key)
+            assert again.run("cat /root/state").stdout == f"41-{m}\n", m
+            again.files.write("/root/after.txt", "yes")
+            assert again.files.read("/root/after.txt") == "yes", m
+            again.kill()
+            with pytest.raises(OSError):
+                for _ in range(100):
+                    os.kill(pids[m], 0)
+                    time.sleep(0.05)
     finally:
         assert stop_up(proc) == 0
     leakcheck.assert_no_leaks(before, settle=5)
+    if unavailable:          # (shown in pytest's warnings summary: what this machine could not check)
+        import warnings
+        warnings.warn("re-adoption checked for " + ", ".join(modes) + " only; " + "; ".join(unavailable),
+                      stacklevel=1)
 
 
 def test_bad_requests_are_typed(sdk_env: Server) -> None:

@@ -18,14 +18,9 @@ Two kinds of fixture:
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -33,67 +28,18 @@ import httpx
 import pytest
 
 from pilldrops.node.runtime.base import Handle, Runtime
+from tests import leakcheck
 from tests.contract.conftest import RUNTIMES, RuntimeCase
-from tests.e2e.fleet import clean_env, free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import leakcheck  # tests/leakcheck.py
+from tests.up import Up, running
+from tests.up import why_not_root as _why_not_root
 
 NAME = f"hst{os.getpid()}"
 MATCH = f"pilldrops-{NAME}"
 CAPACITY_MEMORY_MB = 16_384
 
 
-@dataclass
-class Up:
-    api_url: str
-    node_url: str
-    api_key: str
-    data_dir: Path
-    config_home: Path
-    log: Path
-    proc: subprocess.Popen[bytes]          # the live `up` (a test that restarts it replaces it)
-    isolations: tuple[str, ...] = ("container",)
-
-    def snapshot(self) -> dict[str, object]:
-        node = self.data_dir / "node"
-        return leakcheck.snapshot([node / "crun"], match=MATCH, runsc_roots=[node / "runtimes" / "gvisor" / "runsc"])
-
-    def client(self, key: str | None = None, **kw: object) -> httpx.Client:
-        return httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {key or self.api_key}"},
-                            timeout=kw.pop("timeout", 60), **kw)  # type: ignore[arg-type]
-
-
-def start_up(data_dir: Path, config_home: Path, log: Path, name: str = NAME, *extra: str
-             ) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, node_port = free_port(), free_port()
-    mark = len(log.read_text()) if log.exists() else 0
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(node_port), "--ports-port", "0",
-         "--data-dir", str(data_dir), "--templates", "tiny", "--node-name", name,
-         "--capacity-memory-mb", str(CAPACITY_MEMORY_MB), *extra],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=clean_env(config_home, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pilldrops up exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if "is up at" in log.read_text()[mark:]:
-            return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{node_port}"
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"pilldrops up did not start:\n{log.read_text()[-3000:]}")
-
-
-def stop_up(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, timeout: float = 60) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    return proc.wait(timeout=timeout)
-
-
 def why_not_root() -> str | None:
-    from tests.e2e.conftest import _why_not_runnable
-    return _why_not_runnable()
+    return _why_not_root("the hostile suite runs a real `pilldrops up`")
 
 
 def second_team_key(data_dir: Path, name: str) -> str:
@@ -116,29 +62,16 @@ def second_team_key(data_dir: Path, name: str) -> str:
 
 @pytest.fixture(scope="session")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """Its own `up`, not the session's shared one: 16 GiB of offered memory (the shared one offers the
+    default, which the end-to-end tier's fan-outs need), and attacks that should not share a node with
+    other tiers' tests."""
     why = why_not_root()
     if why:
         pytest.skip(why)
-    root = tmp_path_factory.mktemp(MATCH, numbered=False)
-    data_dir, config_home, log = root / "data", root / "config", root / "up.log"
-    node = data_dir / "node"
-    before = leakcheck.snapshot([node / "crun"], match=MATCH, runsc_roots=[node / "runtimes" / "gvisor" / "runsc"])
-    proc, url, node_url = start_up(data_dir, config_home, log)
-    key = json.loads((config_home / "pilldrops" / "config.json").read_text())["api_key"]
-    srv = Up(url, node_url, key, data_dir, config_home, log, proc)
-    with srv.client() as c:     # warm-up: the cgroup parents exist before the first per-test snapshot
-        (info,) = c.get("/v1/nodes").raise_for_status().json()["items"]
-        modes = ["container"] + (["gvisor"] if info["isolation"]["gvisor"]["available"] else [])
-        for mode in modes:
-            sid = c.post("/v1/sandboxes", json={"template": "tiny", "isolation": mode}).raise_for_status().json()["id"]
-            c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
-        srv.isolations = tuple(modes)
-    try:
+    srv = Up(tmp_path_factory.mktemp(MATCH, numbered=False), NAME,
+             extra=("--capacity-memory-mb", str(CAPACITY_MEMORY_MB)))
+    with running(srv):
         yield srv
-    finally:
-        code = stop_up(srv.proc)      # (a test may have restarted it: srv.proc is the live one)
-        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{log.read_text()[-3000:]}"
-        leakcheck.assert_no_leaks(before, settle=5)
 
 
 @pytest.fixture(autouse=True)
@@ -154,8 +87,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     try:
         leakcheck.assert_no_leaks(before, settle=8)
     except AssertionError:
-        before["items"] = leakcheck.snapshot(before["roots"], before["match"],  # type: ignore[arg-type]
-                                             before["runsc_roots"])["items"]   # type: ignore[arg-type]
+        before["items"] = request.getfixturevalue("up").snapshot()["items"]
         raise                   # (re-based: the next test is checked for its own leaks, not this one's)
 
 

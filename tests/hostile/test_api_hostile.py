@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import signal
 import tarfile
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.hostile.conftest import CAPACITY_MEMORY_MB, Up, start_up
+from tests.hostile.conftest import CAPACITY_MEMORY_MB, Up
 
 
 def _create(api: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -305,19 +304,5 @@ def test_tar_traversal_and_symlinked_downloads_stay_inside(up: Up, api: httpx.Cl
     api.delete(f"/v1/sandboxes/{sb['id']}").raise_for_status()
 
 
-# ---- last (it restarts the session's `up`): SIGKILLed with sandboxes running ---------------------------
-
-def test_zz_up_sigkilled_with_sandboxes_running_adopts_them(up: Up, api: httpx.Client) -> None:
-    """It held: `up` SIGKILLed with sandboxes running; restarted on the same data dir (new ports), they run
-    on, adopted; the session's end then checks that stopping it leaves nothing."""
-    sbs = [_create(api) for _ in range(3)]
-    up.proc.send_signal(signal.SIGKILL)
-    up.proc.wait(30)
-    up.proc, up.api_url, up.node_url = start_up(up.data_dir, up.config_home, up.log)
-    with up.client() as c:
-        for s in sbs:
-            info = c.get(f"/v1/sandboxes/{s['id']}").json()
-            assert info["state"] == "running", info
-            run = c.post(f"/v1/sandboxes/{s['id']}/run", json={"cmd": "echo adopted"})
-            assert _exit(run) == (0, "adopted\n"), run.text
-            c.delete(f"/v1/sandboxes/{s['id']}").raise_for_status()
+# (`up` SIGKILLed with sandboxes running, restarted on the same data dir, adopting them: one scenario for every
+# isolation mode in tests/e2e/test_product.py::test_sandboxes_outlive_a_sigkilled_agent_and_are_adopted)

@@ -15,10 +15,8 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import leakcheck
-
-from tests.e2e.fleet import clean_env, free_port
+from tests.up import Up, no_leaks_of, running
 
 SFX = f"{os.getpid() & 0xFFFFF:05x}"
 NAME = f"net{SFX}"
@@ -138,106 +133,33 @@ def outside() -> Iterator[Outside]:
 
 
 @dataclass
-class Server:
-    api_url: str
-    api_key: str
-    data_dir: Path
-    config_home: Path
-    log: Path
-    outside: Outside
-    proc: subprocess.Popen[bytes] | None = None
+class Server(Up):
+    """The tier's own `up` (tests/up.py; not the session's shared one): egress to the test's outside host."""
 
-    @property
-    def flags(self) -> tuple[str, ...]:
-        """The agent and control plane listen on every host address (what sandboxes must not reach), and
-        egress is capped at the test's own ranges: even a broken rule could not send a packet elsewhere."""
-        return ("-v", "--host", "0.0.0.0", "--egress-allow", str(self.outside.net), "--egress-allow", "169.254.0.0/16")
-
-    @property
-    def crun_root(self) -> Path:
-        return self.data_dir / "node" / "crun"
-
-    @property
-    def tag(self) -> str:
-        return (self.data_dir / "node" / "instance").read_text().strip()[:4]
+    outside: Outside = None     # type: ignore[assignment]
 
     @property
     def node_port(self) -> int:
         return int(self.api_url.rsplit(":", 1)[1]) + 1
 
-    def snapshot(self) -> dict[str, object]:
-        return leakcheck.snapshot([self.crun_root], match=MATCH, net_prefix=f"pd{self.tag}",
-                                  nft_table=f"pd_{self.tag}")
 
-    def env(self) -> dict[str, str]:
-        return clean_env(self.config_home, PYTHONUNBUFFERED="1", PILLDROPS_EGRESS_POOL=str(self.outside.pool),
-                         PILLDROPS_EGRESS_DNS=self.outside.ip, PILLDROPS_EGRESS_UPLINKS=UPLINK)
-
-    def start(self, *extra: str) -> None:
-        port = int(self.api_url.rsplit(":", 1)[1])
-        mark = len(self.log.read_text()) if self.log.exists() else 0
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pilldrops", "up", "--port", str(port), "--node-port", str(port + 1), "--ports-port", "0",
-             "--data-dir", str(self.data_dir), "--templates", "tiny", "--node-name", NAME, *extra],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env())
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pilldrops up exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            if "is up at" in self.log.read_text()[mark:]:
-                self.api_key = json.loads((self.config_home / "pilldrops" / "config.json").read_text())["api_key"]
-                return
-            time.sleep(0.1)
-        self.proc.kill()
-        raise RuntimeError(f"pilldrops up did not start:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self, sig: int = signal.SIGINT) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=60)
-
-
-def _free_port_pair() -> int:
-    for _ in range(50):
-        p = free_port()
-        try:
-            import socket
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+def flags(outside: Outside) -> tuple[str, ...]:
+    """The agent and control plane listen on every host address (what sandboxes must not reach), and egress
+    is capped at the test's own ranges: even a broken rule could not send a packet elsewhere."""
+    return ("-v", "--host", "0.0.0.0", "--egress-allow", str(outside.net), "--egress-allow", "169.254.0.0/16")
 
 
 @pytest.fixture(scope="session")
 def server(outside: Outside, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp(MATCH, numbered=False)
-    srv = Server(f"http://127.0.0.1:{_free_port_pair()}", "", root / "data", root / "config", root / "up.log",
-                 outside)
-    before = leakcheck.snapshot([srv.crun_root], match=MATCH)
-    srv.start(*srv.flags)
-    try:
-        # warm-up: the node's cgroup parent and the agent's nft table exist for the life of `up` (removed
-        # when it stops, which the session-end checks cover), so they are there before the first snapshot
-        with httpx.Client(base_url=srv.api_url, headers={"Authorization": f"Bearer {srv.api_key}"},
-                          timeout=60) as c:
-            for body in ({"template": "tiny"}, {"template": "tiny", "allow_internet_access": True}):
-                sid = c.post("/v1/sandboxes", json=body).raise_for_status().json()["id"]
-                c.delete(f"/v1/sandboxes/{sid}").raise_for_status()
-    except BaseException:
-        srv.stop(signal.SIGKILL)
-        raise
-    try:
+    srv = Server(tmp_path_factory.mktemp(MATCH, numbered=False), NAME, extra=flags(outside), port_pair=True,
+                 net_checked=True, outside=outside,
+                 env_extra={"PILLDROPS_EGRESS_POOL": str(outside.pool), "PILLDROPS_EGRESS_DNS": outside.ip,
+                            "PILLDROPS_EGRESS_UPLINKS": UPLINK})
+    # the warm-up (tests/up.py) also makes the agent's nft table, there for the life of `up`
+    with running(srv, warm=[{"template": "tiny", "allow_internet_access": True}]):
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"`pilldrops up` exited {code} on SIGINT:\n{srv.log.read_text()[-3000:]}"
-        leakcheck.assert_no_leaks(before, settle=5)
-        leakcheck.assert_none_left(net_prefix=f"pd{srv.tag}", nft_table=f"pd_{srv.tag}")
-        uplink_fw = Path(f"/proc/sys/net/ipv4/conf/{UPLINK}/forwarding").read_text().strip()
-        assert uplink_fw == "0", "the agent left forwarding on on the uplink it was given"
+    uplink_fw = Path(f"/proc/sys/net/ipv4/conf/{UPLINK}/forwarding").read_text().strip()
+    assert uplink_fw == "0", "the agent left forwarding on on the uplink it was given"
 
 
 @pytest.fixture(autouse=True)
@@ -245,10 +167,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     if "server" not in request.fixturenames:
         yield
         return
-    srv: Server = request.getfixturevalue("server")
-    before = srv.snapshot()
-    yield
-    leakcheck.assert_no_leaks(before, settle=5)
+    with no_leaks_of(request.getfixturevalue("server")):
+        yield
 
 
 @pytest.fixture
@@ -260,6 +180,5 @@ def sdk_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
 
 @pytest.fixture
 def api(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.api_url, headers={"Authorization": f"Bearer {server.api_key}"},
-                      timeout=60) as c:
+    with server.client() as c:
         yield c

@@ -202,7 +202,7 @@ def test_agent_sigkill_restart_readopts_then_reaps(server: Server) -> None:
     try:
         assert server.stop(signal.SIGKILL) != 0
         os.kill(crun_pid(server, dead.id), signal.SIGKILL)      # dies while the agent is down
-        server.start(*server.flags)
+        server.start()
         kept = Sandbox.connect(kept.id)
         assert fetch(kept, f"http://{server.outside.ip}:8080/") == f"ok {server.outside.ip}"
         left = server.snapshot()["items"]

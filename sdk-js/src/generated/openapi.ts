@@ -941,6 +941,11 @@ export interface components {
         /** PoolInfo */
         PoolInfo: {
             /**
+             * Allow Internet Access
+             * @default false
+             */
+            allow_internet_access: boolean;
+            /**
              * Breaker Open
              * @default false
              */
@@ -961,6 +966,7 @@ export interface components {
              * @default 0
              */
             misses: number;
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /**
              * Nodes
              * @default 0
@@ -991,14 +997,25 @@ export interface components {
         /**
          * PoolSetRequest
          * @description Keep ``size`` ready sandboxes of this template and shape on every node that has the template
-         *     (0 removes the pool).
+         *     (0 removes the pool). A pool is one template, shape AND egress policy: ``allow_internet_access`` /
+         *     ``network`` as in a create (unset: the template's ``[network]`` default, resolved when the pool is set;
+         *     checked against the deployment's ``--no-egress`` / ``--egress-allow`` like a create). Members of a pool
+         *     with egress have it attached already, so a create with that policy claims one without any network set-up.
          */
         PoolSetRequest: {
+            /**
+             * Allow Internet Access
+             * @description members' egress to the internet; unset: the template's
+             * @default false
+             */
+            allow_internet_access: boolean;
             /**
              * Memory Mb
              * @default 512
              */
             memory_mb: number;
+            /** @description members' allow_out / deny_out; unset: the template's */
+            network?: components["schemas"]["NetworkPolicy"] | null;
             /** Size */
             size: number;
             /** Template */

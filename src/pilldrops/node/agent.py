@@ -8,7 +8,8 @@ watch them. Each duty beyond that has a module of its own:
 - ``template_cache``: the built templates and what a sandbox spec becomes with them;
 - ``pools``: warm pools;
 - ``egress``: the network of sandboxes that asked for one (veth, NAT, per-sandbox rules; attached after
-  the runtime made the sandbox, so a warm-pool member gets it at claim time).
+  the runtime made the sandbox: a member of a warm pool with that policy has it already, a member of the
+  loopback-only pool gets it at claim time).
 
 It journals intent before creating and confirms after, enforces deadlines itself (the control plane may be
 down) and notices sandboxes whose init died (``oom`` when the memory cgroup killed it, ``exited``
@@ -50,6 +51,7 @@ from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeBuildRequest,
+    NodeNetwork,
     NodePoolSpec,
     NodeResume,
     NodeSandboxSpec,
@@ -131,6 +133,7 @@ class NodeAgent:
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
                                template_version=self.template_cache.version,
+                               attach=self._attach_member, release=lambda mid: self.egress.release(mid),
                                grant_version=self.template_cache.store_version,
                                on_ready=lambda: self._wake_heartbeat.set())
         self.control_plane = ControlPlaneClient(
@@ -247,10 +250,10 @@ class NodeAgent:
                                           "rebuilt, other shape, isolation or disk)", current="ready",
                                           target="running")
         else:
-            member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb) if poolable else None
+            member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb, spec.network) if poolable else None
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
-            return await self._adopt_new(sb, member, claimed=True)
+            return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
         try:
             self.journal.write(sb.journal_entry())
@@ -277,9 +280,12 @@ class NodeAgent:
             raise errors.NotSupported(f"egress is not available on node {self.settings.name}: {why}",
                                       details={"feature": "egress"})
 
-    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool) -> NodeSandboxStatus:
+    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool,
+                         attached: bool = False) -> NodeSandboxStatus:
         try:
-            if sb.spec.network is not None and handle.pid is not None:
+            if attached:                   # a member of the pool of this policy: its network is there already
+                self.egress.rekey(handle.id, sb.id)
+            elif sb.spec.network is not None and handle.pid is not None:
                 try:
                     await self.egress.attach(sb.id, handle.pid, _rootfs(handle), sb.spec.network)
                 except RuntimeFailure as exc:
@@ -294,6 +300,8 @@ class NodeAgent:
             with anyio.CancelScope(shield=True):
                 await self._destroy_quietly(handle)
                 await self.egress.release(sb.id)
+                if attached:
+                    await self.egress.release(handle.id)    # a rekey that failed: still the member's
             self.journal.remove(sb.id)
             if self.sandboxes.is_current(sb, NodeState.creating, NodeState.ending):
                 self.sandboxes.move(sb, NodeState.gone)
@@ -307,6 +315,13 @@ class NodeAgent:
         base = NodeSandboxSpec(id=member_id, template=pool.template, vcpu=pool.vcpu, memory_mb=pool.memory_mb,
                                end_at=self.now(), access_token="-")
         return self._runtime_spec(base)
+
+    async def _attach_member(self, handle: Handle, net: NodeNetwork) -> None:
+        """A new member of a warm pool with a policy gets its network now, under its member id."""
+        why = self.egress.unavailable()
+        if why or handle.pid is None:
+            raise RuntimeFailure(f"egress is not available on node {self.settings.name}: {why or 'no init pid'}")
+        await self.egress.attach(handle.id, handle.pid, _rootfs(handle), net)
 
     def configure_pools(self, pools: list[NodePoolSpec]) -> None:
         self.pools.configure(pools)

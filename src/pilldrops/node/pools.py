@@ -6,17 +6,23 @@ shape claims instead of booting one (issue 5).
   the claim). A restarted agent reaps unclaimed members like any unrecorded container, then refills.
 - A claim hands a member to exactly one sandbox and it never returns to the pool: when that sandbox ends
   its container is destroyed like any other, so nothing of one tenant reaches another.
+- A pool is also one egress policy (issue 14 part 3): members of a pool with ``network`` are made with
+  their network attached (``attach``: veth, rules, resolv.conf, keyed by the member's id), so a create of
+  that shape and policy claims one with nothing to set up. A create with egress that no pool of its
+  policy can serve falls back to the loopback-only pool of its shape (the agent attaches at the claim);
+  a create without egress never gets a member with a network. A destroyed member's network goes with
+  it (``release``).
 - Refill keeps ``ready + starting == size`` with at most ``concurrency`` creates in flight across all
   pools (a burst of claims never becomes a burst of boots that starves cold creates), oldest deficit
   first. After ``BREAKER_FAILURES`` consecutive failed refills a pool's breaker opens: no refills for a
   back-off that doubles from 2 s up to 5 minutes, then one trial create (half-open) that closes it again
   on success.
-- Grants (issue 15): each ready member carries a pre-issued sandbox id and access token, sent to the control
-  plane with the heartbeat (woken at once when a member becomes ready). A control plane answers a create of
-  the shape from that grant (one store write) and then tells the node (a create with the grant's id):
-  ``claim_grant``. Once a grant was reported it is only ever claimed by its id, never by an anonymous
-  ``claim``, so no member is handed out twice; requests for a granted id that arrive before the node was
-  told wait for it (``wait_granted``).
+- Grants (issue 15): each ready member of a loopback-only pool carries a pre-issued sandbox id and access
+  token, sent to the control plane with the heartbeat (woken at once when a member becomes ready). A control
+  plane answers a create of the shape from that grant (one store write) and then tells the node (a create
+  with the grant's id): ``claim_grant``. Once a grant was reported it is only ever claimed by its id, never by
+  an anonymous ``claim``, so no member is handed out twice; requests for a granted id that arrive before the
+  node was told wait for it (``wait_granted``).
 """
 
 from __future__ import annotations
@@ -26,32 +32,42 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 from pilldrops._internal.ids import new_id
 from pilldrops.node.runtime.base import Handle, Runtime, SandboxSpec
-from pilldrops.schema.node import NodeGrant, NodePoolSpec, NodePoolStatus
+from pilldrops.schema.node import NodeGrant, NodeNetwork, NodePoolSpec, NodePoolStatus, network_key
 
 log = logging.getLogger("pilldrops.node.pools")
-Key = tuple[str, float, int]
+Key = tuple[str, float, int, str]       # shape and the members' ``network_key`` ("" loopback only)
 BREAKER_FAILURES = 5
 BACKOFF_MIN_S = 2.0
 BACKOFF_MAX_S = 300.0
 TICK_S = 1.0
 
 
-def key_of(template: str, vcpu: float, memory_mb: int) -> Key:
-    return (template, round(float(vcpu), 3), int(memory_mb))
+def key_of(template: str, vcpu: float, memory_mb: int, network: NodeNetwork | None = None) -> Key:
+    return (template, round(float(vcpu), 3), int(memory_mb), network_key(network))
+
+
+def spec_key(spec: NodePoolSpec) -> Key:
+    return key_of(spec.template, spec.vcpu, spec.memory_mb, spec.network)
+
+
+@dataclass(frozen=True)
+class Claim:
+    handle: Handle
+    network_attached: bool    # the member's egress (the create's policy) is attached under its id already
 
 
 @dataclass
 class Member:
     handle: Handle
     version: object          # the template build it was made from: a rebuilt template retires it
-    grant: NodeGrant | None = None     # pre-issued id and token (set when it becomes ready)
+    grant: NodeGrant | None = None     # pre-issued id and token (loopback pools; set when it becomes ready)
     reported: bool = False             # its grant went to a control plane: only claim_grant may take it
 
 
@@ -85,16 +101,20 @@ class WarmPools:
     def __init__(self, runtime: Runtime, make_spec: Callable[[NodePoolSpec, str], SandboxSpec],
                  has_template: Callable[[str], bool], *, concurrency: int = 2,
                  template_version: Callable[[str], object] = lambda name: None,
+                 attach: Callable[[Handle, NodeNetwork], Awaitable[object]] | None = None,
+                 release: Callable[[str], Awaitable[None]] | None = None,
                  grant_version: Callable[[str], str | None] = lambda name: None,
                  on_ready: Callable[[], None] = lambda: None) -> None:
         self.runtime = runtime
-        self.make_spec = make_spec
-        self.has_template = has_template
-        self.template_version = template_version
         self.grant_version = grant_version      # the template-store version a member is of (grants carry it)
         self.on_ready = on_ready                # a member became ready: report its grant now
         self._granted: dict[str, tuple[Pool, Member]] = {}     # grant id -> its ready member
         self._claimed: dict[str, anyio.Event] = {}             # grant id -> set once claimed or gone
+        self.attach = attach
+        self.release = release
+        self.make_spec = make_spec
+        self.has_template = has_template
+        self.template_version = template_version
         self.concurrency = max(1, concurrency)
         self.pools: dict[Key, Pool] = {}
         self.in_flight = 0
@@ -108,7 +128,7 @@ class WarmPools:
     def configure(self, specs: list[NodePoolSpec]) -> None:
         """Apply the fleet's pool config (from the control plane). Removed or shrunk pools give their
         surplus members back (destroyed by the refill loop); counters of kept pools carry on."""
-        wanted = {key_of(s.template, s.vcpu, s.memory_mb): s for s in specs if s.size > 0}
+        wanted = {spec_key(s): s for s in specs if s.size > 0}
         for key, spec in wanted.items():
             pool = self.pools.get(key)
             if pool is None:
@@ -120,17 +140,26 @@ class WarmPools:
                 pool.spec = pool.spec.model_copy(update={"size": 0})
         self.wake()
 
-    def claim(self, template: str, vcpu: float, memory_mb: int) -> Handle | None:
-        """A ready member of this shape, now the caller's (never handed out twice), or None (a miss)."""
-        pool = self.pools.get(key_of(template, vcpu, memory_mb))
+    def claim(self, template: str, vcpu: float, memory_mb: int, network: NodeNetwork | None = None) -> Claim | None:
+        """A ready member of this shape, now the caller's (never handed out twice), or None (a miss): one of
+        the pool of ``network``'s policy (its network attached), else, for a create with egress, one of the
+        loopback-only pool (the caller attaches the network)."""
+        for key in dict.fromkeys([key_of(template, vcpu, memory_mb, network), key_of(template, vcpu, memory_mb)]):
+            handle = self._take(key)      # an empty pool counts a miss, also when the fallback then hits
+            if handle is not None:
+                return Claim(handle, network_attached=key[3] != "")
+        return None
+
+    def _take(self, key: Key) -> Handle | None:
+        pool = self.pools.get(key)
         if pool is None or pool.spec.size == 0:
             return None
         self.wake()
-        current = self.template_version(template)
+        current = self.template_version(pool.spec.template)
         for member in list(pool.ready):
             if member.reported:
                 continue                            # promised to a control plane: claimed by its grant only
-            self._take(pool, member)
+            self._drop(pool, member)
             if member.version == current:
                 pool.hits += 1
                 return member.handle
@@ -138,19 +167,19 @@ class WarmPools:
         pool.misses += 1
         return None
 
-    def claim_grant(self, grant_id: str, template: str, vcpu: float, memory_mb: int) -> Handle | None:
-        """The ready member pre-issued as ``grant_id`` if it is of this shape and of the template's current
-        build, now the caller's; None when no such grant is held (taken, retired, or never issued here)."""
+    def claim_grant(self, grant_id: str, template: str, vcpu: float, memory_mb: int) -> Claim | None:
+        """The ready (loopback-only) member pre-issued as ``grant_id`` if it is of this shape and of the
+        template's current build, now the caller's; None when no such grant is held here (issue 15)."""
         found = self._granted.get(grant_id)
         if found is None or found[0] is not self.pools.get(key_of(template, vcpu, memory_mb)):
             return None
         pool, member = found
         if member.version != self.template_version(template):
             return None
-        self._take(pool, member)
+        self._drop(pool, member)
         pool.hits += 1
         self.wake()
-        return member.handle
+        return Claim(member.handle, network_attached=False)
 
     def granted(self, grant_id: str) -> NodeGrant | None:
         """The grant ``grant_id`` while its member is still ready (unclaimed)."""
@@ -164,7 +193,7 @@ class WarmPools:
             with anyio.move_on_after(timeout):
                 await ev.wait()
 
-    def _take(self, pool: Pool, member: Member) -> None:
+    def _drop(self, pool: Pool, member: Member) -> None:
         """``member`` leaves the ready list (claimed, retired or destroyed): its grant with it."""
         try:
             pool.ready.remove(member)
@@ -183,7 +212,8 @@ class WarmPools:
         if grants:
             for pool in self.pools.values():
                 for m in pool.ready:
-                    m.reported = True
+                    if m.grant is not None:
+                        m.reported = True
         return out
 
     def reserved(self) -> tuple[float, int]:
@@ -213,11 +243,11 @@ class WarmPools:
                 pool.spec = pool.spec.model_copy(update={"size": 0})
             current = self.template_version(pool.spec.template)
             for member in [m for m in pool.ready if m.version != current]:   # rebuilt: retire old members
-                self._take(pool, member)
+                self._drop(pool, member)
                 await self._destroy(member.handle)
             while len(pool.ready) > pool.spec.size:            # shrunk or removed: destroy the surplus
                 member = pool.ready[-1]
-                self._take(pool, member)
+                self._drop(pool, member)
                 await self._destroy(member.handle)
             if pool.spec.size == 0 and pool.starting == 0 and not pool.ready:
                 self.pools.pop(key, None)
@@ -242,6 +272,15 @@ class WarmPools:
         version = self.template_version(pool.spec.template)
         try:
             handle = await self.runtime.create(self.make_spec(pool.spec, member_id))
+            if pool.spec.network is not None:
+                try:
+                    if self.attach is None:
+                        raise RuntimeError("this node gives warm-pool members no network")
+                    await self.attach(handle, pool.spec.network)
+                except BaseException:
+                    await self._destroy(handle)
+                    handle = None
+                    raise
         except Exception as exc:  # noqa: BLE001 - any failure counts towards the breaker
             pool.failures += 1
             pool.last_error = str(exc)[:500]
@@ -258,16 +297,18 @@ class WarmPools:
             self.in_flight -= 1
             self.wake()
         if handle is not None:
-            current = self.pools.get(key_of(pool.spec.template, pool.spec.vcpu, pool.spec.memory_mb))
+            current = self.pools.get(spec_key(pool.spec))
             if current is pool and len(pool.ready) < pool.spec.size and not self._closing \
                     and version == self.template_version(pool.spec.template):
-                grant = NodeGrant(id=new_id("sb"), access_token=secrets.token_urlsafe(24),
-                                  template_version=self.grant_version(pool.spec.template))
+                grant = (NodeGrant(id=new_id("sb"), access_token=secrets.token_urlsafe(24),
+                                   template_version=self.grant_version(pool.spec.template))
+                         if pool.spec.network is None else None)       # loopback pools are pre-issued
                 member = Member(handle, version, grant)
                 pool.ready.append(member)
-                self._granted[grant.id] = (pool, member)
-                self._claimed[grant.id] = anyio.Event()
-                self.on_ready()
+                if grant is not None:
+                    self._granted[grant.id] = (pool, member)
+                    self._claimed[grant.id] = anyio.Event()
+                    self.on_ready()
             else:
                 await self._destroy(handle)
 
@@ -277,6 +318,11 @@ class WarmPools:
                 await self.runtime.destroy(handle)
             except Exception:  # a restarted agent reaps it as unrecorded
                 log.exception("destroying pool member %s failed", handle.id)
+            if self.release is not None:
+                try:
+                    await self.release(handle.id)        # its veth, rules and slot (nothing if it had none)
+                except Exception:  # a restarted agent releases records no sandbox explains
+                    log.exception("releasing the network of pool member %s failed", handle.id)
 
     async def close(self) -> None:
         """Destroy every ready member (agent shutdown); refills in flight destroy theirs when they finish."""
@@ -286,7 +332,7 @@ class WarmPools:
         for pool in list(self.pools.values()):       # the refill loop may drop emptied pools meanwhile
             while pool.ready:
                 member = pool.ready[-1]
-                self._take(pool, member)
+                self._drop(pool, member)
                 await self._destroy(member.handle)
         with anyio.move_on_after(30):
             while self.in_flight:

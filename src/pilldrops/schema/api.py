@@ -443,18 +443,25 @@ class WhoAmI(_Response):
 
 class PoolSetRequest(_Request):
     """Keep ``size`` ready sandboxes of this template and shape on every node that has the template
-    (0 removes the pool)."""
+    (0 removes the pool). A pool is one template, shape AND egress policy: ``allow_internet_access`` /
+    ``network`` as in a create (unset: the template's ``[network]`` default, resolved when the pool is set;
+    checked against the deployment's ``--no-egress`` / ``--egress-allow`` like a create). Members of a pool
+    with egress have it attached already, so a create with that policy claims one without any network set-up."""
 
     template: str = Field(..., min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     vcpu: float = Field(1, ge=MIN_VCPU, le=64)
     memory_mb: int = Field(512, ge=16, le=262_144)
     size: int = Field(..., ge=0, le=10_000)
+    allow_internet_access: bool = Field(False, description="members' egress to the internet; unset: the template's")
+    network: NetworkPolicy | None = Field(None, description="members' allow_out / deny_out; unset: the template's")
 
 
 class PoolInfo(_Response):
     template: str
     vcpu: float
     memory_mb: int
+    allow_internet_access: bool = False     # the members' egress policy (none: loopback only)
+    network: NetworkPolicy | None = None
     size: int                       # per node
     nodes: int = 0                  # nodes that reported this pool
     ready: int = 0

@@ -41,12 +41,17 @@ class NodeRegister(_Model):
 
 
 class NodePoolSpec(_Model):
-    """A warm pool every node with the template keeps: ``size`` ready sandboxes of this shape."""
+    """A warm pool every node with the template keeps: ``size`` ready sandboxes of this shape. With
+    ``network`` its members are made with that egress already attached, and only a create of the same
+    shape and the same policy (``network_key``) claims one; without, members are loopback only."""
 
     template: str
     vcpu: float
     memory_mb: int
     size: int = Field(..., ge=0)
+    # left out when None: agents and control planes from before per-policy pools (extra="forbid") keep
+    # understanding loopback-only pools
+    network: NodeNetwork | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class NodeGrant(_Model):
@@ -93,6 +98,21 @@ class NodeNetwork(TemplateNetwork):
     None means no cap; a sandbox never reaches outside the cap, whatever its own policy says)."""
 
     cap: list[str] | None = None
+
+
+def network_key(net: TemplateNetwork | dict[str, Any] | None) -> str:
+    """The identity of an egress policy, for matching a create to a warm pool: "" for loopback only (no
+    internet, no ``allow_out``: a ``deny_out`` alone opens nothing), else the policy with its lists sorted
+    (and the deployment's cap, when ``net`` carries one: a member made under another cap never matches)."""
+    if net is None:
+        return ""
+    d = net if isinstance(net, dict) else net.model_dump()
+    internet, allow = bool(d.get("allow_internet_access")), sorted(d.get("allow_out") or [])
+    if not (internet or allow):
+        return ""
+    key = f"internet={int(internet)};allow={','.join(allow)};deny={','.join(sorted(d.get('deny_out') or []))}"
+    cap = d.get("cap")
+    return key if cap is None else f"{key};cap={','.join(sorted(cap))}"
 
 
 class NodeLayerRef(_Model):

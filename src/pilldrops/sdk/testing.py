@@ -247,7 +247,7 @@ class FakeControlPlane:
         self._commands: list[tuple[re.Pattern[str], CommandHandler]] = []
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
-        self.pools: dict[tuple[str, float, int], PoolInfo] = {}
+        self.pools: dict[tuple[str, float, int, object], PoolInfo] = {}
         self._add_key("default", api_key)
         self.transport = httpx.MockTransport(self)
 
@@ -612,10 +612,16 @@ class FakeControlPlane:
         return httpx.Response(200, json=self._public(sb, with_token=True))
 
     def _set_pool(self, req: PoolSetRequest) -> httpx.Response:
-        key = (req.template, round(float(req.vcpu), 3), req.memory_mb)
+        # a pool is one template, shape and network policy (the fake has no template [network] defaults)
+        allow = sorted(req.network.allow_out) if req.network else []
+        egress = req.allow_internet_access or bool(allow)
+        key = (req.template, round(float(req.vcpu), 3), req.memory_mb,
+               (req.allow_internet_access, tuple(allow), tuple(sorted(req.network.deny_out)) if req.network else ())
+               if egress else None)
         if req.size == 0:
             if key not in self.pools:
-                have = ", ".join(f"{t} {c:g} vCPU / {m} MiB" for t, c, m in self.pools) or "none"
+                have = ", ".join(f"{t} {c:g} vCPU / {m} MiB" + (" with egress" if n else "")
+                                 for t, c, m, n in self.pools) or "none"
                 raise NotFound(f"no pool {req.template} {req.vcpu:g} vCPU / {req.memory_mb} MiB to remove "
                                f"(a pool is one template and shape; pools: {have})")
             removed = self.pools.pop(key)
@@ -624,7 +630,8 @@ class FakeControlPlane:
             raise TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "
                                    f"(`pilldrops template build {req.template}`)")
         self.pools[key] = PoolInfo(template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb, size=req.size,
-                                   nodes=1, ready=req.size)
+                                   nodes=1, ready=req.size, allow_internet_access=req.allow_internet_access,
+                                   network=req.network if egress else None)
         return httpx.Response(200, json=self.pools[key].model_dump(mode="json"))
 
     def _list(self, params: list[tuple[str, str]]) -> httpx.Response:

@@ -95,11 +95,12 @@ async def build_control_plane(db_url: str, node_token: str, clock: Clock | None 
     store = await Store.open(db_url)
     node_client = NodeClient(node_token, transport=node_transport)
     billing_service = BillingService(store, clock, billing)
-    pools = PoolService(store, node_client, clock)
+    egress = egress or EgressSettings()
+    pools = PoolService(store, node_client, clock, egress)
     sandboxes = SandboxService(store, node_client, clock, billing_service, pools)
     sandboxes.lifecycle.default_isolation = default_isolation
     sandboxes.lifecycle.default_disk_mb, sandboxes.lifecycle.max_disk_mb = default_disk_mb, max_disk_mb
-    sandboxes.ctx.egress = egress or EgressSettings()
+    sandboxes.ctx.egress = egress
     services = Services(auth=AuthService(store, clock, billing.initial_credits), sandboxes=sandboxes,
                         nodes=NodeService(store, sandboxes, clock, node_token, heartbeat_interval,
                                           unreachable_after=unreachable_after, lost_after=lost_after,

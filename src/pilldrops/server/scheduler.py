@@ -46,6 +46,7 @@ class Request:
     vcpu: float
     memory_mb: int
     isolation: str = "container"
+    network_key: str = ""          # the egress policy's ``network_key`` ("" loopback only): which pool it claims
 
 
 @dataclass(frozen=True)

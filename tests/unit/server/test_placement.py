@@ -67,3 +67,19 @@ def test_larger_than_any_node_and_unknown_template() -> None:
         placement.for_create(Request("tiny", 1, 9000), [row("a")], {}, [], NOW)
     with pytest.raises(errors.TemplateNotFound, match=r"'big' is not built on any node; available: tiny"):
         placement.for_create(Request("big", 1, 512), [row("a")], {}, [], NOW)
+
+
+def test_a_create_with_egress_prefers_a_member_of_its_policy_then_a_loopback_one() -> None:
+    from pilldrops.schema.node import NodeNetwork, network_key
+    net = NodeNetwork(allow_out=["198.18.0.0/24"])
+    pools = [*POOL, NodePoolSpec(template="tiny", vcpu=1, memory_mb=512, size=2, network=net)]
+    own = row("own")
+    own.pool_status = [{"template": "tiny", "vcpu": 1, "memory_mb": 512, "ready": 1, "network": net.model_dump()}]
+    nodes = [row("loop", ready=1), own, row("none")]
+    egress = Request("tiny", 1, 512, network_key=network_key(net))
+    assert placement.views(egress, nodes, {}, pools, NOW, claims=True)[1] == {"own"}
+    other = Request("tiny", 1, 512, network_key=network_key(NodeNetwork(allow_internet_access=True)))
+    assert placement.views(other, nodes, {}, pools, NOW, claims=True)[1] == {"loop"}   # attach at claim
+    assert placement.views(Request("tiny", 1, 512), nodes, {}, pools, NOW, claims=True)[1] == {"loop"}
+    own_only = [own, row("none")]                       # no egress: never a member with a network
+    assert placement.views(Request("tiny", 1, 512), own_only, {}, pools, NOW, claims=True)[1] == set()

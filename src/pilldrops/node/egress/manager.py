@@ -6,6 +6,9 @@ made: ``recover`` re-attaches (idempotently) the ones of adopted sandboxes, stri
 paused sandbox keeps its slot, so resume brings it back on the same addresses) and releases the rest; links
 and chains of this agent's tag that no record explains are removed.
 
+A warm-pool member of a pool with a policy (``node.pools``) is attached under its member id when it is made;
+``rekey`` moves its record to the sandbox that claims it.
+
 Pause: CRIU dumps a network namespace with loopback only, exactly as today: ``detach`` removes the veth and
 the rules first, ``attach`` after the restore makes them again with the same slot.
 """
@@ -153,6 +156,17 @@ class Egress:
         with anyio.CancelScope(shield=True):
             await self._strip(slot)
             self._forget(sandbox_id)
+
+    def rekey(self, old_id: str, new_id: str) -> None:
+        """A claimed warm-pool member (``old_id``, made with its network attached) becomes sandbox ``new_id``:
+        its record moves with it in one rename (a crash leaves it under exactly one of the two ids), the
+        link and rules stay as they are (they are named by slot)."""
+        slot = self._slots.get(old_id)
+        if slot is None:
+            raise RuntimeFailure(f"warm-pool member {old_id} has no network on this node")
+        if old_id != new_id:
+            os.replace(self.dir / f"{old_id}.json", self.dir / f"{new_id}.json")
+            self._slots[new_id] = self._slots.pop(old_id)
 
     def policy_of(self, sandbox_id: str) -> NodeNetwork | None:
         try:

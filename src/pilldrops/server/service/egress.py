@@ -12,13 +12,20 @@ Stored with the sandbox as ``{"allow_internet_access", "allow_out", "deny_out"}`
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 from pilldrops import errors
-from pilldrops.schema.api import CreateSandboxRequest, NetworkPolicy, TemplateNetwork, check_cidrs
-from pilldrops.schema.node import NodeNetwork
+from pilldrops.schema.api import (
+    CreateSandboxRequest,
+    NetworkPolicy,
+    PoolSetRequest,
+    TemplateNetwork,
+    check_cidrs,
+)
+from pilldrops.schema.node import NodeNetwork, network_key
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,10 @@ def template_default(nodes: list[Any], template: str) -> TemplateNetwork | None:
     return None
 
 
-def resolve(req: CreateSandboxRequest, nodes: list[Any], isolation: str,
+def resolve(req: CreateSandboxRequest | PoolSetRequest, nodes: list[Any], isolation: str,
             settings: EgressSettings) -> dict[str, Any] | None:
-    """The policy to store for this create, checked against the deployment (raises the typed errors)."""
+    """The policy to store for this create (or warm pool: its members'), checked against the deployment
+    (raises the typed errors)."""
     given = req.model_fields_set
     tpl = template_default(nodes, req.template) if {"allow_internet_access", "network"} - given else None
     internet = req.allow_internet_access if "allow_internet_access" in given else bool(tpl and tpl.allow_internet_access)
@@ -57,6 +65,12 @@ def resolve(req: CreateSandboxRequest, nodes: list[Any], isolation: str,
     allow, deny = (list(net.allow_out), list(net.deny_out)) if net else ([], [])
     if not (internet or allow or deny):
         return None
+    check(internet, allow, isolation, settings)
+    return {"allow_internet_access": internet, "allow_out": allow, "deny_out": deny}
+
+
+def check(internet: bool, allow: list[str], isolation: str, settings: EgressSettings) -> None:
+    """Raise the typed error when the deployment forbids this egress (or the isolation mode has none)."""
     if internet or allow:
         if not settings.enabled:
             raise errors.EgressForbidden("this deployment gives sandboxes no network (--no-egress): create it "
@@ -72,7 +86,16 @@ def resolve(req: CreateSandboxRequest, nodes: list[Any], isolation: str,
             raise errors.NotSupported(f"egress is not supported for {isolation} sandboxes (only container): "
                                       "create it without allow_internet_access / network.allow_out",
                                       details={"isolation": isolation, "feature": "egress"})
-    return {"allow_internet_access": internet, "allow_out": allow, "deny_out": deny}
+
+
+def permitted(stored: dict[str, Any] | None, settings: EgressSettings) -> bool:
+    """Whether the deployment (as started now) allows a stored policy (a warm pool set under other flags)."""
+    try:
+        check(bool((stored or {}).get("allow_internet_access")), list((stored or {}).get("allow_out") or []),
+              "container", settings)
+    except errors.EgressForbidden:
+        return False
+    return True
 
 
 def within(cidr: str, cap: tuple[str, ...] | None) -> bool:
@@ -80,6 +103,13 @@ def within(cidr: str, cap: tuple[str, ...] | None) -> bool:
         return True
     net = ipaddress.IPv4Network(cidr)
     return any(net.subnet_of(ipaddress.IPv4Network(c)) for c in cap)
+
+
+def policy_id(stored: dict[str, Any] | None) -> str:
+    """A stored policy's identity as a warm pool's key: "" for loopback only, else a digest of its
+    ``network_key`` (the lists sorted: the same policy in another order is the same pool)."""
+    key = network_key(stored)
+    return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
 
 
 def view(stored: dict[str, Any] | None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from pilldrops.schema.api import (
     SandboxList,
     SandboxState,
 )
-from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus
+from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus, network_key
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED
 from pilldrops.server.service import egress, isolation, placement
@@ -162,7 +162,8 @@ class Lifecycle:
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
             new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
-            want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation)
+            want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation,
+                                     network_key(egress.node_network(new.network, ctx.egress)))
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
 
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
@@ -245,6 +246,13 @@ class Lifecycle:
                     disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
                     else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
                     created_at=now, end_at=now + timedelta(seconds=req.timeout))
+                if claim.network is not None and ctx.pools is not None and any(
+                        p.network is not None and (p.template, p.vcpu, p.memory_mb) == (req.template, req.vcpu,
+                                                                                        req.memory_mb)
+                        for p in await ctx.pools.specs()):
+                    # pools per egress policy exist for this shape: the node picks a member made with it
+                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                    return None
                 row = await ctx.store.insert_claimed(claim, node.id, now)
             except BaseException:
                 ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)

@@ -5,7 +5,9 @@ sandboxes and warm pools' reservations counted as used), the scorers each caller
 Every caller gets the pool reservations: members count as used capacity at their target size, ready or
 not, so neither a cold create nor a resume takes the room a refill needs. A create of a pooled shape
 also prefers a node with a ready member (the claim converts that member's reservation, so the node has
-that much more room); a resume prefers the node that already holds its checkpoint (nothing to move).
+that much more room): for a create with egress, one of a pool with that policy first, else one of the
+loopback-only pool (the node attaches the network at the claim); a resume prefers the node that already
+holds its checkpoint (nothing to move).
 
 Runs inside the store's placement transaction (``Store.place_and_insert`` / ``place_existing``): pure,
 no I/O, the pool config read beforehand.
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from pilldrops import errors
-from pilldrops.schema.node import NodePoolSpec, NodeTemplateRef
+from pilldrops.schema.node import NodePoolSpec, NodeTemplateRef, network_key
 from pilldrops.server import scheduler
 from pilldrops.server.service import isolation
 from pilldrops.server.service.pools import PoolService, shape
@@ -44,15 +46,21 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
     when ``claims``: a create, whose request is of a pooled shape). With ``ref`` (a template-store
     version) every node has the template: one lacking it fetches its layers on the create."""
     want = shape(req.template, req.vcpu, req.memory_mb)
+    # the pools a claim can take from: this policy's (network attached already), and for a create with
+    # egress also the loopback-only one (the node attaches the network at the claim)
+    keys = {req.network_key, ""}
     pooled = claims and req.isolation == "container" and any(     # warm pools hold containers
-        shape(p.template, p.vcpu, p.memory_mb) == want for p in pool_specs)
-    out, warm = [], set()
+        shape(p.template, p.vcpu, p.memory_mb) == want and network_key(p.network) in keys for p in pool_specs)
+    out, warm, own = [], set(), set()
     for n in nodes:
         names = _templates(n)
         cpu = sum(p.size * p.vcpu for p in pool_specs if p.template in names)
         mem = sum(p.size * p.memory_mb for p in pool_specs if p.template in names)
-        if pooled and req.template in names and PoolService.ready_on(n, *want) > 0:
+        ready = {k: PoolService.ready_on(n, *want, k) for k in keys} if pooled and req.template in names else {}
+        if any(ready.values()):
             warm.add(n.id)
+            if req.network_key and ready[req.network_key]:
+                own.add(n.id)
             cpu, mem = cpu - req.vcpu, mem - req.memory_mb      # the claim takes a reserved member
         used = allocs.get(n.id, (0.0, 0))
         out.append(scheduler.NodeView(
@@ -61,7 +69,7 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
             ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
             templates=names | {req.template} if ref is not None else names,
             **isolation.view_fields(getattr(n, "isolation", None))))
-    return out, warm
+    return out, own or warm           # a member with the policy attached beats one to attach it to
 
 
 # what a node offers is set where it starts: these are the flags that change it

@@ -57,6 +57,8 @@ class PoolRecord(Protocol):
     template: str
     vcpu: float
     memory_mb: int
+    network_id: str                          # "" loopback only, else the digest of the policy's key
+    network: dict[str, Any] | None           # the members' egress policy, stored like a sandbox's
     size: int
 
 
@@ -240,5 +242,6 @@ class Store(Protocol):
     async def shared_secret(self, name: str, new_value: str, now: datetime) -> str: ...
 
     # warm pools
-    async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None: ...
+    async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime,
+                       network: dict[str, Any] | None = None, network_id: str = "") -> None: ...
     async def list_pools(self) -> list[Any]: ...

@@ -80,12 +80,15 @@ class Node(Base):
 
 
 class Pool(Base):
-    """A warm pool: every node with the template keeps ``size`` ready sandboxes of this shape."""
+    """A warm pool: every node with the template keeps ``size`` ready sandboxes of this shape and policy."""
 
     __tablename__ = "pools"
     template: Mapped[str] = mapped_column(String(128), primary_key=True)
     vcpu: Mapped[float] = mapped_column(Float, primary_key=True)
     memory_mb: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # the egress policy its members are made with: "" loopback only, else a digest of ``network_key``
+    network_id: Mapped[str] = mapped_column(String(64), primary_key=True, default="", server_default="")
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)   # as a sandbox's policy
     size: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 

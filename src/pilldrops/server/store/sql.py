@@ -658,20 +658,22 @@ class Store:
 
     # ---- warm pools ----------------------------------------------------------------------------------
 
-    async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime) -> None:
-        """Create, resize or (size 0) remove a pool."""
+    async def set_pool(self, template: str, vcpu: float, memory_mb: int, size: int, now: datetime,
+                       network: dict[str, Any] | None = None, network_id: str = "") -> None:
+        """Create, resize or (size 0) remove a pool (one template, shape and egress policy)."""
         async with self.session.begin() as s:
-            row = await s.get(Pool, (template, vcpu, memory_mb))
+            row = await s.get(Pool, (template, vcpu, memory_mb, network_id))
             if size == 0:
                 if row is not None:
                     await s.delete(row)
             elif row is None:
-                s.add(Pool(template=template, vcpu=vcpu, memory_mb=memory_mb, size=size, updated_at=now))
+                s.add(Pool(template=template, vcpu=vcpu, memory_mb=memory_mb, network_id=network_id,
+                           network=network, size=size, updated_at=now))
             else:
                 row.size, row.updated_at = size, now
 
     async def list_pools(self) -> list[Pool]:
-        return await self._records(Pool, order_by=(Pool.template, Pool.vcpu, Pool.memory_mb))
+        return await self._records(Pool, order_by=(Pool.template, Pool.vcpu, Pool.memory_mb, Pool.network_id))
 
     # ---- pauses --------------------------------------------------------------------------------------
 
