@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pilldrops.node.isolation import cgroups
+from pilldrops.node.isolation import cgroups, diskquota
 from pilldrops.node.isolation.host import require_crun
 from pilldrops.node.isolation.mounts import mount_overlay, mounts_under, umount_all_under
 from pilldrops.node.runtime.base import SandboxSpec
@@ -68,6 +68,26 @@ def ok(dt: float, r: subprocess.CompletedProcess, err: str | bytes) -> float:
     if r.returncode:
         raise RuntimeError(f"{' '.join(map(str, r.args))} exited {r.returncode}: {err!r}")
     return dt
+
+
+def pd_cycle(up: Up, template: str, runs: int, rec: Callable[[str, float], None], memory_mb: int,
+             **create: object) -> None:
+    """One PillDrops cycle through the sync SDK, each step timed into ``rec``: ``pd_create`` (returns once it
+    runs), ``runs`` x ``pd_run`` (``sb.run("true")``), ``pd_kill``."""
+    from pilldrops import Sandbox
+    t = time.perf_counter()
+    sb = Sandbox.create(template=template, memory_mb=memory_mb, api_url=up.url, api_key=up.key, **create)  # type: ignore[arg-type]
+    rec("pd_create", time.perf_counter() - t)
+    try:
+        for _ in range(runs):
+            t = time.perf_counter()
+            r = sb.run("true")
+            rec("pd_run", time.perf_counter() - t)
+            assert r.exit_code == 0, r
+    finally:
+        t = time.perf_counter()
+        sb.kill()
+        rec("pd_kill", time.perf_counter() - t)
 
 
 def seed_templates(data: Path, names: list[str], cache: Path = DEFAULT_DATA_DIR) -> None:
@@ -128,11 +148,15 @@ class Up:
 
 
 class Raw:
-    """Raw crun containers equivalent to a PillDrops sandbox (same spec builder, layers and init)."""
+    """Raw crun containers equivalent to a PillDrops sandbox (same spec builder, layers and init). With
+    ``disk_mb`` each gets the node's disk quota too (``isolation.diskquota``: a loop-mounted ext4 image
+    holding upper/work), made and removed the way the node does."""
 
     name = "crun"
 
-    def __init__(self, data: Path, template: str, memory_mb: int = 256, sub: str = "benchraw") -> None:
+    def __init__(self, data: Path, template: str, memory_mb: int = 256, sub: str = "benchraw",
+                 disk_mb: int = 0) -> None:
+        self.disk_mb = disk_mb
         self.crun = self.binary()
         self.tpl = TemplateStore(data).get(template)
         self.init = data / "node" / "bin" / "pd-init"       # built by the node at start
@@ -150,9 +174,11 @@ class Raw:
 
     def prepare(self, cid: str) -> Path:
         d = self.dir / cid
-        for p in ("rootfs", "upper", "work"):
-            (d / p).mkdir(parents=True)
-        mount_overlay(d / "rootfs", list(self.tpl.layers), d / "upper", d / "work")
+        (d / "rootfs").mkdir(parents=True)
+        layer = diskquota.make(self.dir, d, self.disk_mb) if self.disk_mb else d
+        for p in ("upper", "work"):
+            (layer / p).mkdir()
+        mount_overlay(d / "rootfs", list(self.tpl.layers), layer / "upper", layer / "work")
         spec = SandboxSpec(id=cid, layers=self.tpl.layers, vcpu=1, memory_mb=self.memory_mb, pids_limit=1024,
                            envs=dict(self.tpl.env), workdir=self.tpl.workdir or "/", hostname=cid)
         cfg = build_spec(spec, rootfs=d / "rootfs", init_path=self.init, cgroup_parent=RAW_PARENT,
@@ -177,13 +203,15 @@ class Raw:
     def cleanup(self, cid: str) -> None:
         sh(self.cmd("delete", "--force", cid), capture_output=True)
         cgroups.remove_tree(f"{RAW_PARENT}/{cid}")
+        umount_all_under(self.dir / cid / "rootfs")
+        diskquota.remove(self.dir / cid)        # no-op without a disk
         umount_all_under(self.dir / cid)
         shutil.rmtree(self.dir / cid, ignore_errors=True)
 
     def cleanup_all(self) -> None:
         r = sh(self.cmd("list", "--format", "json"), capture_output=True)
         ids = {c["id"] for c in json.loads(r.stdout or b"[]") or []}
-        ids |= {p.name for p in self.dir.iterdir() if p.is_dir() and p.name != self.name}
+        ids |= {p.name for p in self.dir.iterdir() if p.is_dir() and p.name not in (self.name, diskquota.GOLDEN_DIR)}
         for cid in ids:
             self.cleanup(cid)
         cgroups.remove_tree(RAW_PARENT)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _harness import PID, Raw, Up, cpu_times, leftovers, machine, meminfo, pct, sh
+from _harness import PID, Raw, Up, cpu_times, leftovers, machine, meminfo, pct, pd_cycle, sh
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -170,19 +170,7 @@ def node_modes(up: Up) -> dict[str, dict]:  # type: ignore[type-arg]
 def iteration(i: str, mode: str, up: Up, raw: RawCrun, template: str, runs: int,
               out: dict[str, list[float]] | None) -> None:
     rec = (lambda k, v: out.setdefault(f"{mode}:{k}", []).append(v * 1000)) if out is not None else (lambda k, v: None)
-    t = time.perf_counter()
-    sb = Sandbox.create(template=template, memory_mb=MEMORY_MB, isolation=mode, api_url=up.url, api_key=up.key)
-    rec("pd_create", time.perf_counter() - t)
-    try:
-        for _ in range(runs):
-            t = time.perf_counter()
-            r = sb.run("true")
-            rec("pd_run", time.perf_counter() - t)
-            assert r.exit_code == 0, r
-    finally:
-        t = time.perf_counter()
-        sb.kill()
-        rec("pd_kill", time.perf_counter() - t)
+    pd_cycle(up, template, runs, rec, MEMORY_MB, isolation=mode)
     cid = f"raw{PID}-{mode[:3]}-{i}"
     try:
         rec("raw_create", raw.create(cid))
@@ -294,7 +282,7 @@ def report(res: dict[str, list[float]], mem: dict[str, dict[str, float]], skippe
                   "by memory alone, not a count: available memory / (the larger of the measured PSS and memory-cgroup "
                   f"charge per idle sandbox + {MEMCG_KERNEL_MIB:.2f} MiB of memory-cgroup kernel structures); CPU, "
                   "pids and the mount table are not in it (bench/live.py counts real live containers).")
-    console.print("Notes: PillDrops run(\"true\") is `sh -c true` through pd-init's control socket behind HTTP, in "
+    console.print("Notes: PillDrops run(\"true\") execs `true` (no `sh -c` for a plain line) through pd-init's control socket behind HTTP, in "
                   "every mode; raw exec is the runtime's own exec. Raw kill times only the runtime's delete "
                   "(PillDrops kill also unmounts, removes cgroups and the bundle).")
 

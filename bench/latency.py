@@ -44,7 +44,7 @@ from pathlib import Path
 
 import _pool_net
 import httpx
-from _harness import MATCH, PID, Raw, Up, leftovers, machine, ok, pct, timed
+from _harness import MATCH, PID, Raw, Up, leftovers, machine, ok, pct, pd_cycle, timed
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -63,19 +63,7 @@ def host_true() -> float:
 def iteration(i: str, up: Up, raw: Raw, template: str, runs: int, out: dict[str, list[float]] | None) -> None:
     """One PillDrops cycle, then one raw crun cycle, then host forks; records into ``out`` unless warm-up."""
     rec = (lambda k, v: out[k].append(v * 1000)) if out is not None else (lambda k, v: None)
-    t = time.perf_counter()
-    sb = Sandbox.create(template=template, memory_mb=MEMORY_MB, api_url=up.url, api_key=up.key)
-    rec("pd_create", time.perf_counter() - t)
-    try:
-        for _ in range(runs):
-            t = time.perf_counter()
-            r = sb.run("true")
-            rec("pd_run", time.perf_counter() - t)
-            assert r.exit_code == 0, r
-    finally:
-        t = time.perf_counter()
-        sb.kill()
-        rec("pd_kill", time.perf_counter() - t)
+    pd_cycle(up, template, runs, rec, MEMORY_MB)
     cid = f"raw{PID}-{i}"
     try:
         d = raw.prepare(cid)
@@ -220,8 +208,7 @@ def report(res: dict[str, list[float]], n: int, runs: int, info: dict[str, str])
     how = ("pd-init's control socket (fast exec path, PILLDROPS_EXEC=supervisor)"
            if os.environ.get("PILLDROPS_EXEC", "supervisor").strip().lower() != "crun"
            else "`crun exec --no-new-privs --env.. --cwd --pid-file` (PILLDROPS_EXEC=crun)")
-    console.print(f"Notes: PillDrops run(\"true\") execs `true` directly (a plain line needs no `sh -c`: "
-                  f"node/cmdline.py) via {how} behind HTTP;\n"
+    console.print(f"Notes: PillDrops run(\"true\") execs `true` directly (a plain line needs no `sh -c`: node/cmdline.py) via {how} behind HTTP;\n"
                   "       raw kill times only `crun delete --force` (PillDrops kill also unmounts, removes the cgroups and the bundle). Samples: create/kill N, run N×runs.")
 
 

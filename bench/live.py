@@ -1,7 +1,7 @@
 """1,000 live sandboxes on one node: creation rate, host memory, use, teardown rate, zero leaks.
 
     .venv/bin/python bench/live.py [--n 1000] [--threads 8] [--template tiny] [--memory-mb 64] [--vcpu 1]
-                                   [--no-baseline] [--json out.json]
+                                   [--no-baseline] [--raw-disk-mb MB] [--json out.json]
 
 Needs root and crun. This is the documented command for "1,000 concurrent sandboxes created, used and torn
 down with zero leaks". What it does:
@@ -17,6 +17,11 @@ down with zero leaks". What it does:
    builder and pd-init (``_harness.Raw``): mkdir + overlay mount + config.json + ``crun run --detach``;
    memory with N live; ``crun exec <id> true`` in each; teardown = ``crun delete --force`` + cgroup
    rmdir + umount + rm -r (what a PillDrops kill does on the node).
+   With ``--raw-disk-mb MB`` the baseline runs twice, the second time with the node's disk quota on every
+   container (``isolation.diskquota``: a sparse copy of a pre-formatted ext4 image, loop-mounted, holding
+   upper/work; removed at teardown): what the quota costs per sandbox (memory, create, exec, teardown) as
+   its own ratio. (Every PillDrops sandbox has a disk, ``--default-disk-mb``; this is the way to see it
+   without one in the same run.)
 4. Prints per-operation p50/p99, wall, rate and the ratio to the baseline; host memory deltas with N
    live (MemAvailable, Slab, SUnreclaim, AnonPages, PageTables, Shmem; per sandbox); CPU seconds per
    phase split into the `up` process itself (Python), its waited children (crun) and this client.
@@ -110,29 +115,44 @@ def pd_phases(a: argparse.Namespace, up: Up, st, res: dict) -> None:  # type: ig
     with prof("use"):
         res["pd_use"], _ = run_phase("use", list(enumerate(live)), use, a.threads, up.proc.pid, st)
     with prof("kill"):
-        res["pd_kill"], _ = run_phase("kill", live, lambda sb: sb.kill(), a.threads, up.proc.pid, st)
+        if a.batch_kill:        # Sandbox.kill_many: one request per batch (the node: 8 teardowns at a time)
+            chunks = [live[i:i + a.batch_kill] for i in range(0, len(live), a.batch_kill)]
+
+            def kill_chunk(chunk: list[Sandbox]) -> int:
+                got = Sandbox.kill_many([sb.id for sb in chunk], **kw)
+                if got.failed:
+                    raise RuntimeError(f"batch kill: {got.failed} failed: {[it.error for it in got.items][:3]}")
+                return len(chunk)
+
+            ph, _ = run_phase(f"kill ({a.batch_kill} a request)", chunks, kill_chunk, min(a.threads, len(chunks)),
+                              up.proc.pid, st)
+            ph.lat = [x for x in ph.lat for _ in range(a.batch_kill)][:len(live)]   # per sandbox: its request's
+            res["pd_kill"] = ph
+        else:
+            res["pd_kill"], _ = run_phase("kill", live, lambda sb: sb.kill(), a.threads, up.proc.pid, st)
     res["pd_mem_after"] = mem_delta(mem0, settle_mem())
 
 
-def raw_phases(a: argparse.Namespace, up: Up, st, res: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
-    raw = Raw(up.data, a.template, a.memory_mb)
+def raw_phases(a: argparse.Namespace, up: Up, st, res: dict, disk_mb: int = 0) -> None:  # type: ignore[no-untyped-def,type-arg]
+    pre = "rawdisk" if disk_mb else "raw"
+    raw = Raw(up.data, a.template, a.memory_mb, sub=f"bench{pre}", disk_mb=disk_mb)
     try:
         def create(i: int) -> str:
-            cid = f"raw{PID}-{i}"
+            cid = f"{pre}{PID}-{i}"
             raw.run(cid, raw.prepare(cid))
             return cid
 
         for i in range(3):
             raw.cleanup(create(-i - 1))
         mem0 = settle_mem()
-        ph, cids = run_phase("raw create", list(range(a.n)), create, a.threads, up.proc.pid, st)
-        res["raw_create"] = ph
+        ph, cids = run_phase(f"{pre} create", list(range(a.n)), create, a.threads, up.proc.pid, st)
+        res[f"{pre}_create"] = ph
         live = [c for c in cids if c is not None]
-        res["raw_mem"] = mem_delta(mem0, settle_mem())
-        res["raw_live"] = len(live)
-        res["raw_exec"], _ = run_phase("raw exec", live, raw.exec_true, a.threads, up.proc.pid, st)
-        res["raw_kill"], _ = run_phase("raw teardown", live, raw.cleanup, a.threads, up.proc.pid, st)
-        res["raw_mem_after"] = mem_delta(mem0, settle_mem())
+        res[f"{pre}_mem"] = mem_delta(mem0, settle_mem())
+        res[f"{pre}_live"] = len(live)
+        res[f"{pre}_exec"], _ = run_phase(f"{pre} exec", live, raw.exec_true, a.threads, up.proc.pid, st)
+        res[f"{pre}_kill"], _ = run_phase(f"{pre} teardown", live, raw.cleanup, a.threads, up.proc.pid, st)
+        res[f"{pre}_mem_after"] = mem_delta(mem0, settle_mem())
     finally:
         raw.cleanup_all()
 
@@ -171,7 +191,9 @@ def report(a: argparse.Namespace, res: dict, info: dict[str, str], leaks: list[s
               "ΔPageTables", "ΔShmem", "used after teardown"):
         m.add_column(c, justify="left" if not c else "right")
     for label, mk, lk, ak in (("PillDrops", "pd_mem", "pd_live", "pd_mem_after"),
-                              ("raw crun", "raw_mem", "raw_live", "raw_mem_after")):
+                              ("raw crun", "raw_mem", "raw_live", "raw_mem_after"),
+                              (f"raw crun + {a.raw_disk_mb} MiB disk", "rawdisk_mem", "rawdisk_live",
+                               "rawdisk_mem_after")):
         d = res.get(mk)
         if d is None:
             continue
@@ -180,6 +202,20 @@ def report(a: argparse.Namespace, res: dict, info: dict[str, str], leaks: list[s
                   mib(d["SUnreclaim"]), mib(d["AnonPages"]), mib(d["PageTables"]), mib(d["Shmem"]),
                   mib(res[ak]["used"]))
     console.print(m)
+    if "rawdisk_create" in res and "raw_create" in res:
+        q = Table(box=box.ASCII2, title=f"the disk quota's cost per sandbox: raw crun with a {a.raw_disk_mb} MiB "
+                  "disk (isolation.diskquota) vs without, same run")
+        for c in ("operation", "without p50", "with p50", "without wall", "with wall", "ratio (wall)"):
+            q.add_column(c, justify="left" if c == "operation" else "right")
+        for name, k in (("create", "create"), ("exec true", "exec"), ("teardown", "kill")):
+            w0, w1 = res[f"raw_{k}"], res[f"rawdisk_{k}"]
+            q.add_row(name, f"{pct(w0.lat, 50):.1f} ms" if w0.lat else "-", f"{pct(w1.lat, 50):.1f} ms" if w1.lat else "-",
+                      f"{w0.wall:.1f} s", f"{w1.wall:.1f} s", f"{w1.wall / w0.wall:.2f}×" if w0.wall else "-")
+        n0, n1 = res["raw_live"] or 1, res["rawdisk_live"] or 1
+        u0, u1 = res["raw_mem"]["used"] / n0, res["rawdisk_mem"]["used"] / n1
+        q.add_row("host memory per live sandbox", "", "", f"{u0 / 1024:,.0f} KiB", f"{u1 / 1024:,.0f} KiB",
+                  f"+{(u1 - u0) / 1024:,.0f} KiB")
+        console.print(q)
     r0, r1 = res["up_rss"]
     console.print(f"`pilldrops up` RSS {mib(r0)} before → {mib(r1)} with {res['pd_live']} live "
                   f"(included in 'used'); control plane lists {res['pd_listed']} running; "
@@ -191,14 +227,16 @@ def report(a: argparse.Namespace, res: dict, info: dict[str, str], leaks: list[s
     c.add_column("wall", justify="right")
     for k in keys:
         c.add_column(k, justify="right")
-    for k in ("pd_create", "pd_idle", "pd_use", "pd_kill", "raw_create", "raw_exec", "raw_kill"):
+    for k in ("pd_create", "pd_idle", "pd_use", "pd_kill", "raw_create", "raw_exec", "raw_kill",
+              "rawdisk_create", "rawdisk_exec", "rawdisk_kill"):
         ph = res.get(k)
         if ph is not None:
             c.add_row(ph.name if k.startswith("raw") else f"PillDrops {ph.name}", f"{ph.wall:.1f} s",
                       *(f"{ph.cpu[x]:.1f} s" for x in keys))
     console.print(c)
 
-    for k in ("pd_create", "pd_use", "pd_kill", "raw_create", "raw_exec", "raw_kill"):
+    for k in ("pd_create", "pd_use", "pd_kill", "raw_create", "raw_exec", "raw_kill",
+              "rawdisk_create", "rawdisk_exec", "rawdisk_kill"):
         ph = res.get(k)
         if ph is not None and ph.errors:
             uniq: dict[str, int] = {}
@@ -236,6 +274,10 @@ def main() -> int:
     ap.add_argument("--memory-mb", type=int, default=64)
     ap.add_argument("--vcpu", type=float, default=1.0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the raw crun baseline")
+    ap.add_argument("--batch-kill", type=int, default=0, metavar="K",
+                    help="kill with Sandbox.kill_many, K ids a request (default: one kill per sandbox)")
+    ap.add_argument("--raw-disk-mb", type=int, default=0,
+                    help="also run the baseline with a disk quota of this size on each container (0: not)")
     ap.add_argument("--idle-s", type=float, default=10.0,
                     help="seconds to sit idle with N live, measuring what the agent spends on them")
     ap.add_argument("--profile", type=Path, help="py-spy record the `up` process per phase into this dir "
@@ -260,6 +302,8 @@ def main() -> int:
             pd_phases(a, up, st, res)
             if not a.no_baseline:
                 raw_phases(a, up, st, res)
+                if a.raw_disk_mb:
+                    raw_phases(a, up, st, res, disk_mb=a.raw_disk_mb)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: cleaning up")
         code = 130
@@ -271,7 +315,8 @@ def main() -> int:
             if rc != 0:
                 console.print(f"[red]pilldrops up exited {rc}[/]:\n{up.log.read_text()[-2000:]}")
                 code = code or 1
-        roots = [tmp / "data" / "node" / "crun", tmp / "data" / "benchraw" / "crun"]
+        roots = [tmp / "data" / "node" / "crun", tmp / "data" / "benchraw" / "crun",
+                 tmp / "data" / "benchrawdisk" / "crun"]
         left = check_leaks(tmp, roots, settle=10)
         if left:
             console.print(f"[red]left behind ({len(left)}); {tmp} kept:[/]\n" + "\n".join(left[:50]))

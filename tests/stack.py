@@ -85,11 +85,13 @@ class Stack:
 async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb: int = 65536,
                 templates: tuple[str, ...] = ("tiny",), billing: BillingSettings | None = None,
                 clock: Clock | None = None, db_url: str | None = None, nodes: int = 1,
-                isolation: tuple[str, ...] = (), **cp_options: Any) -> AsyncIterator[Stack]:
+                isolation: tuple[str, ...] = (), node_ram_mb: int | None = None,
+                **cp_options: Any) -> AsyncIterator[Stack]:
     """One control plane and ``nodes`` agents (``node-a`` at http://node, then ``node-b`` at
     http://node-b, ...), all in-process; every HTTP call is routed by host to the right ASGI app.
     ``isolation``: the first node's runtime is a ``RuntimeRegistry`` of FakeRuntimes for these modes (the
-    others reported unavailable); ``Stack.runtime`` is then its container fake."""
+    others reported unavailable); ``Stack.runtime`` is then its container fake. ``node_ram_mb``: the RAM
+    the nodes report (default: this machine's)."""
     holder: dict[str, Any] = {}
     transport = httpx.ASGITransport(app=_Lazy(holder))
     cp = await build_control_plane(db_url or sqlite_url(tmp_path / "db.sqlite"), TOKEN, clock,
@@ -104,7 +106,7 @@ async def stack(tmp_path: Path, *, capacity_vcpu: float = 64, capacity_memory_mb
             node_runtime = fake_registry(tmp_path, isolation, runtime)
         settings = Settings(name=f"node-{chr(ord('a') + i)}", public_url=f"http://node{suffix}",
                             capacity_vcpu=capacity_vcpu, capacity_memory_mb=capacity_memory_mb,
-                            control_plane_url="http://cp", node_token=TOKEN)
+                            control_plane_url="http://cp", node_token=TOKEN, ram_mb=node_ram_mb)
         agent = NodeAgent(settings, node_runtime, FakeTemplates(*templates), tmp_path / f"node{suffix}",
                           http=httpx.AsyncClient(transport=transport, headers={"Authorization": f"Bearer {TOKEN}"}))
         holder[f"node{suffix}"] = create_node_app(agent, TOKEN)
@@ -193,3 +195,10 @@ def fake_egress(st: Any) -> FakeEgress:
     st.agent.egress = fake
     st.agent.transfer.egress = fake
     return fake
+
+
+async def until(pred: Any, timeout: float = 10.0) -> None:
+    """Poll ``pred`` every 20 ms until it holds; TimeoutError after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(0.02)

@@ -24,6 +24,6 @@ export { DEFAULT_API_URL, configPath, resolveConfig } from './config.js'
 export type { ClientConfig, ConnectionOptions } from './config.js'
 export * from './errors.js'
 export type {
-  EndReason, FileInfo, HistoryRecord, PauseInterval, PortURL, SandboxInfo, SandboxState, TemplateInfo, UsageSummary,
+  EndReason, FileInfo, HistoryRecord, KillItem, KillResult, PauseInterval, PortURL, SandboxInfo, SandboxState, TemplateInfo, UsageSummary,
 } from './wire.js'
 export { VERSION } from './version.js'

@@ -22,8 +22,8 @@ import { DEFAULT_OUTPUT_CAP, RunDecoder, checkResult } from './run.js'
 import type { RunResult } from './run.js'
 import { toHistoryRecord, toSandboxInfo } from './wire.js'
 import type {
-  HistoryRecord, PortURL, SandboxInfo, UsageSummary, WireBatchResponse, WireHistoryPage, WirePortURL,
-  WireSandboxInfo, WireSandboxList, WireUsageSummary,
+  HistoryRecord, KillResult, PortURL, SandboxInfo, UsageSummary, WireBatchResponse, WireHistoryPage,
+  WireKillResponse, WirePortURL, WireSandboxInfo, WireSandboxList, WireUsageSummary,
 } from './wire.js'
 import { SHAPES, camelize } from './wire.js'
 
@@ -32,6 +32,8 @@ import { SHAPES, camelize } from './wire.js'
 
 /** Items per `POST /v1/sandboxes/batch`. */
 export const BATCH_CHUNK = 100
+/** Ids per `POST /v1/sandboxes/kill` (the server's limit). */
+const MAX_KILL = 1000
 /** The longest NDJSON line a run stream may send (the node sends 256 KiB chunks, base64-encoded). */
 const MAX_EVENT_LINE = 8 * 1024 * 1024
 
@@ -315,6 +317,20 @@ export class Sandbox {
     return toSandboxInfo(info)
   }
 
+  /**
+   * Kill many sandboxes in one request per 1,000: by id, or (`{ metadata }`) every live one whose metadata
+   * has all the pairs. Idempotent; the server calls each node once and records all the ends in one
+   * transaction. Every id's outcome is in `items` (`sandbox`: its final record; `error`: why not, e.g.
+   * `sandbox_not_found` for an id that is not your team's); a failed item does not throw.
+   */
+  static async killMany(sandboxIds: string[] | null, opts: CallOptions & { metadata?: Record<string, string> } = {}):
+    Promise<KillResult> {
+    if ((sandboxIds == null) === (opts.metadata == null)) {
+      throw new InvalidRequest('give sandbox ids or metadata, not both and not neither')
+    }
+    return killMany(client(opts), sandboxIds, opts.metadata, opts.signal)
+  }
+
   /** Pause a running sandbox by id; returns its record (state `paused`). */
   static async pause(sandboxId: string, opts: CallOptions = {}): Promise<SandboxInfo> {
     const info = await client(opts).json<WireSandboxInfo>('POST', sandboxPath(sandboxId, '/pause'),
@@ -586,14 +602,50 @@ export class Sandbox {
 
 }
 
+async function killMany(c: APIClient, sandboxIds: string[] | null, metadata: Record<string, string> | undefined,
+  signal?: AbortSignal): Promise<KillResult> {
+  const bodies: Record<string, unknown>[] = []
+  if (sandboxIds != null) {
+    const ids = [...new Set(sandboxIds)]
+    for (let i = 0; i < ids.length; i += MAX_KILL) bodies.push({ ids: ids.slice(i, i + MAX_KILL) })
+  } else {
+    bodies.push({ labels: stringMap(metadata, 'metadata', false) })
+  }
+  const out: KillResult = { items: [], killed: 0, failed: 0 }
+  while (bodies.length) {
+    const body = bodies.shift()!
+    const got = await c.json<WireKillResponse>('POST', '/v1/sandboxes/kill',
+      { expect: SHAPES.kill, json: body, idempotent: true, signal })
+    for (const it of got.items) {
+      out.items.push({ id: it.id, sandbox: it.sandbox ? toSandboxInfo(it.sandbox) : null, error: it.error ?? null })
+    }
+    out.killed += got.killed
+    out.failed += got.failed
+    if ('labels' in body && got.killed >= MAX_KILL) bodies.push(body) // at most 1,000 a call: more may match
+  }
+  return out
+}
+
 async function killAll(items: (Sandbox | PillDropsError)[]): Promise<void> {
-  await Promise.all(items.map(async (sb) => {
-    if (sb instanceof Sandbox) {
-      try {
-        await sb.kill()
-      } catch {
-        // best effort: the server's timeout ends it anyway
-      }
+  const made = items.filter((x): x is Sandbox => x instanceof Sandbox)
+  if (!made.length) return
+  let final = new Map<string, SandboxInfo>()
+  try { // one batch-kill request for all of them (the server calls each node once)
+    const res = await killMany(made[0]!.client, made.map((sb) => sb.id), undefined)
+    final = new Map(res.items.filter((it) => it.sandbox).map((it) => [it.id, it.sandbox!]))
+  } catch {
+    // a server without batch kills: one by one below
+  }
+  await Promise.all(made.map(async (sb) => {
+    const info = final.get(sb.id)
+    if (info) {
+      sb.info = info
+      return
+    }
+    try {
+      await sb.kill()
+    } catch {
+      // best effort: the server's timeout ends it anyway
     }
   }))
 }

@@ -49,6 +49,21 @@ export type WireArchiveUploaded = Schemas['ArchiveUploaded']
 export type WireSetTimeoutRequest = Schemas['SetTimeoutRequest']
 export type WireTemplateList = Schemas['TemplateList']
 export type WirePortURL = Schemas['PortURL']
+export type WireKillResponse = Schemas['KillSandboxesResponse']
+
+/** One id's outcome of `Sandbox.killMany`: its final record, or why it was not killed. */
+export interface KillItem {
+  id: string
+  sandbox: SandboxInfo | null
+  error: { code: string, message: string, details?: unknown } | null
+}
+
+/** What `Sandbox.killMany` returns: every id's outcome, and the counts. */
+export interface KillResult {
+  items: KillItem[]
+  killed: number
+  failed: number
+}
 
 export const SANDBOX_STATES: readonly SandboxState[] = [
   'pending', 'starting', 'running', 'pausing', 'paused', 'resuming', 'stopping', 'stopped', 'failed', 'lost',
@@ -83,6 +98,7 @@ export const SHAPES = {
   sandbox: { keys: SANDBOX_KEYS },
   sandboxList: { keys: ['items'], itemKeys: SANDBOX_KEYS },
   batch: { keys: ['items'], itemKeys: ['index'] },
+  kill: { keys: ['items', 'killed', 'failed'], itemKeys: ['id'] },
   history: { keys: ['items'], itemKeys: ['id', 'state'] },
   usage: { keys: ['team_id', 'sandboxes', 'cost_usd'] },
   file: { keys: ['name', 'path', 'type'] },

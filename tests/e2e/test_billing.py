@@ -159,3 +159,30 @@ def test_usage_is_billed_exactly_once_across_control_plane_crashes(tmp_path: Pat
             if p is not None:
                 p.wait(timeout=60)
     leakcheck.assert_no_leaks(before, settle=5)
+
+
+def test_batch_kill_through_the_sdk_ends_each_billed_and_leaves_nothing(server: Server) -> None:
+    """`Sandbox.kill_many` against real crun: one request kills every sandbox (by ids, then by label),
+    each answered with its final, exactly billed record; another team's id is not touched, and the
+    autouse leak check finds no process, mount or cgroup left."""
+    tag = f"bk-{time.monotonic_ns()}"
+    opts = {"api_url": server.api_url, "api_key": server.api_key}
+    boxes = Sandbox.create_many(4, template="tiny", memory_mb=128, metadata={"tag": tag}, **opts)
+    extra = Sandbox.create_many(2, template="tiny", memory_mb=128, metadata={"tag": tag, "by": "label"}, **opts)
+    assert boxes[0].run("echo hi").stdout == "hi\n"
+    time.sleep(1.0)
+    res = Sandbox.kill_many([sb.id for sb in boxes] + ["sb_doesnotexist"], **opts)
+    assert (res.killed, res.failed) == (4, 1) and res.items[-1].error is not None
+    assert res.items[-1].error.code == "sandbox_not_found"
+    for it in res.items[:4]:
+        info = it.sandbox
+        assert info is not None and info.state == "stopped" and info.end_reason == "killed"
+        assert info.ended_at is not None and info.started_at is not None
+        life = (info.ended_at - info.started_at).total_seconds()
+        assert life >= 1.0 and info.vcpu_s == pytest.approx(life, abs=0.01)          # billed = lifetime
+        assert info.cost_usd == pytest.approx(life * VCPU_RATE + life * 128 / 1024 * GB_RATE, rel=1e-3)
+    by_label = Sandbox.kill_many(metadata={"tag": tag, "by": "label"}, **opts)
+    assert sorted(it.id for it in by_label.items) == sorted(sb.id for sb in extra) and by_label.killed == 2
+    assert not [s for s in Sandbox.list(metadata={"tag": tag}, **opts)]
+    records = json.loads(cli(server, "history", "--json", "--metadata", f"tag={tag}"))
+    assert len(records) == 6 and all(r["state"] == "stopped" for r in records)

@@ -459,7 +459,10 @@ def test_paused_survives_a_sigkilled_up_and_retention_expires_it(tmp_path: Path,
                           what="the paused sandbox to expire")
         assert info.end_reason == "paused_expired" and info.storage_gb_s > 0, info
         assert not (data / "node" / "checkpoints" / sb.id).exists()
-        assert not (data / "node" / "journal" / f"{sb.id}.json").exists()
+        # the node's journal entry stays, with the end, until the control plane has that end (its next
+        # report), so that an agent dying in between reports it again
+        wait_until(lambda: not (data / "node" / "journal" / f"{sb.id}.json").exists(), timeout=30,
+                   what="the ended sandbox's journal entry to go once its end was delivered")
     finally:
         assert stop_up(proc) == 0
     leakcheck.assert_no_leaks(before, settle=5)

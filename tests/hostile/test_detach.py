@@ -53,6 +53,19 @@ async def test_timeout_kills_everything_the_command_started(crun_rt, box, case):
     assert (await sh(crun_rt, box, "echo ok", timeout=10))[:2] == (0, "ok\n")
 
 
+@pytest.mark.parametrize("case", ["double_fork", "setsid_double_fork"])
+async def test_crun_exec_fallback_timeout_kills_everything(crun_rt, box, case, monkeypatch):  # type: ignore[no-untyped-def]
+    """Without pd-init's channel (``crun exec``, e.g. PILLDROPS_EXEC=crun) the command runs under
+    ``/.pd/init --shepherd`` (a subreaper): the host's kill of its tree reaches the orphans too."""
+    monkeypatch.setenv("PILLDROPS_EXEC", "crun")
+    code, _, _, p = await sh(crun_rt, box, ESCAPES[case], timeout=1.5)
+    assert p.timed_out, (code, p.timed_out)
+    assert wait_only_init(box) == [], f"{case}: left running after the timeout (crun exec)"
+    code, out, _, p = await sh(crun_rt, box, "echo ok; exit 3", timeout=10)
+    assert (code, out) == (3, "ok\n")
+    assert (await sh(crun_rt, box, "kill -TERM $$; sleep 5", timeout=10))[0] == 128 + 15
+
+
 async def test_kill_kills_detached_children(crun_rt, box):  # type: ignore[no-untyped-def]
     p = await crun_rt.exec(box, ["sh", "-c", ESCAPES["setsid_double_fork"]], env={}, cwd=None, timeout=60)
     await anyio.sleep(0.5)
@@ -84,11 +97,14 @@ async def test_signals_reach_the_commands_group_not_the_shepherd(crun_rt, box): 
     assert await p.wait() == 3 and b"got" in b"".join(chunks)
 
 
-@pytest.mark.parametrize("case", ["setsid", "ignores_sigterm", "closes_pipes"])
+@pytest.mark.parametrize("case", ["setsid", "ignores_sigterm", "closes_pipes", "many"])
 async def test_gvisor_timeout_kills_detached(gvisor_rt, tiny, case):  # type: ignore[no-untyped-def]
-    """gVisor: everything still below the command is killed (setsid included). Not covered there: an
-    orphan of a double fork, since runsc re-parents orphans to PID 1 in spite of the shepherd's
-    PR_SET_CHILD_SUBREAPER (README, "Things worth knowing")."""
+    """gVisor: everything still below the command is killed (setsid, ignoring SIGTERM, closed pipes, and
+    ten trees whose middle processes die first (``many``): pd-init stops the whole tree before it kills any
+    of it, since runsc re-parents an orphan to PID 1 in spite of the shepherd's
+    PR_SET_CHILD_SUBREAPER). NOT covered there: a process that leaves the session AND whose parent has
+    already exited before the timeout (``setsid_double_fork``): nothing links it to the command any more
+    (README, "Things worth knowing")."""
     h = await gvisor_rt.create(spec(tiny, f"detach-gv-{case.replace('_', '-')}"))
     try:
         code, _, _, p = await sh(gvisor_rt, h, ESCAPES[case], timeout=2)

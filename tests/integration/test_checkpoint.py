@@ -333,3 +333,83 @@ async def test_failed_checkpoint_keeps_sandbox_running(runtime: CrunRuntime, cri
     assert await q.wait() == 0
     await runtime.destroy(h)
 
+
+
+class _MoveFails(CrunRuntime):
+    """The dump goes through, then the writable layer cannot land in the image (something is in its way:
+    as a full or failing image file system would)."""
+
+    async def _dump(self, handle, d, image_dir, images):  # type: ignore[no-untyped-def]
+        result = await super()._dump(handle, d, image_dir, images)
+        (image_dir / "disk.img").mkdir()
+        (image_dir / "disk.img" / "in-the-way").write_text("")
+        return result
+
+
+class _RunDirFails(CrunRuntime):
+    """A resume fails before it reaches the writable layer (its run dir cannot be made)."""
+
+    def _make_run_dir(self, d):  # type: ignore[no-untyped-def]
+        raise RuntimeFailure("injected: no run dir")
+
+
+class _AgentKilled(Exception):
+    pass
+
+
+class _KilledInRestore(CrunRuntime):
+    """The agent dies just before the restored processes start: nothing of the restore is undone."""
+
+    async def _restore_init(self, spec, d, image_dir):  # type: ignore[no-untyped-def]
+        raise _AgentKilled
+
+    async def _teardown(self, sandbox_id, *, save_to=None):  # type: ignore[no-untyped-def]
+        raise _AgentKilled
+
+
+async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntime, criu_ready: None,  # type: ignore[no-untyped-def]
+                                                           tiny, tmp_path: Path) -> None:
+    """Reviewer finding 3: a checkpoint whose writable layer could not be moved into the image deleted it
+    with the sandbox dir. The pause now fails, naming the kept layer, and the sandbox comes back from its
+    image and the layer where it was, with its files and processes."""
+    from tests.integration.conftest import SESSION
+    rt = _MoveFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    spec = spec_of(tiny, "keep1", disk_mb=64)
+    h = await rt.create(spec)
+    await sh(rt, h, "echo precious > /root/data; X=tok$$; (while :; do echo $X > /tmp/tok; sleep 0.1; done) "
+                    "</dev/null >/dev/null 2>&1 &")
+    await anyio.sleep(0.2)
+    token = (await sh(rt, h, "cat /tmp/tok")).strip()
+    img = tmp_path / "img"
+    img.mkdir()
+    with pytest.raises(RuntimeFailure, match="writable layer is kept") as e:
+        await rt.checkpoint(h, img)
+    assert "cannot move the writable layer" in (e.value.detail or ""), e.value.detail
+    kept_dir = Path(runtime.sandboxes_dir) / "keep1"
+    assert (kept_dir / "disk.img").is_file()
+    assert runtime.kept_layer("keep1") == kept_dir / "disk.img"     # (fixes 3) what the agent bills / drops
+    # reviewer finding (fixes 1): a resume failing before it reached the layer deleted the kept one with the
+    # sandbox dir; now it keeps it again (here the image's disk.img is still in the way) and resumes later
+    failing = _RunDirFails(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    with pytest.raises(RuntimeFailure):
+        await failing.restore(spec, img)
+    assert (kept_dir / "disk.img").is_file() and (kept_dir / "layer-kept-for-restore").is_file()
+    # (fixes 2) an agent killed while resuming: recovery's abort_restore keeps the layer (the image's
+    # disk.img still in the way), then, the way clear, moves it into the image, and after a restore that
+    # had taken it out of the image (its teardown never ran) moves it back
+    with pytest.raises(RuntimeFailure, match="incomplete"):
+        await runtime.abort_restore(Handle(id="keep1"), img)
+    assert (kept_dir / "disk.img").is_file() and (kept_dir / "layer-kept-for-restore").is_file()
+    shutil.rmtree(img / "disk.img")
+    killed = _KilledInRestore(Path(runtime.state_dir), name=SESSION, init_path=runtime.init_path)
+    for _ in range(2):          # first from the kept layer, then from the image
+        with pytest.raises(_AgentKilled):
+            await killed.restore(spec, img)
+        assert (kept_dir / "disk.img").is_file() and not (img / "disk.img").exists()
+        await runtime.abort_restore(Handle(id="keep1"), img)
+        assert (img / "disk.img").is_file() and not kept_dir.exists()
+    h2 = await runtime.restore(spec, img)
+    assert (await sh(runtime, h2, "cat /root/data")) == "precious\n"
+    assert (await sh(runtime, h2, "cat /tmp/tok")).strip() == token
+    await runtime.destroy(h2)
+    assert await runtime.list_ids() == []

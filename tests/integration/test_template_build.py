@@ -63,3 +63,26 @@ def test_a_failed_step_is_one_line_with_its_log(tmp_path: Path) -> None:
     assert "Traceback" not in res.output and "boom: no such package" in log.read_text()
     assert not any(p.name.startswith(".tmp-") for p in (data / "templates" / "broken").iterdir())
     assert os.path.isdir(data / "templates" / "tiny")
+
+
+def test_a_build_killed_mid_way_is_reaped_by_the_next_build(tmp_path: Path) -> None:
+    """A build killed while its steps ran (SIGKILL, a test timeout) leaves its ``.tmp-*`` dir with the
+    overlay, ``proc`` and ``dev`` mounted under the data dir; the next build of the template, holding its
+    build lock, unmounts and removes it."""
+    import subprocess
+    specs = _specs(tmp_path, 'name = "child"\nfrom = "tiny"\n[[steps]]\nrun = "echo ok > /ok"\n')
+    store = T.TemplateStore(tmp_path / "data", spec_dirs=[T.SPEC_DIR, specs])
+    store.build("tiny")
+    stale = tmp_path / "data" / "templates" / "child" / ".tmp-0123456789abcdef-dead0000"
+    (stale / "merged" / "proc").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "stale", str(stale / "merged")], check=True)
+    (stale / "merged" / "proc").mkdir()
+    subprocess.run(["mount", "-t", "proc", "proc", str(stale / "merged" / "proc")], check=True)
+    try:
+        tpl = store.build("child")
+        assert (tpl.layers[0] / "ok").read_text() == "ok\n"
+        assert not stale.exists()
+        assert str(stale) not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        if stale.exists():
+            subprocess.run(["umount", "-R", "-l", str(stale / "merged")], check=False)

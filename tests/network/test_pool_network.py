@@ -66,7 +66,7 @@ def test_policy_pool_member_is_claimed_attached_and_keeps_its_policy(server: Ser
         assert fetch(sb, f"http://{server.outside.ip}:8080/") == f"ok {server.outside.ip}"
         _wait(lambda: any(k.startswith("pd-") for k in _records(server)))      # refilled
         assert server.stop(signal.SIGKILL) != 0
-        server.start(*server.flags)
+        server.start()
         sb = Sandbox.connect(sb.id)
         assert fetch(sb, f"http://{server.outside.ip}:8080/") == f"ok {server.outside.ip}"   # re-adopted
         assert fetch(sb, f"http://{server.outside.ip2}:8080/", timeout=1) is None

@@ -94,6 +94,17 @@ async def test_dispatch_by_spec_then_by_stamped_handle(tmp_path: Path) -> None:
     assert await reg.list_ids() == []
 
 
+async def test_a_restore_nobody_recorded_is_undone_wherever_it_is(tmp_path: Path) -> None:
+    """Recovery undoes an interrupted resume (``abort_restore``) before ``list_ids`` told the registry whose
+    sandbox it is: it must reach the sandbox's own runtime, not the default one."""
+    reg = fake_registry(tmp_path, ("container", "gvisor"))
+    await reg.create(SandboxSpec(id="b", layers=(), isolation="gvisor"))
+    fresh = RuntimeRegistry(reg.runtimes, reg.probes)
+    assert fresh.kept_layer("b") is None
+    await fresh.abort_restore(Handle(id="b"), tmp_path / "image")
+    assert await reg.list_ids() == []
+
+
 def _nspec(sid: str, mode: str = "container") -> NodeSandboxSpec:
     return NodeSandboxSpec(id=sid, template="tiny", vcpu=1, memory_mb=128, access_token="t", isolation=mode,
                            end_at=datetime.now(UTC) + timedelta(hours=1))

@@ -196,6 +196,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/sandboxes/kill": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Kill Many
+         * @description Kill many sandboxes of the caller's team in one call (by ids, or every live one with labels).
+         */
+        post: operations["kill_many_v1_sandboxes_kill_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sandboxes/{sandbox_id}": {
         parameters: {
             query?: never;
@@ -854,6 +874,41 @@ export interface components {
             revoked_at?: string | null;
             /** Team Id */
             team_id: string;
+        };
+        /** KillItem */
+        KillItem: {
+            error?: components["schemas"]["ErrorInfo"] | null;
+            /** Id */
+            id: string;
+            sandbox?: components["schemas"]["SandboxInfo"] | null;
+        };
+        /**
+         * KillSandboxesRequest
+         * @description Kill many sandboxes in one call: by ``ids`` (up to ``MAX_BATCH``), or every live one whose
+         *     metadata has all of ``labels``. Exactly one of the two.
+         */
+        KillSandboxesRequest: {
+            /**
+             * Ids
+             * @description sandbox ids (unknown ones: an item error)
+             */
+            ids?: string[] | null;
+            /**
+             * Labels
+             * @description kill every live sandbox with all these metadata pairs
+             */
+            labels?: {
+                [key: string]: string;
+            } | null;
+        };
+        /** KillSandboxesResponse */
+        KillSandboxesResponse: {
+            /** Failed */
+            failed: number;
+            /** Items */
+            items: components["schemas"]["KillItem"][];
+            /** Killed */
+            killed: number;
         };
         /**
          * NetworkPolicy
@@ -1841,6 +1896,39 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["BatchCreateResponse"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    kill_many_v1_sandboxes_kill_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["KillSandboxesRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["KillSandboxesResponse"];
                 };
             };
             /** @description Validation Error */

@@ -329,6 +329,38 @@ describe('a sandbox', () => {
     assert.ok(err instanceof CapacityUnavailable)
     assert.match(err.message, /^1 of 3 creates failed/)
     assert.deepEqual(Object.keys((err.details as { errors: object }).errors), ['1'])
-    assert.equal(killed.length, 2, 'the two made ones were killed')
+    assert.equal(killed.length, 2, 'the two made ones were killed (one by one: this server has no batch kill)')
+  })
+
+  test('killMany: one request per 1,000 ids, per-id outcomes; createMany tears down with it', async () => {
+    const f = new FakeFetch()
+    const kills: { ids?: string[], labels?: Record<string, string> }[] = []
+    f.on('POST', '/v1/sandboxes/kill', (c) => {
+      const body = JSON.parse(c.body)
+      kills.push(body)
+      const ids: string[] = body.ids ?? ['sb_l1', 'sb_l2']
+      const items = ids.map((id) => id === 'sb_nope'
+        ? { id, sandbox: null, error: { code: 'sandbox_not_found', message: 'not found' } }
+        : { id, sandbox: wireInfo(id, { state: 'stopped' }), error: null })
+      const killed = items.filter((it) => it.sandbox).length
+      return json(200, { items, killed, failed: items.length - killed })
+    })
+    const many = Array.from({ length: 1500 }, (_x, i) => `sb_${i}`)
+    const res = await Sandbox.killMany([...many, 'sb_0', 'sb_nope'], opts(f))
+    assert.deepEqual(kills.map((k) => k.ids!.length), [1000, 501], 'deduplicated, 1,000 a request')
+    assert.deepEqual([res.killed, res.failed, res.items.length], [1500, 1, 1501])
+    assert.equal(res.items[0]!.sandbox!.state, 'stopped')
+    assert.equal(res.items[1500]!.error!.code, 'sandbox_not_found')
+    const byLabel = await Sandbox.killMany(null, { ...opts(f), metadata: { run: 'a' } })
+    assert.deepEqual(kills[2], { labels: { run: 'a' } })
+    assert.deepEqual(byLabel.items.map((it) => it.id), ['sb_l1', 'sb_l2'])
+    await assert.rejects(Sandbox.killMany(null, opts(f)), InvalidRequest)
+    f.on('POST', '/v1/sandboxes/batch', () => json(200, { created: 2, failed: 1, items: [
+      { index: 0, sandbox: wireInfo('sb_a') }, { index: 1, sandbox: wireInfo('sb_b') },
+      { index: 2, error: { code: 'capacity_unavailable', message: 'full' } }] }))
+    const err = await Sandbox.createMany(3, opts(f)).catch((e) => e)
+    assert.ok(err instanceof CapacityUnavailable)
+    assert.deepEqual(kills[3], { ids: ['sb_a', 'sb_b'] }, 'the made ones killed in one request')
+    assert.equal(f.calls.filter((c) => c.method === 'DELETE').length, 0)
   })
 })

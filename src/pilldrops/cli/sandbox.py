@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import click
 
@@ -26,7 +25,6 @@ pass_state = click.make_pass_decorator(CliState, ensure=True)
 LIVE_STATES = [s.value for s in schema_live_states]
 #: ``--state`` values; a wrong one is a usage error listing these.
 STATE_CHOICE = click.Choice([s.value for s in SandboxState], case_sensitive=False)
-KILL_WORKERS = 16
 PAUSED_STATES = (SandboxState.pausing, SandboxState.paused, SandboxState.resuming)
 
 
@@ -244,33 +242,44 @@ def url(state: CliState, sandbox_id: str, port: int, expires_in: int, path: str,
 @sandbox.command("kill")
 @click.argument("sandbox_ids", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Kill every live sandbox of the team.")
-@click.option("--metadata", "-m", multiple=True, metavar="KEY=VALUE",
+@click.option("--metadata", "--label", "-m", "metadata", multiple=True, metavar="KEY=VALUE",
               help="Kill every live sandbox with this metadata (repeatable: all pairs must match).")
 @pass_state
 def kill(state: CliState, sandbox_ids: tuple[str, ...], all_: bool, metadata: tuple[str, ...]) -> None:
-    """Kill sandboxes by id, or all live ones (--all), or all live ones matching --metadata (idempotent).
+    """Kill sandboxes by id, or all live ones (--all), or all live ones matching --metadata/--label
+    (idempotent). Several at once go in one request (per 1,000).
 
-    Prints `killed <id>` for each.
+    Prints `killed <id>` for each; an id that could not be killed is named on stderr (exit status 1).
     """
     if sandbox_ids and (all_ or metadata):
         raise click.UsageError("give sandbox ids, or --all / --metadata, not both")
     if not sandbox_ids and not (all_ or metadata):
         raise click.UsageError("give sandbox ids to kill, or --all, or --metadata KEY=VALUE")
-    if not sandbox_ids:
-        pairs = _output.parse_pairs(metadata, "--metadata")
-        live = Sandbox.list(state=LIVE_STATES, metadata=pairs or None, **state.sdk_options())
-        sandbox_ids = tuple(s.id for s in live)
-        if not sandbox_ids:
-            _output.err_console.print("[dim]no live sandboxes" + (" match" if pairs else "") + "[/dim]")
-            return
     options = state.sdk_options()
     if len(sandbox_ids) == 1:
-        killed = [Sandbox.kill_by_id(sandbox_ids[0], **options)]
-    else:
-        with ThreadPoolExecutor(max_workers=min(KILL_WORKERS, len(sandbox_ids))) as pool:
-            killed = list(pool.map(lambda sid: Sandbox.kill_by_id(sid, **options), sandbox_ids))
-    for info in killed:
-        click.echo(f"killed {info.id}")
+        click.echo(f"killed {Sandbox.kill_by_id(sandbox_ids[0], **options).id}")
+        return
+    pairs = _output.parse_pairs(metadata, "--metadata")
+    if sandbox_ids:
+        res = Sandbox.kill_many(list(sandbox_ids), **options)
+    elif pairs:
+        res = Sandbox.kill_many(metadata=pairs, **options)
+    else:                   # --all: every live one of the team
+        ids = [s.id for s in Sandbox.list(state=LIVE_STATES, **options)]
+        res = Sandbox.kill_many(ids, **options) if ids else None
+    if res is None or not res.items:
+        _output.err_console.print("[dim]no live sandboxes" + (" match" if pairs else "") + "[/dim]")
+        return
+    for item in res.items:
+        if item.sandbox is not None:
+            click.echo(f"killed {item.id}")
+    failed = [it for it in res.items if it.sandbox is None]
+    for item in failed:
+        err = item.error
+        _output.err_console.print(f"could not kill {item.id}: {err.code if err else 'error'}: "
+                                  f"{err.message if err else ''}", markup=False, highlight=False)
+    if failed:
+        raise SystemExit(1)
 
 
 def _fmt_bytes(n: int | None) -> str:

@@ -51,6 +51,7 @@ from pilldrops.node.template_cache import PIDS_LIMIT, TemplateCache, Templates
 from pilldrops.schema.api import DEFAULT_DISK_MB, DEFAULT_MAX_DISK_MB, EndReason, SandboxState, TemplateInfo
 from pilldrops.schema.node import (
     NodeBuildRequest,
+    NodeKilled,
     NodeNetwork,
     NodePoolSpec,
     NodeResume,
@@ -62,6 +63,7 @@ from pilldrops.schema.node import (
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
 MONITOR_TICK_S = 2.0
+KILL_MANY_PARALLEL = 8      # teardowns of one batch kill at a time (each runs crun delete, umount, rm)
 STOPPED_INIT_ERROR = ("its init was stopped by a signal from outside the sandbox (SIGSTOP on the node) and "
                       "could run nothing more; it was ended")
 _LIVE = (NodeState.running, NodeState.pausing, NodeState.ending)
@@ -92,6 +94,16 @@ class Settings:
     pool_concurrency: int = 2          # warm-pool refills in flight at once (all pools together)
     default_disk_mb: int = DEFAULT_DISK_MB     # a spec without disk_mb (from an older control plane)
     max_disk_mb: int = DEFAULT_MAX_DISK_MB     # a spec past it is refused (400 invalid_request)
+    ram_mb: int | None = None          # the host's RAM as reported to the scheduler (None: /proc/meminfo)
+
+
+@dataclass
+class _InFlight:
+    """A create in progress, for a resend of it to wait on (``NodeAgent.create``)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    status: NodeSandboxStatus | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -123,6 +135,7 @@ class NodeAgent:
         self.recovered = False     # until the journal is re-derived, the registry is empty: the API refuses
         self._end_scheduled: set[str] = set()     # ends the loops started (one per sandbox)
         self._stopped_ticks: dict[str, int] = {}   # monitor ticks each sandbox's init was seen stopped
+        self._creates: dict[str, _InFlight] = {}   # creates in progress by sandbox id (a resend waits on it)
         self._wake_heartbeat = anyio.Event()
         self.processes = Processes(runtime)     # the data plane's long-lived processes (processes.py)
         self.template_cache = TemplateCache(templates, settings.name, LayerCache(state_dir / "layers"),
@@ -139,7 +152,7 @@ class NodeAgent:
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
-                     self.instance, support_of(runtime)),
+                     self.instance, support_of(runtime), settings.ram_mb or host_ram_mb()),
             self.pools, statuses=self.statuses, usage=self._usage, templates=self.refresh_templates,
             delivered=self.journal.remove_ended)
         self.checkpoints = state_dir / "checkpoints"       # the images of paused sandboxes
@@ -147,7 +160,7 @@ class NodeAgent:
         self.transfer = Checkpoints(self.sandboxes, self.journal, runtime, self.template_cache,
                                     self.checkpoints, node_name=settings.name, http=self._http,
                                     create_slots=self._create_slots, record_end=self._record_end, now=now,
-                                    egress=self.egress)
+                                    egress=self.egress, keep_ends=bool(settings.control_plane_url))
         self.recovery = Recovery(self.sandboxes, self.journal, runtime, self.template_cache,
                                  record_end=self._record_end, now=now)
 
@@ -213,9 +226,32 @@ class NodeAgent:
     # ---- operations the control plane asks for ------------------------------------------------------
 
     async def create(self, spec: NodeSandboxSpec) -> NodeSandboxStatus:
+        """Idempotent per sandbox id: a retried create answers the same sandbox, and one that meets the
+        first still in progress (the control plane resends on a stale connection) waits for it and answers
+        its result, success or error."""
         existing = self.sandboxes.get(spec.id)
         if existing is not None and existing.state in _LIVE:
             return existing.status()           # a retried create: the same sandbox
+        first = self._creates.get(spec.id)
+        if first is not None:
+            await first.done.wait()
+            if first.error is not None:
+                raise first.error
+            assert first.status is not None
+            return first.status
+        first = self._creates[spec.id] = _InFlight()
+        try:
+            first.status = await self._create(spec, existing)
+            return first.status
+        except BaseException as exc:
+            first.error = exc if isinstance(exc, Exception) else errors.ServerError(
+                f"the create of {spec.id} this one repeats was cancelled")
+            raise
+        finally:
+            del self._creates[spec.id]
+            first.done.set()
+
+    async def _create(self, spec: NodeSandboxSpec, existing: Sandbox | None) -> NodeSandboxStatus:
         await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
         self._check_egress(spec)
@@ -255,8 +291,11 @@ class NodeAgent:
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
             return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
+        # journaled once, when it runs (``_adopt_new``), not also before: an agent killed in between leaves
+        # a half-made sandbox that the next start reaps as unrecorded (``Recovery``: every id the runtime
+        # holds, bundle directories included, that no entry names), and its control plane, which got no
+        # answer, records it as failed to start; a create is answered only after its entry is written
         try:
-            self.journal.write(sb.journal_entry())
             async with self._create_slots:
                 handle = await self.runtime.create(rt_spec)
         except BaseException as exc:
@@ -350,10 +389,31 @@ class NodeAgent:
         if sb is not None and sb.state in _LIVE:
             return await self._end(sandbox_id, EndReason.killed, report=False)
         if sb is not None and sb.state is NodeState.paused:
-            return self.transfer.end_paused(sb, EndReason.killed)
+            return await self.transfer.end_paused(sb, EndReason.killed)
         if sandbox_id in self.outbox:
             return self.outbox[sandbox_id]
         raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
+
+    async def kill_many(self, ids: list[str]) -> list[NodeKilled]:
+        """``kill`` for many ids at once (a batch kill from the control plane: one call, not one per id),
+        their teardowns run concurrently (``KILL_MANY_PARALLEL`` at a time); one id's failure is its own."""
+        ids = list(dict.fromkeys(ids))
+        out: list[NodeKilled] = [NodeKilled(id=sid) for sid in ids]
+        slots = anyio.Semaphore(KILL_MANY_PARALLEL)
+
+        async def one(i: int, sid: str) -> None:
+            async with slots:
+                try:
+                    out[i] = NodeKilled(id=sid, status=await self.kill(sid))
+                except errors.SandboxNotFound:
+                    pass                                   # not here: neither status nor error
+                except errors.PillDropsError as exc:
+                    out[i] = NodeKilled(id=sid, error_code=exc.code, error=exc.message)
+
+        async with anyio.create_task_group() as tg:
+            for i, sid in enumerate(ids):
+                tg.start_soon(one, i, sid)
+        return out
 
     def set_deadline(self, sandbox_id: str, end_at: datetime,
                      timeout_s: float | None = None) -> NodeSandboxStatus:
@@ -400,8 +460,8 @@ class NodeAgent:
     async def export_checkpoint(self, sandbox_id: str) -> AsyncIterator[bytes]:
         return await self.transfer.export(sandbox_id)
 
-    def forget(self, sandbox_id: str) -> None:
-        self.transfer.forget(sandbox_id)
+    async def forget(self, sandbox_id: str) -> None:
+        await self.transfer.forget(sandbox_id)
 
     # ---- templates -----------------------------------------------------------------------------------
 
@@ -481,7 +541,7 @@ class NodeAgent:
             async with sb.op:                # a pause in progress finishes first
                 pass
             if self.sandboxes.is_current(sb, NodeState.paused):
-                return self.transfer.end_paused(sb, reason)    # it was paused meanwhile
+                return await self.transfer.end_paused(sb, reason)    # it was paused meanwhile
         if sb is None or not self.sandboxes.is_current(sb, NodeState.running):
             return self.outbox.get(sandbox_id) or NodeSandboxStatus(id=sandbox_id, state=SandboxState.stopped,
                                                                     end_reason=reason, ended_at=self.now())
@@ -645,12 +705,16 @@ def instance_id(state_dir: Path) -> str:
         return ident
 
 
+def host_ram_mb() -> int:
+    """The host's RAM in MiB (MemTotal): no sandbox's memory limit can be more than this."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+
+
 def default_capacity(cpu_overcommit: float = 512.0, memory_overcommit: float = 32.0) -> tuple[float, int]:
     """Capacity offered to the scheduler: host size times overcommit ratios. Sandbox limits are caps, not
     reservations, and an RL episode rarely uses all of its allowance: 512 vCPU per core lets the 1,000-way
     fan-out of the default shape (1 vCPU, 512 MiB) run on a 2-core machine, where memory (RAM x 32 offered,
     about 0.6 MiB really used by an idle sandbox) is what binds."""
     cpus = os.cpu_count() or 1
-    with open("/proc/meminfo") as f:
-        total_kb = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    return cpus * cpu_overcommit, int(total_kb / 1024 * memory_overcommit)
+    return cpus * cpu_overcommit, int(host_ram_mb() * memory_overcommit)

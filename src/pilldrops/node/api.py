@@ -22,6 +22,8 @@ from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
     NodeBuildRequest,
     NodeDeadline,
+    NodeKilledMany,
+    NodeKillMany,
     NodePoolSpec,
     NodePoolStatus,
     NodeResume,
@@ -95,6 +97,10 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     async def kill(sandbox_id: str) -> NodeSandboxStatus:
         return await agent.kill(sandbox_id)
 
+    @node.post("/sandboxes/kill", response_model=NodeKilledMany)
+    async def kill_many(body: NodeKillMany) -> NodeKilledMany:
+        return NodeKilledMany(items=await agent.kill_many(body.ids))
+
     @node.put("/sandboxes/{sandbox_id}/deadline", response_model=NodeSandboxStatus)
     async def deadline(sandbox_id: str, body: NodeDeadline) -> NodeSandboxStatus:
         return agent.set_deadline(sandbox_id, body.end_at, body.timeout_s)
@@ -114,7 +120,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @node.delete("/sandboxes/{sandbox_id}/checkpoint")
     async def forget_checkpoint(sandbox_id: str) -> dict[str, bool]:
-        agent.forget(sandbox_id)
+        await agent.forget(sandbox_id)
         return {"ok": True}
 
     @node.post("/templates/builds", response_class=StreamingResponse)

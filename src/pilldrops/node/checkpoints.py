@@ -26,7 +26,7 @@ from pilldrops.node.egress import Egress
 from pilldrops.node.isolation.rmtree import remove_tree_quietly
 from pilldrops.node.journal import Journal
 from pilldrops.node.registry import Image, Sandbox, Sandboxes, usage_point
-from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure
+from pilldrops.node.runtime.base import Handle, Runtime, RuntimeFailure, kept_layer
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_cache import TemplateCache
 from pilldrops.schema.api import EndReason
@@ -52,6 +52,15 @@ def image_size(image: Path) -> int:
     return sum(f.lstat().st_blocks * 512 for f in image.rglob("*") if f.is_file() and not f.is_symlink())
 
 
+def layer_size(layer: Path | None) -> int:
+    """Bytes a writable layer kept outside its image really holds (a sparse disk.img, or an upper tree)."""
+    if layer is None or layer.is_symlink() or not layer.exists():
+        return 0
+    if layer.is_file():
+        return layer.lstat().st_blocks * 512
+    return image_size(layer)
+
+
 def _json_or_none(resp: httpx.Response) -> Any:
     try:
         return resp.json()
@@ -62,7 +71,8 @@ def _json_or_none(resp: httpx.Response) -> Any:
 class Checkpoints:
     def __init__(self, sandboxes: Sandboxes, journal: Journal, runtime: Runtime, templates: TemplateCache,
                  directory: Path, *, node_name: str, http: httpx.AsyncClient, create_slots: anyio.Semaphore,
-                 record_end: RecordEnd, now: Callable[[], datetime], egress: Egress | None = None) -> None:
+                 record_end: RecordEnd, now: Callable[[], datetime], egress: Egress | None = None,
+                 keep_ends: bool = False) -> None:
         self.sandboxes = sandboxes
         self.journal = journal
         self.runtime = runtime
@@ -74,6 +84,7 @@ class Checkpoints:
         self._record_end = record_end
         self.now = now
         self.egress = egress
+        self.keep_ends = keep_ends     # a control plane hears of ends: entries stay until it has them
 
     def _paused(self, sandbox_id: str) -> Sandbox | None:
         """The sandbox whose image is here (paused, or resuming from it)."""
@@ -146,14 +157,15 @@ class Checkpoints:
             # holds is all there is, so keep it as a paused sandbox (restore validates it) if it has any
             log.exception("pausing %s failed after its processes were gone", sid)
             if not any(path.iterdir()):
+                self._journal_end(sb, EndReason.exited)
                 self.sandboxes.move(sb, NodeState.gone)
-                self.journal.remove(sid)
                 if self.egress is not None:
                     self.egress.forget(sid)          # detached before the dump: only its slot record is left
                 drop_image(path)
                 self._record_end(sid, EndReason.exited, started_at=sb.started_at, run_s=run_s)
                 raise errors.ServerError(f"pausing {sid} failed and it is gone: {exc}") from exc
-            size = image_size(path)
+            # a layer the runtime could not move into the image is kept beside it: stored (and billed) too
+            size = image_size(path) + layer_size(kept_layer(self.runtime, target.handle.id))
         return size
 
     async def _reattach(self, sandbox_id: str, handle: Handle, net: Any) -> None:
@@ -279,6 +291,11 @@ class Checkpoints:
         sb = self._paused(sandbox_id)
         if sb is None or sb.image is None:
             raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
+        if kept_layer(self.runtime, sb.runtime_id) is not None:
+            raise errors.NotSupported(
+                f"the checkpoint of {sandbox_id} cannot move to another node: its writable layer could not be "
+                f"moved into the image and is kept on node {self.node_name} (resume it there)",
+                details={"layer_kept": True, "node": self.node_name})
         proc = await anyio.open_process([*_TAR, "--sparse", "-c", "-f", "-", "-C", str(sb.image.path), "."],
                                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -296,23 +313,47 @@ class Checkpoints:
                         proc.kill()
         return stream()
 
-    def forget(self, sandbox_id: str) -> None:
+    async def _drop(self, sb: Sandbox) -> None:
+        """Drop the image of ``sb`` (it is gone from this node), and a writable layer a checkpoint kept
+        beside it (with its sandbox dir and any mount of it: the runtime's destroy)."""
+        drop_image(sb.image.path if sb.image else None)
+        if sb.image is not None and kept_layer(self.runtime, sb.runtime_id) is not None:
+            try:
+                await self.runtime.destroy(Handle(id=sb.runtime_id))
+            except Exception:  # logged; an unrecorded sandbox dir is reaped at the next start
+                log.exception("removing the kept writable layer of %s failed", sb.id)
+
+    async def forget(self, sandbox_id: str) -> None:
         """Drop a checkpoint that now lives on another node. No end is recorded: the sandbox lives on."""
         sb = self.sandboxes.get(sandbox_id)
         if sb is None or sb.state is not NodeState.paused:
             raise errors.SandboxNotFound(f"no checkpoint of {sandbox_id} on node {self.node_name}")
         self.sandboxes.move(sb, NodeState.gone)
         self.journal.remove(sandbox_id)
-        drop_image(sb.image.path if sb.image else None)
+        await self._drop(sb)
         if self.egress is not None:
             self.egress.forget(sandbox_id)      # paused: only its slot's record is left here
         log.info("dropped checkpoint of %s (moved to another node)", sandbox_id)
 
-    def end_paused(self, sb: Sandbox, reason: EndReason) -> NodeSandboxStatus:
-        """A paused sandbox ends (killed, or its paused retention ran out): its image goes."""
+    def _journal_end(self, sb: Sandbox, reason: EndReason) -> None:
+        """Journal that ``sb`` (paused, or pausing with its processes gone) ends. With a control plane the
+        entry stays, with its end, until the end is delivered (``ControlPlaneClient``'s ``delivered``): an
+        agent that dies first reports it again after its restart (``recovery``), billed running time
+        included; without one it goes now."""
+        if not self.keep_ends:
+            self.journal.remove(sb.id)
+            return
+        entry = sb.journal_entry()
+        entry.end_reason = reason.value
+        self.journal.write(entry)
+
+    async def end_paused(self, sb: Sandbox, reason: EndReason) -> NodeSandboxStatus:
+        """A paused sandbox ends (killed, or its paused retention ran out): its image goes (with a layer
+        kept beside it); its journal entry stays, with the end, until the control plane has the end (see
+        ``_journal_end``)."""
+        self._journal_end(sb, reason)
         self.sandboxes.move(sb, NodeState.gone)
-        self.journal.remove(sb.id)
-        drop_image(sb.image.path if sb.image else None)
+        await self._drop(sb)
         if self.egress is not None:
             self.egress.forget(sb.id)           # paused: only its slot's record is left here
         run_s = sb.image.run_s if sb.image else 0.0

@@ -41,6 +41,7 @@ class Identity:
     capacity_memory_mb: int
     instance: str
     isolation: dict[str, IsolationSupport] = field(default_factory=dict)   # each mode, as probed at start
+    ram_mb: int = 0                    # the host's RAM (0: unknown)
 
 
 class ControlPlaneClient:
@@ -66,7 +67,7 @@ class ControlPlaneClient:
         body = NodeRegister(name=i.name, url=i.public_url, capacity_vcpu=i.capacity_vcpu,
                             capacity_memory_mb=i.capacity_memory_mb, templates=self._templates(),
                             sandboxes=self._statuses(), version=__version__, instance=i.instance,
-                            isolation=i.isolation)
+                            isolation=i.isolation, ram_mb=i.ram_mb)
         resp = await self.http.post(f"{self.url}/internal/v1/nodes/register", content=body.model_dump_json(),
                                     headers=_JSON)
         resp.raise_for_status()

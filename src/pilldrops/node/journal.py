@@ -1,7 +1,10 @@
 """The agent's intent journal: one small JSON file per sandbox, written atomically (write + rename).
 
-Write intent before acting (``creating``) and confirm after (``running`` with the runtime handle), so a
-restarted agent can tell a half-made sandbox (reap it) from a live one (adopt it).
+A create is written once, when the sandbox runs (``running`` with the runtime handle), before the create
+is answered; a half-made one has no entry, and a restarted agent reaps every sandbox the runtime holds that
+no entry names (``Recovery``), so it can tell a half-made sandbox (reap it) from a live one (adopt it).
+(``creating`` entries, written before acting by older agents, are still read: reaped as failed starts.)
+Other changes (pause, teardown) are still journaled before acting.
 
 No fsync, on purpose: the journal exists for agent restarts and crashes, which leave the kernel's page
 cache intact, so a renamed file is always seen whole by the next agent. A host crash is the one case fsync

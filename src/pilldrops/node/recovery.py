@@ -21,7 +21,7 @@ from pathlib import Path
 from pilldrops.node.checkpoints import RecordEnd, drop_image
 from pilldrops.node.journal import Entry, Journal, boot_id
 from pilldrops.node.registry import Image, Sandbox, Sandboxes
-from pilldrops.node.runtime.base import Handle, Runtime
+from pilldrops.node.runtime.base import Handle, Runtime, abort_restore
 from pilldrops.node.states import NodeState
 from pilldrops.node.template_cache import TemplateCache
 from pilldrops.schema.api import EndReason
@@ -59,6 +59,11 @@ class Recovery:
     async def _recover(self, entry: Entry) -> None:
         handle = entry.runtime_handle()
         spec = NodeSandboxSpec.model_validate(entry.spec)
+        if entry.end_reason is not None and entry.phase in ("paused", "pausing"):
+            # it ended while paused (or its pause failed with it gone): the end was not delivered yet
+            drop_image(entry.checkpoint)       # (the entry stays until the control plane has the end)
+            self._record_end(spec.id, EndReason(entry.end_reason), run_s=entry.run_s)
+            return
         if entry.phase in ("paused", "resuming") or (entry.phase == "pausing" and not entry.handle):
             await self._recover_paused(entry, spec)
             return
@@ -95,8 +100,13 @@ class Recovery:
         """A paused sandbox survives a restart as its image. A restore the crash interrupted is undone (its
         half-started container destroyed), so the sandbox is simply paused again: the image was kept."""
         runtime_id = str(entry.handle.get("id") or spec.id)
-        if entry.phase == "resuming":
+        if entry.phase == "resuming" and not entry.checkpoint:
             await self._destroy_quietly(Handle(id=runtime_id))
+        elif entry.phase == "resuming":    # the writable layer the restore took goes back into the image
+            try:
+                await abort_restore(self.runtime, Handle(id=runtime_id), Path(entry.checkpoint))
+            except Exception:  # logged; an unrecorded container is reaped at the next start
+                log.exception("undoing the restore of %s failed", runtime_id)
         path = Path(entry.checkpoint or "")
         if entry.checkpoint and path.is_dir() and entry.phase != "pausing":
             started = datetime.fromisoformat(entry.started_at) if entry.started_at else None

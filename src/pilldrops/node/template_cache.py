@@ -164,14 +164,16 @@ class TemplateCache:
         for name, ref in stored.items():
             t = self.stored(ref)
             cache[name] = t
+            disk[name] = ref.disk_mb         # a warm member of it gets its default disk
             infos.append(TemplateInfo(name=name, layers=list(t.digests), size_bytes=t.size,
                                       built_at=ref.built_at, isolation=ref.isolation, workdir=ref.workdir,
+                                      disk_mb=ref.disk_mb, network=ref.network,
                                       version=ref.version, digest=t.digests[0] if t.digests else None,
                                       key=ref.key))
         for st in self.templates.list():
-            disk[st.name] = getattr(st, "disk_mb", None)
             if st.name in stored:
                 continue
+            disk[st.name] = getattr(st, "disk_mb", None)
             if not getattr(st, "built", True):
                 continue
             t = self.templates.get(st.name)

@@ -175,7 +175,8 @@ def spec_document(spec: TemplateSpec) -> dict[str, Any]:
     """The spec as a plain dict in the shape of its TOML file (what a remote build sends, and what a
     Dockerfile becomes): the inverse of :func:`spec_from_dict`."""
     return {"name": spec.name, "description": spec.description, "from": spec.base, "env": dict(spec.env),
-            "workdir": spec.workdir, "isolation": spec.isolation,
+            "workdir": spec.workdir, "isolation": spec.isolation, "disk_mb": spec.disk_mb,
+            "network": dict(spec.network) if spec.network is not None else None,
             "steps": [{s.kind: s.value} for s in spec.steps]}
 
 
@@ -694,13 +695,6 @@ class TemplateStore:
             raise TemplateSpecError(f"template {spec.name!r} cannot be built from itself")
         return self._build(replace(spec, fixed_hash=None), progress, force=force, record=True)
 
-    def build_document(self, document: dict[str, Any], context: Path, progress: Progress | None = None, *,
-                       force: bool = False) -> Template:
-        """:meth:`build_spec` of a spec document (``spec_document``'s shape; a Dockerfile's translation) whose
-        copy sources are relative to ``context``."""
-        spec = spec_from_dict(document, Path(context) / "Dockerfile", context=Path(context))
-        return self.build_spec(spec, progress, force=force)
-
     def _build(self, s: TemplateSpec, progress: Progress | None, *, force: bool, record: bool = False) -> Template:
         name = s.name
         record = record or debian_spec(name) is not None
@@ -710,6 +704,7 @@ class TemplateStore:
         (self.root / name).mkdir(parents=True, exist_ok=True)
         with open(self.root / name / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            self._reap_stale(self.root / name)
             if (final / "manifest.json").exists() and not force:
                 if record:
                     self._record(s, h)
@@ -748,6 +743,16 @@ class TemplateStore:
             if progress:
                 progress(f"built template {name} in {time.monotonic() - t0:.2f}s")
             return self.get(name)
+
+    @staticmethod
+    def _reap_stale(folder: Path) -> None:
+        """What a build of this template that was killed mid-way left (its ``.tmp-*`` dir, with the overlay,
+        ``proc`` and ``dev`` still mounted; a ``.old-*`` of a forced rebuild): the caller holds the
+        template's build lock, so no build of it is running and every such dir is stale."""
+        for p in folder.iterdir():
+            if p.is_dir() and not p.is_symlink() and p.name.startswith((".tmp-", ".old-")):
+                umount_all_under(p)
+                shutil.rmtree(p, ignore_errors=True)
 
     def _record(self, s: TemplateSpec, h: str) -> None:
         dest = self.root / s.name / RECORDED_SPEC

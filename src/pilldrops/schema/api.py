@@ -9,9 +9,9 @@ from __future__ import annotations
 import ipaddress
 from datetime import datetime
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 MAX_TIMEOUT_S = 86_400
 DEFAULT_DISK_MB = 10_240        # a sandbox's writable layer when neither the request nor its template says
@@ -286,6 +286,28 @@ class BatchItem(_Response):
 class BatchCreateResponse(_Response):
     items: list[BatchItem]
     created: int
+    failed: int
+
+
+class KillSandboxesRequest(_Request):
+    """Kill many sandboxes in one call: by ``ids`` (up to ``MAX_BATCH``), or every live one whose
+    metadata has all of ``labels``. Exactly one of the two."""
+
+    ids: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = Field(
+        None, max_length=MAX_BATCH, description="sandbox ids (unknown ones: an item error)")
+    labels: dict[str, str] | None = Field(None, max_length=32,
+                                          description="kill every live sandbox with all these metadata pairs")
+
+
+class KillItem(_Response):
+    id: str
+    sandbox: SandboxInfo | None = None     # its final record (state stopped, final cost), as a single kill
+    error: ErrorInfo | None = None
+
+
+class KillSandboxesResponse(_Response):
+    items: list[KillItem]
+    killed: int
     failed: int
 
 

@@ -38,6 +38,8 @@ class NodeRegister(_Model):
     isolation: dict[str, IsolationSupport] = Field(
         default_factory=dict, description="each isolation mode, probed at agent start; empty (an agent from "
                                           "before isolation modes): container only")
+    ram_mb: int = Field(0, ge=0, exclude_if=lambda v: not v, description="the host's RAM in MiB: no sandbox's memory_mb may be more "
+                                            "(capacity_memory_mb overcommits it); 0: unknown (an older agent)")
 
 
 class NodePoolSpec(_Model):
@@ -133,6 +135,10 @@ class NodeTemplateRef(_Model):
     user: str | None = None             # "uid:gid" commands run as (a Dockerfile's USER); None: root
     home: str | None = None
     isolation: str | None = None
+    # its sandboxes' default disk size in MiB and egress (the spec's disk_mb and [network]); left out when
+    # None, so agents from before these fields (extra="forbid") still take the other templates' creates
+    disk_mb: int | None = Field(None, exclude_if=lambda v: v is None)
+    network: TemplateNetwork | None = Field(None, exclude_if=lambda v: v is None)
     built_at: datetime | None = None
     size_bytes: int = 0
 
@@ -185,6 +191,23 @@ class NodeSandboxStatus(_Model):
     checkpoint_bytes: int | None = None     # paused: the checkpoint's size on this node's disk
     disk_used_bytes: int | None = None      # running: bytes in its writable layer (None: no disk quota)
     timeout_left: float | None = None       # paused: seconds its deadline had left when it was paused
+
+
+class NodeKillMany(_Model):
+    """Kill these sandboxes (``POST /node/v1/sandboxes/kill``): one call for many."""
+    ids: list[str] = Field(..., max_length=1000)
+
+
+class NodeKilled(_Model):
+    """One sandbox of a ``NodeKillMany``: its final status, or (not on this node) neither, or an error."""
+    id: str
+    status: NodeSandboxStatus | None = None
+    error_code: str | None = None
+    error: str | None = None
+
+
+class NodeKilledMany(_Model):
+    items: list[NodeKilled]
 
 
 class NodeDeadline(_Model):

@@ -244,7 +244,7 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
                     f.result()
         except BaseException:
             stopping.set()
-            _kill_live(live, lock)
+            _kill_live(live, lock, api_key=api_key, api_url=api_url, transport=transport)
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)     # queued items never start
@@ -255,14 +255,21 @@ def map(fn: Callable[[Sandbox, T], R], items: Iterable[T], *, template: str = "b
     return result
 
 
-def _kill_live(live: dict[int, Sandbox], lock: threading.Lock) -> None:
-    """Kill every sandbox still running, in parallel, so their items' commands end now; errors ignored
-    (each item's own ``with`` block kills it again on its way out)."""
+def _kill_live(live: dict[int, Sandbox], lock: threading.Lock, **options: Any) -> None:
+    """Kill every sandbox still running at once, in ONE batch-kill request (the server calls each node
+    once), so their items' commands end now; errors ignored (each item's own ``with`` block kills it again
+    on its way out, which also fetches its final record). A server without batch kills gets one kill per
+    sandbox, in parallel."""
     with lock:
         victims = list(live.values())
     if not victims:
         return
     print(f"pilldrops.map: interrupted: killing {len(victims)} running sandbox(es)", file=sys.stderr)
+    try:
+        Sandbox.kill_many([sb.id for sb in victims], **options)
+        return
+    except Exception:  # noqa: BLE001 - best effort: one by one instead
+        pass
 
     def kill(sb: Sandbox) -> None:
         try:

@@ -74,6 +74,9 @@ from pilldrops.schema.api import (
     KeyCreated,
     KeyCreateRequest,
     KeyInfo,
+    KillItem,
+    KillSandboxesRequest,
+    KillSandboxesResponse,
     PauseInterval,
     PoolInfo,
     PoolSetRequest,
@@ -463,6 +466,8 @@ class FakeControlPlane:
             return self._list(params)
         if path == "/v1/sandboxes/batch" and method == "POST":
             return self._batch(request)
+        if path == "/v1/sandboxes/kill" and method == "POST":
+            return self._kill_many(self._body(KillSandboxesRequest, request))
         m = re.fullmatch(r"/v1/sandboxes/([^/]+)(/connect|/timeout|/pause|/resume|/urls)?", path)
         if m:
             sb = self._sandbox(m.group(1))
@@ -472,11 +477,7 @@ class FakeControlPlane:
             if action is None and method == "GET":
                 return httpx.Response(200, json=self._public(sb, with_token=False))
             if action is None and method == "DELETE":
-                if sb.info.state not in (SandboxState.stopped, SandboxState.failed, SandboxState.lost):
-                    self._accrue(sb)
-                    self._close_pause(sb, resumed=False)
-                    sb.info = sb.info.model_copy(update={"state": SandboxState.stopped, "ended_at": self._now,
-                                                         "end_reason": EndReason.killed})
+                self._end(sb)
                 return httpx.Response(200, json=self._public(sb, with_token=False))
             if action == "/pause" and method == "POST":
                 return self._pause(sb)
@@ -633,6 +634,38 @@ class FakeControlPlane:
                                    nodes=1, ready=req.size, allow_internet_access=req.allow_internet_access,
                                    network=req.network if egress else None)
         return httpx.Response(200, json=self.pools[key].model_dump(mode="json"))
+
+    def _end(self, sb: FakeSandbox) -> None:
+        """Kill it (idempotent: an ended one keeps its final record)."""
+        if sb.info.state not in (SandboxState.stopped, SandboxState.failed, SandboxState.lost):
+            self._accrue(sb)
+            self._close_pause(sb, resumed=False)
+            sb.info = sb.info.model_copy(update={"state": SandboxState.stopped, "ended_at": self._now,
+                                                 "end_reason": EndReason.killed})
+
+    def _kill_many(self, req: KillSandboxesRequest) -> httpx.Response:
+        """``POST /v1/sandboxes/kill``: by ids or every live one with the labels, per-id outcomes."""
+        if (req.ids is None) == (req.labels is None) or req.ids == [] or req.labels == {}:
+            raise InvalidRequest("give exactly one of ids or labels (not empty)")
+        if req.ids is not None:
+            ids = list(dict.fromkeys(req.ids))
+        else:
+            ended = (SandboxState.stopped, SandboxState.failed, SandboxState.lost)
+            ids = [s.info.id for s in sorted(self.sandboxes.values(), key=lambda s: s.seq, reverse=True)
+                   if s.info.state not in ended
+                   and all(s.info.metadata.get(k) == v for k, v in (req.labels or {}).items())]
+        items = []
+        for sid in ids:
+            sb = self.sandboxes.get(sid)
+            if sb is None:
+                items.append(KillItem(id=sid, error=ErrorInfo(code="sandbox_not_found",
+                                                             message=f"sandbox {sid!r} not found")))
+                continue
+            self._end(sb)
+            items.append(KillItem(id=sid, sandbox=SandboxInfo.model_validate(self._public(sb, with_token=False))))
+        killed = sum(1 for it in items if it.sandbox is not None)
+        body = KillSandboxesResponse(items=items, killed=killed, failed=len(items) - killed)
+        return httpx.Response(200, json=body.model_dump(mode="json"))
 
     def _list(self, params: list[tuple[str, str]]) -> httpx.Response:
         states = {v for k, v in params if k == "state"}

@@ -38,6 +38,7 @@ class NodeView:
     templates: frozenset[str] = frozenset()
     isolation: frozenset[str] = frozenset({"container"})    # the isolation modes it runs (issue 11)
     isolation_missing: tuple[tuple[str, str], ...] = ()     # (mode, why not) for the others
+    ram_mb: int = 0        # the host's RAM: a memory limit past it never fits (capacity overcommits it); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ FITS_VCPU = Filter("insufficient vcpu", lambda r, n: n.used_vcpu + r.vcpu <= n.c
                    never=lambda r, n: r.vcpu > n.capacity_vcpu)
 FITS_MEMORY = Filter("insufficient memory", lambda r, n: n.used_memory_mb + r.memory_mb <= n.capacity_memory_mb,
                      never=lambda r, n: r.memory_mb > n.capacity_memory_mb)
+FITS_RAM = Filter("memory above the node's RAM", lambda r, n: not n.ram_mb or r.memory_mb <= n.ram_mb,
+                  never=lambda r, n: bool(n.ram_mb) and r.memory_mb > n.ram_mb)
 
-FILTERS: tuple[Filter, ...] = (READY, NOT_DRAINING, RUNS_ISOLATION, HAS_TEMPLATE, FITS_VCPU, FITS_MEMORY)
+FILTERS: tuple[Filter, ...] = (READY, NOT_DRAINING, RUNS_ISOLATION, HAS_TEMPLATE, FITS_VCPU, FITS_MEMORY, FITS_RAM)
 
 
 # ---- scorers --------------------------------------------------------------------------------------------

@@ -372,3 +372,13 @@ def test_template_build_goes_through_the_control_plane_even_with_a_data_dir_in_t
     assert CliRunner().invoke(cli, ["template", "build", "tiny"], env=env).exit_code == 0
     assert CliRunner().invoke(cli, ["template", "build", "tiny", "--data-dir", str(tmp_path)], env=env).exit_code == 0
     assert calls == ["remote", "local"]
+
+
+def test_kill_several_ids_is_one_request_and_names_what_failed(fake: FakeControlPlane) -> None:
+    ids = [run("sandbox", "create").output.strip() for _ in range(3)]
+    res = CliRunner().invoke(cli, ["sandbox", "kill", *ids, "sb_nope"])
+    assert res.exit_code == 1 and sorted(res.stdout.split()) == sorted(["killed"] * 3 + ids)
+    assert "could not kill sb_nope: sandbox_not_found" in res.stderr
+    assert len(fake.requests_to("POST", "/v1/sandboxes/kill")) == 1 and not fake.requests_to("DELETE", ".*")
+    res = run("sandbox", "kill", "--label", "x=1")
+    assert res.exit_code == 0 and "no live sandboxes match" in res.stderr

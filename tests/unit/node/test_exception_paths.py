@@ -123,3 +123,42 @@ async def test_a_template_removed_during_the_restore_does_not_leak_the_restored_
     await a.kill("sb_r")
     assert await runtime.list_ids() == []
     await runtime.close()
+
+
+async def test_a_resent_create_meets_the_one_in_progress_and_gets_its_answer(tmp_path: Path) -> None:
+    """Reviewer finding 4: the control plane resends a create on a stale connection (``retry_stale``) while
+    the node still makes the first one: the resend waits for it and answers its result (no 409), one
+    sandbox is made; a resend of a create that failed gets that failure, and a later one makes it afresh."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    runtime.create_delay = 0.3
+    a = agent(tmp_path, runtime)
+    got: list[Any] = []
+
+    async def create() -> None:
+        got.append(await a.create(spec("sb_r")))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(create)
+        await anyio.sleep(0.05)
+        tg.start_soon(create)                        # the resend, while the first is in the runtime
+    assert [s.state.value for s in got] == ["running", "running"] and got[0].id == got[1].id == "sb_r"
+    assert await runtime.list_ids() == ["sb_r"] and runtime.create_calls == 1
+    await a.kill("sb_r")
+    fail_target_once(a)                              # the first attempt fails: so does the resend's answer
+    errs: list[BaseException] = []
+
+    async def failing() -> None:
+        try:
+            await a.create(spec("sb_f"))
+        except Exception as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(failing)
+        await anyio.sleep(0.05)
+        tg.start_soon(failing)
+    assert [str(e) for e in errs] == ["template gone", "template gone"]
+    assert (await a.create(spec("sb_f"))).state.value == "running"     # a fresh attempt afterwards
+    await a.kill("sb_f")
+    assert await runtime.list_ids() == []
+    await runtime.close()

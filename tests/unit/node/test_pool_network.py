@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 
@@ -17,6 +16,7 @@ from pilldrops.node import pools as pools_mod
 from pilldrops.schema.node import NodeNetwork, network_key
 from pilldrops.server.service.egress import EgressSettings
 from tests.stack import FakeEgress, Stack, fake_egress, stack
+from tests.stack import until as _until
 
 pytestmark = pytest.mark.anyio
 SHAPE = {"template": "tiny", "vcpu": 1, "memory_mb": 256}
@@ -26,12 +26,6 @@ NET = {"allow_internet_access": False, "network": {"allow_out": ["198.18.0.0/24"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def _until(pred: Any, timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not pred():
-            await anyio.sleep(0.02)
 
 
 def _pool(s: Stack, net: NodeNetwork | None = None) -> pools_mod.Pool:

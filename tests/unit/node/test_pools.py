@@ -11,6 +11,7 @@ import pytest
 
 from pilldrops.node import pools as pools_mod
 from tests.stack import Stack, stack
+from tests.stack import until as _until
 
 pytestmark = pytest.mark.anyio
 
@@ -18,12 +19,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def _until(pred: Any, timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not pred():
-            await anyio.sleep(0.02)
 
 
 def _pool(s: Stack, template: str = "tiny", vcpu: float = 1, memory_mb: int = 256) -> pools_mod.Pool:

@@ -3,6 +3,7 @@ half made or is unknown, report what is gone, and do it idempotently."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,10 +12,11 @@ import pytest
 
 from pilldrops.node.agent import NodeAgent, Settings
 from pilldrops.node.journal import Entry
-from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.base import Handle, SandboxSpec
 from pilldrops.node.runtime.fake import FakeRuntime
+from pilldrops.node.states import NodeState
 from pilldrops.schema.api import EndReason, SandboxState
-from pilldrops.schema.node import NodeSandboxSpec
+from pilldrops.schema.node import NodeResume, NodeSandboxSpec
 from tests.stack import FakeTemplates
 
 pytestmark = pytest.mark.anyio
@@ -33,6 +35,13 @@ def spec(sid: str) -> NodeSandboxSpec:
 def agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:
     return NodeAgent(Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
                               node_token="tok"), runtime, FakeTemplates("tiny"), tmp_path / "state")
+
+
+def cp_agent(tmp_path: Path, runtime: FakeRuntime) -> NodeAgent:
+    """An agent with a control plane (that it never reaches): ends stay journaled until delivered."""
+    return NodeAgent(Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
+                              node_token="tok", control_plane_url="http://cp.invalid"), runtime,
+                     FakeTemplates("tiny"), tmp_path / "state")
 
 
 async def test_recover_adopts_reaps_and_reports(tmp_path: Path) -> None:
@@ -113,14 +122,12 @@ async def test_an_end_the_control_plane_never_got_survives_an_agent_restart(tmp_
     now stays until the end is delivered: the restarted agent reports it again and answers the retried kill
     with the final usage."""
     runtime = FakeRuntime(tmp_path / "fake")
-    settings = Settings(name="n", public_url="http://n", capacity_vcpu=8, capacity_memory_mb=8192,
-                        node_token="tok", control_plane_url="http://cp.invalid")
-    first = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    first = cp_agent(tmp_path, runtime)
     await first.create(spec("sb_e"))
     await anyio.sleep(0.2)
     final = await first.kill("sb_e")                       # its answer never reaches the control plane
     assert final.run_s is not None and final.run_s >= 0.2 and await runtime.list_ids() == []
-    second = NodeAgent(settings, runtime, FakeTemplates("tiny"), tmp_path / "state")
+    second = cp_agent(tmp_path, runtime)
     await second._recover()
     again = await second.kill("sb_e")                      # the control plane's retry
     assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
@@ -168,5 +175,80 @@ async def test_a_restarted_agent_refuses_requests_until_it_has_readopted(tmp_pat
         r = await c.delete("/node/v1/sandboxes/sb_a")
         assert r.status_code == 200 and r.json()["end_reason"] == "killed" and r.json()["run_s"] > 0
     assert await runtime.list_ids() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_a_paused_sandboxs_end_survives_an_agent_restart_until_delivered(tmp_path: Path) -> None:
+    """Reviewer finding 5: the chaos-soak rule for a paused sandbox too. Its end (kill while paused) dropped
+    the journal entry at once, so an agent dying before the control plane had the end forgot it: the
+    retried kill got 404 and the end report (with the billed running seconds) was lost. The entry now stays
+    (with the end) until the end is delivered; the restarted agent reports it again, its image gone."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    first = cp_agent(tmp_path, runtime)
+    await first.create(spec("sb_p"))
+    await anyio.sleep(0.2)
+    paused = await first.pause("sb_p")
+    image = first.sandboxes.get("sb_p").image.path
+    final = await first.kill("sb_p")                       # its answer never reaches the control plane
+    assert (final.end_reason, paused.state) == (EndReason.killed, SandboxState.paused)
+    assert final.run_s is not None and final.run_s >= 0.2 and not image.exists()
+    assert [e.id for e in first.journal.entries()] == ["sb_p"]
+    second = cp_agent(tmp_path, runtime)
+    await second._recover()
+    assert second.sandboxes.get("sb_p") is None or second.sandboxes.state_of("sb_p").value == "gone"
+    again = await second.kill("sb_p")                      # the control plane's retry
+    assert (again.state, again.end_reason) == (SandboxState.stopped, EndReason.killed)
+    assert again.run_s == pytest.approx(final.run_s, abs=0.05)
+    assert "sb_p" in second.outbox
+    second.control_plane._delivered("sb_p")
+    assert second.journal.entries() == []
+    alone = agent(tmp_path / "alone", runtime)             # without a control plane the entry goes at once
+    await alone.create(spec("sb_q"))
+    await alone.pause("sb_q")
+    await alone.kill("sb_q")
+    assert alone.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+class _LayerMovingFake(FakeRuntime):
+    """Like crun: a restore takes the writable layer (``fs/``) out of the image, so the image alone cannot
+    be restored again; ``abort_restore`` puts it back, ``destroy`` deletes it."""
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> Handle:
+        handle = await super().restore(spec, image_dir)
+        shutil.rmtree(image_dir / "fs")
+        return handle
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        d = self.root / handle.id
+        if d.is_dir() and not (image_dir / "fs").exists():
+            shutil.move(str(d), image_dir / "fs")
+        await self.destroy(handle)
+
+
+async def test_an_agent_killed_while_resuming_keeps_the_writable_layer(tmp_path: Path) -> None:
+    """Reviewer finding (fixes 2): recovery undid an interrupted resume with ``destroy``, deleting the
+    writable layer the restore had taken out of the image; the sandbox came back paused with an image that
+    could not be restored. It now undoes it with ``abort_restore`` (the layer goes back into the image)."""
+    runtime = _LayerMovingFake(tmp_path / "fake")
+    first = agent(tmp_path, runtime)
+    await first.create(spec("sb_r"))
+    (runtime.root / "sb_r" / "data").write_text("precious")
+    await first.pause("sb_r")
+    sb = first.sandboxes.get("sb_r")
+    image = sb.image.path
+    first.sandboxes.move(sb, NodeState.resuming)                 # resume() up to the restore, then SIGKILL
+    first.journal.write(sb.journal_entry())
+    await runtime.restore(first.template_cache.runtime_spec(sb.spec), image)
+    assert not (image / "fs").exists()
+    second = agent(tmp_path, runtime)
+    await second._recover()
+    assert second.sandboxes.state_of("sb_r") is NodeState.paused
+    assert (image / "fs" / "data").read_text() == "precious"
+    back = await second.resume("sb_r", NodeResume(spec=spec("sb_r"), timeout_s=60))
+    assert back.state == SandboxState.running
+    assert (runtime.root / "sb_r" / "data").read_text() == "precious"
     with anyio.fail_after(1):
         await runtime.close()

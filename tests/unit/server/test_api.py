@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import anyio
+import httpx
 import pytest
 
 from tests.stack import stack
@@ -289,3 +290,26 @@ async def test_connecting_to_an_ended_sandbox_says_why_and_when(tmp_path, store_
         msg = error_of(r)["message"]
         assert r.status_code == 409 and error_of(r)["code"] == "invalid_state"
         assert f"sandbox {sid} is stopped, not running (killed at 20" in msg and "cannot come back" in msg
+
+
+async def test_memory_past_every_nodes_ram_is_refused_at_create(tmp_path) -> None:
+    """Reviewer finding 6: the node offers 32x its RAM as capacity (limits are caps), so a memory_mb past
+    the RAM of every node passed the capacity filter. It is refused at create (REST, batch and the E2B
+    surface), naming the largest node's RAM; a size within it still starts."""
+    async with stack(tmp_path, node_ram_mb=2048, capacity_memory_mb=65536, templates=("tiny", "base")) as st, \
+            st.client() as c:
+        r = await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 4096})
+        err = error_of(r)
+        assert r.status_code == 400 and err["code"] == "invalid_request", r.text
+        assert "2048 MiB" in err["message"] and "node-a" in err["message"]
+        assert err["details"]["max_memory_mb"] == 2048 and err["details"]["field"] == "memory_mb"
+        b = (await c.post("/v1/sandboxes/batch", json={"template": "tiny", "count": 2, "memory_mb": 4096,
+                                                       "capacity_wait": 30})).json()
+        assert b["failed"] == 2 and {it["error"]["code"] for it in b["items"]} == {"invalid_request"}
+        assert (await c.post("/v1/sandboxes", json={"template": "tiny", "memory_mb": 2048})).status_code == 201
+    (tmp_path / "small").mkdir()
+    async with stack(tmp_path / "small", node_ram_mb=256, templates=("base",)) as st, \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=st.cp.app), base_url="http://cp",
+                              headers={"X-API-Key": st.key}) as e2b:
+        r = await e2b.post("/v2/sandboxes", json={"templateID": "base"})     # E2B's shape: 512 MiB
+        assert r.status_code == 400 and "256 MiB" in r.text, r.text

@@ -3,6 +3,8 @@ idempotent per item."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -73,3 +75,46 @@ async def test_item_metadata_makes_each_episode_findable(tmp_path, store_url) ->
         bad = await c.post("/v1/sandboxes/batch", json={"template": "tiny", "count": 3, "item_metadata": [{}]})
         assert bad.status_code == 400 and "item_metadata has 1 entries for count 3" in bad.text
         assert len(s.agent.live) == 3
+
+
+async def test_a_left_batch_spares_what_a_retry_replayed(tmp_path, store_url) -> None:
+    """Reviewer finding 1: the client of a keyed batch leaves while an item still waits for room; its retry
+    has meanwhile replayed the item that runs (its idempotency key): the left batch's drop must not kill what
+    the retry now holds, and it still kills nothing else (no other item of it was made). The two items race
+    for the node's one vCPU, so either may be the one that runs."""
+    from pilldrops.schema.api import BatchCreateRequest
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=1) as s:
+        lc = s.cp.services.sandboxes.lifecycle
+        req = BatchCreateRequest(template="tiny", count=2, vcpu=1, capacity_wait=30)
+        left = anyio.Event()
+        out: dict = {}  # type: ignore[type-arg]
+
+        async def disconnected() -> bool:
+            return left.is_set()
+
+        async def batch() -> None:
+            out["first"] = await lc.create_batch(s.team_id, req, "kb", disconnected=disconnected)
+
+        async def running() -> tuple[int, Any] | None:
+            for i in (0, 1):
+                row = await s.cp.store.sandbox_by_idempotency_key(s.team_id, f"kb:{i}")
+                if row is not None and row.state == "running":
+                    return i, row
+            return None
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batch)
+            with anyio.fail_after(30):
+                while (found := await running()) is None:
+                    await anyio.sleep(0.05)
+            i, row = found
+            replayed, created = await lc.create(s.team_id, req.item_request(i), f"kb:{i}")   # the retry's item
+            assert not created and replayed.id == row.id
+            left.set()                       # the first client goes; the other item still waits for room
+        first = out["first"]
+        assert first.items[1 - i].error is not None and first.items[1 - i].error.code == "client_gone"
+        now = await s.cp.store.get_sandbox(row.id)
+        assert now.state == "running", "the drop killed a sandbox the retry was handed"
+        assert now.idempotency_key == f"kb:{i}"          # a further retry replays it too
+        again, created = await lc.create(s.team_id, req.item_request(i), f"kb:{i}")
+        assert not created and again.id == row.id

@@ -110,3 +110,47 @@ async def test_versions_and_gc(store_url: str, tmp_path: Path) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_a_spec_document_keeps_the_templates_defaults(tmp_path: Path) -> None:
+    """Reviewer finding 2 (the client's half): what a remote build sends carries disk_mb and [network]."""
+    from pilldrops.node.templates import parse_spec, spec_document, spec_from_dict
+    f = tmp_path / "web.toml"
+    f.write_text('name = "web"\nfrom = "tiny"\ndisk_mb = 2048\n[network]\nallow_internet_access = true\n'
+                 'deny_out = ["10.0.0.0/8"]\n')
+    spec = parse_spec(f)
+    doc = spec_document(spec)
+    back = spec_from_dict(doc, f)
+    assert (back.disk_mb, back.network) == (2048, spec.network) and spec.network["deny_out"] == ["10.0.0.0/8"]
+
+
+@pytest.mark.anyio
+async def test_a_store_template_keeps_its_disk_and_network_defaults(tmp_path: Path) -> None:
+    """Reviewer finding 2 (the store's half): a built version records the spec's disk_mb and [network]; a
+    create of it that names neither gets them (and ``template list`` shows them)."""
+    import io
+    import tarfile
+
+    from tests.stack import stack
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("etc")
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    blob = buf.getvalue()
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    async with stack(tmp_path, template_store=tmp_path / "tstore") as s, s.client() as c:
+        svc = s.cp.services.templates
+        await svc.put_layer(digest, _body(blob))
+        spec = {"name": "web", "from": "tiny", "steps": [], "disk_mb": 2048,
+                "network": {"allow_internet_access": False, "allow_out": [], "deny_out": ["10.0.0.0/8"]}}
+        row = await svc._record("web", spec, None, build_key(spec, None, None), SimpleNamespace(name="node-a"),
+                                {"layer": {"digest": digest, "size": len(blob)}})
+        ref = await svc.current("web")
+        assert (ref.disk_mb, ref.network.deny_out) == (2048, ["10.0.0.0/8"]), row
+        r = await c.post("/v1/sandboxes", json={"template": "web"})
+        assert r.status_code == 201, r.text
+        body = r.json()
+        assert body["disk_mb"] == 2048 and body["network"] == {"allow_out": [], "deny_out": ["10.0.0.0/8"]}
+        listed = {t["name"]: t for t in (await c.get("/v1/templates")).json()["items"]}
+        assert listed["web"]["disk_mb"] == 2048 and listed["web"]["network"]["deny_out"] == ["10.0.0.0/8"]

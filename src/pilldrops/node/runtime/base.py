@@ -122,3 +122,27 @@ class Runtime(Protocol):
         writable layer. ``spec`` is the sandbox's original spec (same id). Returns the new handle; the
         image may be deleted afterwards. On failure nothing of the sandbox is left running and the image
         is intact, so restore can be retried."""
+
+    # optional: ``abort_restore(handle, image_dir)``, undo a ``restore`` the agent did not see to its end (it
+    # was killed while resuming): like ``destroy``, but a writable layer the restore had taken out of
+    # ``image_dir`` (or one a checkpoint kept in the sandbox dir) goes back into it, so the image can be
+    # restored again. A runtime whose restore leaves the image intact needs none (see ``abort_restore``).
+
+    # optional: ``kept_layer(sandbox_id) -> Path | None``, the writable layer (a file or a directory) that a
+    # checkpoint of ``sandbox_id`` could not move into its image and kept outside it (``restore`` resumes
+    # with it; ``destroy`` of the id removes it); None when the image holds the whole sandbox
+
+
+def kept_layer(runtime: Runtime, sandbox_id: str) -> Path | None:
+    """``runtime.kept_layer`` where the runtime has one, else None (its images are whole)."""
+    fn = getattr(runtime, "kept_layer", None)
+    return fn(sandbox_id) if fn is not None else None
+
+
+async def abort_restore(runtime: Runtime, handle: Handle, image_dir: Path) -> None:
+    """``runtime.abort_restore`` where the runtime has one, else ``destroy`` (its image is intact)."""
+    fn = getattr(runtime, "abort_restore", None)
+    if fn is None:
+        await runtime.destroy(handle)
+    else:
+        await fn(handle, image_dir)

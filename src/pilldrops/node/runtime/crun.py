@@ -47,7 +47,7 @@ from pathlib import Path
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, diskquota, procs
+from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
@@ -56,7 +56,7 @@ from pilldrops.node.isolation.rmtree import remove_tree
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
 from pilldrops.node.runtime.init import build_init, source_hash
-from pilldrops.node.runtime.oci_spec import NOFILE, build_spec
+from pilldrops.node.runtime.oci_spec import INIT_PATH_IN_SANDBOX, NOFILE, build_spec
 from pilldrops.node.runtime.registry import Probe
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -64,6 +64,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _GONE_MARKERS = ("does not exist", "no such file", "not found")
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_META = "pilldrops-checkpoint.json"
+# in a sandbox dir: a checkpoint could not take its writable layer, which stays here (``restore`` uses it)
+LAYER_KEPT = "layer-kept-for-restore"
+_LAYER_NAMES = {diskquota.IMAGE, diskquota.MOUNT, "upper", "work", LAYER_KEPT}
 # CRIU options for every dump/restore: loopback TCP connections inside the sandbox's netns and file locks
 # (pip, sqlite, ...) are part of the sandbox's state
 _CRIU_OPTS = ("--tcp-established", "--file-locks")
@@ -178,6 +181,7 @@ class CrunRuntime:
     IMAGE_SUBDIR = "criu"           # hook: where the process image goes inside a checkpoint image
     HOST_PIDS = True                # the sandbox's processes are host processes (their pids mean something)
     CTL_WAIT = 0.5                  # seconds create waits for pd-init's control socket
+    SHEPHERD_EXEC = True            # a fallback exec runs under ``/.pd/init --shepherd`` (a subreaper)
 
     def __init__(self, state_dir: Path, *, name: str = "default", init_path: Path | None = None) -> None:
         if not _NAME_RE.match(name):
@@ -191,8 +195,13 @@ class CrunRuntime:
         self.crun_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.init_path = Path(init_path) if init_path else build_init(self.state_dir)
-        # exec defaults (env, cwd) per live sandbox, so an exec does not re-read config.json
-        self._defaults: dict[str, tuple[dict[str, str], str]] = {}
+        # what /.pd/init is bound from: a copy on a tmpfs of its own, so that the sandbox's mountinfo names
+        # no host path (isolation.pdfs)
+        self.init_dir = self.state_dir / "pd-init"
+        self.init_bind = self._init_copy()
+        # exec defaults (env, cwd, what /.pd/init is bound from) per live sandbox, so an exec does not
+        # re-read config.json
+        self._defaults: dict[str, tuple[dict[str, str], str, str]] = {}
         # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
         # instance started runs our init; an adopted or restored one may run an older build (asked once)
         self._proto: dict[str, tuple[int, int | None, int]] = {}
@@ -203,6 +212,17 @@ class CrunRuntime:
             self._init_current = False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _init_copy(self) -> Path:
+        try:
+            return pdfs.init_copy(self.init_dir, self.init_path)
+        except OSError as e:
+            raise RuntimeFailure(f"cannot put the sandbox init on its tmpfs at {self.init_dir}", detail=str(e)) from e
+
+    def _ensure_init(self) -> None:
+        """The init's tmpfs is there (another instance on this state dir may have closed it)."""
+        if not self.init_bind.exists():
+            self.init_bind = self._init_copy()
+
     @staticmethod
     def _binary() -> str:
         """hook: the OCI runtime's path (raises ``HostNotReady`` when it is not installed)."""
@@ -248,7 +268,7 @@ class CrunRuntime:
         try:
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+            self._make_run_dir(d)
             if spec.disk_mb:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
@@ -289,6 +309,14 @@ class CrunRuntime:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
 
+    def _make_run_dir(self, d: Path) -> None:
+        """``d/pd`` (bound at /.pd/run) on a tmpfs of its own; the init's tmpfs is checked on the way."""
+        try:
+            self._ensure_init()
+            pdfs.mount_run_dir(d / "pd")
+        except OSError as e:
+            raise RuntimeFailure(f"cannot mount the run dir of sandbox {d.name}", detail=str(e)) from e
+
     def _make_disk(self, d: Path, disk_mb: int) -> None:
         try:
             diskquota.make(self.state_dir, d, disk_mb)
@@ -317,7 +345,7 @@ class CrunRuntime:
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         """hook: the sandbox's OCI config."""
-        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_path, cgroup_parent=self.cgroup_parent,
+        return build_spec(spec, rootfs=d / "rootfs", init_path=self.init_bind, cgroup_parent=self.cgroup_parent,
                           nofile=_nofile_limit(), run_dir=d / "pd")
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
@@ -331,7 +359,7 @@ class CrunRuntime:
         d = self._dir(handle.id)
         if handle.pid is None or not procs.alive(handle.pid, handle.pid_start_time):
             raise RuntimeFailure(f"sandbox {handle.id} is not running")
-        base_env, base_cwd = self._defaults.get(handle.id) or self._process_defaults(d)
+        base_env, base_cwd, init_src = self._defaults.get(handle.id) or self._process_defaults(d)
         if exec_mode() == "supervisor":
             proto = await self._init_proto(d, handle)
             if pty is not None and proto == 1:
@@ -354,6 +382,10 @@ class CrunRuntime:
             raise RuntimeFailure(f"a PTY needs pd-init's control socket, which sandbox {handle.id} lacks "
                                  "(or PILLDROPS_EXEC=crun is set)")
         pid_file = d / "exec" / f"{uuid.uuid4().hex}.pid"
+        if self.SHEPHERD_EXEC and init_src == str(self.init_bind):
+            # this build's init (content-named copy): the command runs below a subreaper, so that a kill
+            # of the tree from the host reaches whatever it detached (setsid, double fork; issue 16 part 3)
+            argv = [INIT_PATH_IN_SANDBOX, "--shepherd", *argv]
         try:
             return self._fallback_exec(handle, self._exec_cmd(self._cid(handle.id), argv, {**base_env, **env}, cwd or base_cwd,
                                                               pid_file, user),
@@ -447,7 +479,7 @@ class CrunRuntime:
             return None
 
     @staticmethod
-    def _process_defaults(d: Path) -> tuple[dict[str, str], str]:
+    def _process_defaults(d: Path) -> tuple[dict[str, str], str, str]:
         """The sandbox's own env (PATH, template env, spec.envs) and cwd from its config.json.
 
         crun exec with ``--env`` starts from an empty environment and defaults cwd to "/", so both are
@@ -459,9 +491,11 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
 
     @staticmethod
-    def _defaults_from(config: dict) -> tuple[dict[str, str], str]:  # type: ignore[type-arg]
+    def _defaults_from(config: dict) -> tuple[dict[str, str], str, str]:  # type: ignore[type-arg]
         proc = config["process"]
-        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/"
+        init_src = next((m.get("source", "") for m in config.get("mounts", [])
+                         if m.get("destination") == INIT_PATH_IN_SANDBOX), "")
+        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/", init_src
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.
@@ -494,6 +528,25 @@ class CrunRuntime:
         self._proto.pop(handle.id, None)
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id)
+
+    def kept_layer(self, sandbox_id: str) -> Path | None:
+        """The writable layer a checkpoint kept in the sandbox dir (``_keep_layer``), or None."""
+        d = self._dir(sandbox_id)
+        if not (d / LAYER_KEPT).is_file():
+            return None
+        return d / diskquota.IMAGE if (d / diskquota.IMAGE).is_file() else d / "upper"
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        """A restore the agent was killed in: tear it down, the writable layer going back into ``image_dir``
+        (or kept in the sandbox dir again, see ``_keep_layer``) unless the image still holds its own one
+        (the restore had not moved it yet, or was copying it onto a disk it had just made)."""
+        d, image_dir = self._dir(handle.id), Path(image_dir).resolve()
+        in_image = (image_dir / diskquota.IMAGE).is_file() or (image_dir / "upper").is_dir()
+        save = (d / LAYER_KEPT).is_file() or not in_image
+        self._defaults.pop(handle.id, None)
+        self._proto.pop(handle.id, None)
+        with anyio.CancelScope(shield=True):
+            await self._teardown(handle.id, save_to=image_dir if save and image_dir.is_dir() else None)
 
     async def _teardown(self, sandbox_id: str, *, save_to: Path | None = None) -> None:
         """Remove every process, cgroup, mount and file of the sandbox. With ``save_to`` (a checkpoint
@@ -538,11 +591,36 @@ class CrunRuntime:
                 problem = f"cannot move the writable layer to {save_to}: {e}"
         unlock_dir(d / "pd")
         try:
+            pdfs.umount_run_dir(d / "pd")
+        except MountError:
+            pass                               # umount_all_under below tries again
+        if save_to is not None and problem:
+            self._keep_layer(d, save_to)
+            return left, problem
+        try:
             remove_tree(d)             # iterative: a sandbox's tree may be any depth (issue 16 item 4)
         except OSError:
             umount_all_under(d)
             remove_tree(d)
         return left, problem
+
+    @staticmethod
+    def _keep_layer(d: Path, save_to: Path) -> None:
+        """A checkpoint's writable layer could not be moved into its image: a pause never loses a sandbox's
+        data, so the layer stays in the sandbox dir (the rest of it goes) and ``restore`` resumes from the
+        image with it. A partial copy in the image goes."""
+        if (d / diskquota.IMAGE).is_file() and (save_to / diskquota.IMAGE).is_file():
+            (save_to / diskquota.IMAGE).unlink()
+        if (d / "upper").is_dir() and (save_to / "upper").is_dir():
+            remove_tree(save_to / "upper")
+        for child in d.iterdir():
+            if child.name in _LAYER_NAMES or os.path.ismount(child):
+                continue
+            if child.is_dir() and not child.is_symlink():
+                remove_tree(child)
+            else:
+                child.unlink()
+        (d / LAYER_KEPT).write_text(str(save_to) + "\n")
 
     async def list_ids(self) -> list[str]:
         r = await self._crun("list", "--format", "json")
@@ -624,15 +702,26 @@ class CrunRuntime:
             # the dump killed the process tree (crun also deleted the container, cgroup included); what is
             # left is the overlay and the sandbox dir: the writable layer moves into the image
             self._defaults.pop(handle.id, None)
-            await self._teardown(handle.id, save_to=image_dir)
+            failure = None
+            try:
+                await self._teardown(handle.id, save_to=image_dir)
+            except RuntimeFailure as e:
+                if not (d / LAYER_KEPT).is_file():
+                    raise
+                failure = e        # the layer stays in d: the image is still complete with it (restore)
+            layer = d if failure is not None else image_dir
             criu_bytes = _tree_bytes(images)
-            disk = image_dir / diskquota.IMAGE
-            upper_bytes = disk.stat().st_blocks * 512 if disk.is_file() else _tree_bytes(image_dir / "upper")
+            disk = layer / diskquota.IMAGE
+            upper_bytes = disk.stat().st_blocks * 512 if disk.is_file() else _tree_bytes(layer / "upper")
             meta = {"format": CHECKPOINT_FORMAT, "id": handle.id, "created": time.time(),
                     "runtime": self.name, "userland": self._versions(), "init": self.init_path.name,
                     "criu_bytes": criu_bytes, "upper_bytes": upper_bytes, "disk": disk.is_file()}
             (image_dir / (CHECKPOINT_META + ".tmp")).write_text(json.dumps(meta))
             os.replace(image_dir / (CHECKPOINT_META + ".tmp"), image_dir / CHECKPOINT_META)
+            if failure is not None:
+                raise RuntimeFailure(f"checkpoint of {handle.id} failed after its processes were dumped; its "
+                                     f"writable layer is kept in {d} and restore resumes it from there",
+                                     detail=failure.detail)
             return criu_bytes + upper_bytes
 
     async def _dump(self, handle: Handle, d: Path, image_dir: Path, images: Path) -> tuple[int, str]:
@@ -655,7 +744,7 @@ class CrunRuntime:
         code = await self._userland_crun(
             "restore", "--detach", *_CRIU_OPTS, f"--bundle={d}", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
             f"--work-path={d / 'criu-work'}", f"--pid-file={pid_file}", spec.id,
-            binds=[self.state_dir, image_dir, self.init_path.parent], err_path=d / "crun.err")
+            binds=[self.state_dir, image_dir, self.init_bind.parent], err_path=d / "crun.err")
         if code != 0:
             raise RuntimeFailure(f"restore of {spec.id} failed (exit {code})",
                                  detail=_failure_detail(d / "crun.err", d / "criu-work" / "restore.log"))
@@ -666,7 +755,8 @@ class CrunRuntime:
         if why:
             raise RuntimeFailure("restore is not supported on this host", detail=why)
         d = self._dir(spec.id)
-        if d.exists():
+        kept = (d / LAYER_KEPT).is_file()      # a checkpoint left its writable layer here: resume with it
+        if d.exists() and not kept:
             raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         image_dir = Path(image_dir).resolve()
         try:
@@ -678,29 +768,37 @@ class CrunRuntime:
                                  detail=f"format={meta.get('format')} id={meta.get('id')}")
         if meta.get("runtime", "crun") != self.name:
             raise RuntimeFailure(f"checkpoint image {image_dir} was written by {meta.get('runtime')}, not {self.name}")
-        has_disk = (image_dir / diskquota.IMAGE).is_file()
-        if not (has_disk or (image_dir / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
+        layer = d if kept else image_dir
+        has_disk = (layer / diskquota.IMAGE).is_file()
+        if not (has_disk or (layer / "upper").is_dir()) or not (image_dir / self.IMAGE_SUBDIR).is_dir():
             raise RuntimeFailure(f"checkpoint image {image_dir} is incomplete (no disk.img or upper/, or no "
                                  f"{self.IMAGE_SUBDIR}/)")
-        moved = ok = False
+        # ``moved``: the writable layer is out of the image, so a failed restore puts it back (or keeps it
+        # in ``d`` again); a kept layer is out of it from the start, and a teardown without ``save_to``
+        # would delete its only copy
+        moved, ok = kept, False
         try:
             for p in (d / "rootfs", d / "exec"):
-                p.mkdir(parents=True)
-            (d / "pd").mkdir(mode=0o700)
+                p.mkdir(parents=True, exist_ok=kept)
+            self._make_run_dir(d)
             # the writable layer is renamed in (and back out on failure: the image stays retryable)
             if has_disk:
                 try:
-                    await anyio.to_thread.run_sync(diskquota.move_image, image_dir / diskquota.IMAGE,
-                                                   d / diskquota.IMAGE)
+                    if not kept:
+                        await anyio.to_thread.run_sync(diskquota.move_image, image_dir / diskquota.IMAGE,
+                                                       d / diskquota.IMAGE)
                     moved = True
-                    await anyio.to_thread.run_sync(diskquota.mount_image, d)
+                    if not os.path.ismount(d / diskquota.MOUNT):
+                        await anyio.to_thread.run_sync(diskquota.mount_image, d)
                 except OSError as e:
                     raise RuntimeFailure(f"cannot mount the disk of {spec.id}", detail=str(e)) from e
+            elif kept:
+                moved = True
             elif spec.disk_mb:      # paused before it had a disk of its own: it gets one now
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
             work.mkdir(exist_ok=True)
-            if not has_disk:
+            if not has_disk and not kept:
                 try:
                     if upper.parent == d:
                         os.rename(image_dir / "upper", upper)
@@ -716,6 +814,7 @@ class CrunRuntime:
             pid, start = await self._restore_init(spec, d, image_dir)
             await self._ctl_signal(d, pid, signal.SIGUSR2, want=True, wait=0.5)
             self._defaults[spec.id] = self._defaults_from(config)
+            (d / LAYER_KEPT).unlink(missing_ok=True)
             ok = True
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                           extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})
@@ -733,3 +832,9 @@ class CrunRuntime:
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.cleanup_parent)
+        # the init's tmpfs goes with the last sandbox of this state dir (running ones hold their own bind)
+        if not any(p.is_dir() for p in self.sandboxes_dir.iterdir()):
+            try:
+                pdfs.umount_init(self.init_dir)
+            except MountError:
+                pass

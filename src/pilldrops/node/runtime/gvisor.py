@@ -148,6 +148,7 @@ class GvisorRuntime(CrunRuntime):
     ROOT_SUBDIR = "runsc"
     IMAGE_SUBDIR = "runsc"
     HOST_PIDS = False
+    SHEPHERD_EXEC = False   # runsc re-parents orphans to PID 1 in spite of a subreaper: no use here
     CTL_WAIT = 10.0    # the Sentry starts pd-init slowly under load; the fast path keeps host pipes out of it
 
     @staticmethod

@@ -398,6 +398,14 @@ class QemuRuntime:
         with anyio.CancelScope(shield=True):
             await self._teardown(handle.id, pid=handle.pid, start=handle.pid_start_time)
 
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        """A restore the agent was killed in: tear it down, its disk going back into ``image_dir`` (the
+        restore renames it out of the image)."""
+        image = Path(image_dir) / "disk.qcow2"
+        keep = None if image.exists() or not Path(image_dir).is_dir() else {"disk.qcow2": image}
+        with anyio.CancelScope(shield=True):
+            await self._teardown(handle.id, pid=handle.pid, start=handle.pid_start_time, keep=keep)
+
     async def _teardown(self, sandbox_id: str, *, pid: int | None = None, start: int | None = None,
                         keep: dict[str, Path] | None = None) -> None:
         link = self._links.pop(sandbox_id, None)

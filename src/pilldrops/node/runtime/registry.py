@@ -35,6 +35,8 @@ from pilldrops.node.runtime.base import (
     RuntimeState,
     SandboxSpec,
 )
+from pilldrops.node.runtime.base import abort_restore as base_abort_restore
+from pilldrops.node.runtime.base import kept_layer as base_kept_layer
 from pilldrops.schema.api import DEFAULT_ISOLATION, ISOLATION_MODES, IsolationSupport
 
 log = logging.getLogger(__name__)
@@ -178,6 +180,26 @@ class RuntimeRegistry:
         else:       # an id nobody recorded (a reaped leftover): every runtime's destroy is idempotent
             for rt in self.runtimes.values():
                 await rt.destroy(Handle(id=handle.id))
+        self._owner.pop(handle.id, None)
+
+    def _owners(self, handle: Handle) -> list[Runtime]:
+        """The runtime of ``handle``; every one for an id nobody recorded (e.g. during recovery, before
+        ``list_ids``): a restore's undo and a kept layer's look-up are harmless in the others."""
+        mode = handle.extra.get(ISOLATION_KEY) or self._owner.get(handle.id)
+        if mode is not None or len(self.runtimes) == 1:
+            return [self._for(handle)]
+        return list(self.runtimes.values())
+
+    def kept_layer(self, sandbox_id: str) -> Path | None:
+        try:
+            runtimes = self._owners(Handle(id=sandbox_id))
+        except RuntimeFailure:       # its isolation is not available here (any more): nothing of it is kept
+            return None
+        return next((p for rt in runtimes if (p := base_kept_layer(rt, sandbox_id)) is not None), None)
+
+    async def abort_restore(self, handle: Handle, image_dir: Path) -> None:
+        for rt in self._owners(handle):
+            await base_abort_restore(rt, handle, image_dir)
         self._owner.pop(handle.id, None)
 
     def oom_kills(self, handle: Handle) -> int | None:

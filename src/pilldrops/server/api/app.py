@@ -25,6 +25,8 @@ from pilldrops.schema.api import (
     KeyCreated,
     KeyCreateRequest,
     KeyInfo,
+    KillSandboxesRequest,
+    KillSandboxesResponse,
     NodeInfo,
     NodeList,
     PoolInfo,
@@ -142,6 +144,11 @@ def create_app(services: Services) -> FastAPI:
                            idempotency_key: Annotated[str | None, Header(max_length=200)] = None
                            ) -> BatchCreateResponse:
         return await sbx.create_batch(p.team_id, body, idempotency_key, disconnected=request.is_disconnected)
+
+    @api.post("/sandboxes/kill", response_model=KillSandboxesResponse)
+    async def kill_many(body: KillSandboxesRequest, p: Caller) -> KillSandboxesResponse:
+        """Kill many sandboxes of the caller's team in one call (by ids, or every live one with labels)."""
+        return await sbx.kill_many(p.team_id, body)
 
     @api.get("/sandboxes", response_model=SandboxList)
     async def list_sandboxes(request: Request, p: Caller, state: Annotated[list[str] | None, Query()] = None,

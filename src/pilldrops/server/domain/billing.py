@@ -9,6 +9,7 @@ longer than the sandbox has existed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 SECONDS_PER_MONTH = 30 * 24 * 3600
 
@@ -50,3 +51,14 @@ def billable(reported_run_s: float, already_billed_s: float, wall_s: float) -> t
     minus what is already billed. Resends and out-of-order reports give a delta of 0."""
     total = max(already_billed_s, min(max(reported_run_s, 0.0), max(wall_s, 0.0)))
     return total, total - already_billed_s
+
+
+def end_time(started_at: datetime | None, billed_run_s: float, paused_s: float | None, run_s: float | None,
+             now: datetime) -> datetime:
+    """When a sandbox whose node reports it ended ended, on the control plane's clock: its start + the
+    node's final running seconds ``run_s`` (never less than what is billed) + its paused time, never after
+    ``now`` (``now`` when nothing tells: not started, or no running seconds reported nor billed)."""
+    if started_at is None or (run_s is None and billed_run_s == 0):
+        return now
+    ran = max(run_s if run_s is not None else 0.0, billed_run_s)
+    return min(now, started_at + timedelta(seconds=ran + (paused_s or 0.0)))

@@ -31,10 +31,10 @@ from pilldrops.schema.api import (
     UsageSummary,
 )
 from pilldrops.schema.node import NodeSandboxStatus
-from pilldrops.server.domain.billing import Rates, running_usage, storage_usage
+from pilldrops.server.domain.billing import Rates, end_time, running_usage, storage_usage
 from pilldrops.server.domain.states import LIVE
 from pilldrops.server.service.egress import view as egress_view
-from pilldrops.server.store.interface import PauseRecord, SandboxRecord, Store, UsageRecord
+from pilldrops.server.store.interface import Ended, EndSandbox, PauseRecord, SandboxRecord, Store, UsageRecord
 
 log = logging.getLogger("pilldrops.billing")
 CREDITS_CACHE_S = 1.0
@@ -81,13 +81,7 @@ class BillingService:
 
     def end_time(self, row: SandboxRecord, st: NodeSandboxStatus) -> datetime:
         """When an ended sandbox ended, on the control plane's clock: start + the node's running seconds."""
-        now = self.clock.now()
-        if row.started_at is None:
-            return now
-        run_s = max(st.run_s if st.run_s is not None else 0.0, row.billed_run_s)   # never before what was billed
-        if st.run_s is None and row.billed_run_s == 0:
-            return now
-        return min(now, row.started_at + timedelta(seconds=run_s + (row.paused_s or 0.0)))
+        return end_time(row.started_at, row.billed_run_s, row.paused_s, st.run_s, self.clock.now())
 
     async def commit_running(self, reports: list[NodeSandboxStatus], rows: dict[str, SandboxRecord]) -> None:
         """Usage of running sandboxes from one heartbeat, in one transaction; a sandbox is billed once
@@ -112,6 +106,18 @@ class BillingService:
                                               rates=self.settings.rates, charge_credits=self.settings.credits_enabled,
                                               before_commit=self._before_commit)
         self._charged([entry] if entry else [])
+
+    async def end(self, ends: list[EndSandbox], *, from_states: list[str]) -> Ended:
+        """End these sandboxes in one transaction, their final usage billed and ``ended_at`` computed
+        from the locked rows (``Store.end_sandboxes``)."""
+        done = await self.store.end_sandboxes(ends, from_states=from_states, now=self.clock.now(),
+                                              rates=self.settings.rates,
+                                              charge_credits=self.settings.credits_enabled,
+                                              before_commit=self._before_commit)
+        self._charged(done.entries)
+        if done.storage_charged:
+            self._balances.clear()        # storage charged: read balances afresh
+        return done
 
     async def end_interval(self, sandbox_id: str, *, from_states: list[str], until: datetime, resumed: bool,
                            **values: object) -> SandboxRecord | None:

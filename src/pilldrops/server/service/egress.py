@@ -54,11 +54,12 @@ def template_default(nodes: list[Any], template: str) -> TemplateNetwork | None:
 
 
 def resolve(req: CreateSandboxRequest | PoolSetRequest, nodes: list[Any], isolation: str,
-            settings: EgressSettings) -> dict[str, Any] | None:
+            settings: EgressSettings, stored: TemplateNetwork | None = None) -> dict[str, Any] | None:
     """The policy to store for this create (or warm pool: its members'), checked against the deployment
-    (raises the typed errors)."""
+    (raises the typed errors). ``stored``: the template store's version names its default (issue 19),
+    before what nodes report."""
     given = req.model_fields_set
-    tpl = template_default(nodes, req.template) if {"allow_internet_access", "network"} - given else None
+    tpl = (stored or template_default(nodes, req.template)) if {"allow_internet_access", "network"} - given else None
     internet = req.allow_internet_access if "allow_internet_access" in given else bool(tpl and tpl.allow_internet_access)
     net = req.network if "network" in given else (NetworkPolicy(allow_out=tpl.allow_out, deny_out=tpl.deny_out)
                                                   if tpl else None)

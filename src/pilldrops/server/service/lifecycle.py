@@ -22,24 +22,30 @@ from pilldrops._internal.ids import new_id
 from pilldrops.schema.api import (
     DEFAULT_DISK_MB,
     DEFAULT_MAX_DISK_MB,
+    MAX_BATCH,
     BatchCreateRequest,
     BatchCreateResponse,
     BatchItem,
     CreateSandboxRequest,
     EndReason,
     ErrorInfo,
+    KillItem,
+    KillSandboxesRequest,
+    KillSandboxesResponse,
     SandboxInfo,
     SandboxList,
     SandboxState,
 )
 from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus, network_key
 from pilldrops.server import scheduler
-from pilldrops.server.domain.states import ENDED
+from pilldrops.server.domain.states import ENDED, LIVE
 from pilldrops.server.service import egress, isolation, placement
 from pilldrops.server.service.context import SandboxContext, legal_from, log, outcome_unknown
 from pilldrops.server.store.interface import (
     Allocations,
     DuplicateIdempotencyKey,
+    Ended,
+    EndSandbox,
     NewSandbox,
     NodeRecord,
     SandboxRecord,
@@ -158,10 +164,12 @@ class Lifecycle:
             new.isolation = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
                                               ref.isolation if ref is not None else None)
             # the disk: the request's, else the template's default, else the deployment's
-            tpl_disk = isolation.template_disk_mb(nodes, req.template) if req.disk_mb is None else None
+            tpl_disk = ((ref.disk_mb if ref is not None else None) or isolation.template_disk_mb(nodes, req.template)
+                        if req.disk_mb is None else None)
             new.disk_mb = req.disk_mb or (self._check_disk(tpl_disk, f"template {req.template}'s disk_mb")
                                           if tpl_disk else self.default_disk_mb)
-            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress)
+            new.network = egress.resolve(req, nodes, new.isolation, ctx.egress,
+                                         ref.network if ref is not None else None)
             want = scheduler.Request(req.template, req.vcpu, req.memory_mb, new.isolation,
                                      network_key(egress.node_network(new.network, ctx.egress)))
             return placement.for_create(want, nodes, allocs, specs, ctx.clock.now(), ref)
@@ -388,26 +396,34 @@ class Lifecycle:
                     tg.start_soon(one, i)
             done.set()
         if gone.is_set():
-            await self._drop_batch(team_id, items)
+            await self._drop_batch(team_id, items, idempotency_key)
         created = sum(1 for it in items if it.sandbox is not None)
         return BatchCreateResponse(items=items, created=created, failed=req.count - created)
 
-    async def _drop_batch(self, team_id: str, items: list[BatchItem]) -> None:
-        """Kill what a batch whose client left made (keys released first: a retry makes fresh ones)."""
-        made = [it.sandbox.id for it in items if it.sandbox is not None]
+    async def _drop_batch(self, team_id: str, items: list[BatchItem], key: str | None) -> None:
+        """Kill what a batch whose client left made, unless a retry (same key) was handed it meanwhile: the
+        key is released first (a compare-and-set against ``_replay``'s claim), so a later retry makes a
+        fresh one and a sandbox a retry holds is never killed."""
+        made = [(it.index, it.sandbox.id) for it in items if it.sandbox is not None]
         log.warning("batch client left: killing the %d sandboxes made for it", len(made))
         with anyio.CancelScope(shield=True):
-            for sid in made:
-                try:
-                    await self.ctx.store.update_sandbox(sid, from_states=legal_from(S.stopped), idempotency_key=None)
-                    await self.kill(team_id, sid)
-                except errors.PillDropsError as exc:
-                    log.warning("could not kill %s of a left batch: %s", sid, exc)
+            doomed = []
+            for i, sid in made:
+                if key and not await self.ctx.store.release_unclaimed_key(sid, f"{key}:{i}"):
+                    log.info("%s of a left batch was handed to a retry: it stays", sid)
+                    continue
+                doomed.append(sid)
+            if doomed:      # one node call per node, one store transaction (``kill_many``)
+                res = await self.kill_many(team_id, KillSandboxesRequest(ids=doomed))
+                for it in res.items:
+                    if it.error is not None:
+                        log.warning("could not kill %s of a left batch: %s", it.id, it.error.message)
 
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that
         attempt failed to start and released the key (its node refused, or its control plane died before the
-        node made it), so that the caller makes a fresh attempt."""
+        node made it; or a batch whose client left released it to kill the sandbox), so that the caller makes
+        a fresh attempt. Handing it out is a claim on it (``Store.claim_replay``)."""
         if row.request_hash != req_hash:
             raise errors.Conflict("Idempotency-Key was already used with a different request body",
                                   details={"sandbox_id": row.id})
@@ -415,7 +431,8 @@ class Lifecycle:
             while row.state == S.starting.value:   # the first attempt is still booting it
                 await anyio.sleep(0.05)
                 row = await self.ctx.get_row(row.team_id, row.id)
-        if row.state == S.failed.value and row.idempotency_key is None:
+        key = row.idempotency_key
+        if key is None or not await self.ctx.store.claim_replay(row.id, key, self.ctx.clock.now()):
             return None
         return row
 
@@ -446,24 +463,92 @@ class Lifecycle:
         if row.node_id:
             node = await ctx.node_for(row)
             final = await ctx.nodes.kill(node.url, row.id)
-        now = ctx.clock.now()
-        row = await ctx.get_row(team_id, sandbox_id)         # a pause may have completed meanwhile
-        ended_at = now if row.paused_at is not None or final is None else ctx.billing.end_time(row, final)
-        if final is not None and final.end_reason not in (None, EndReason.killed):
-            reason = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
-        ctx.last_usage.pop(row.id, None)
-        if final is not None:       # billed before it shows as stopped: a stopped sandbox shows its final cost
-            await ctx.billing.commit(final)
-        ended = {"state": S.stopped.value, "end_reason": reason.value, "ended_at": ended_at}
-        updated = None
-        if row.paused_at is None:       # the common case: no paused interval to close (checked in the update)
-            updated = await ctx.store.update_sandbox(row.id, from_states=legal_from(S.stopped), not_paused=True,
-                                                     **ended)
-        if updated is None:             # paused (maybe just now): the interval closes, storage billed with it
-            # a pause recorded after `now` was read (it raced this kill) ends at the kill's end, never
-            # before its own start: history never has paused_at after ended_at (issue 16 item 5)
-            until = max(ctx.clock.now(), now)
-            ended["ended_at"] = until
-            updated = await ctx.billing.end_interval(row.id, from_states=legal_from(S.stopped), until=until,
-                                                     resumed=False, **ended)
-        return updated or (await ctx.get_row(team_id, sandbox_id) if final else row)
+        done = await self._end([(row.id, final)], reason)
+        return done.rows.get(row.id) or row
+
+    async def _end(self, finals: list[tuple[str, NodeSandboxStatus | None]], reason: EndReason) -> Ended:
+        """Record these sandboxes as stopped, each with the node's final status (None: the node had no such
+        sandbox, or it has no node), in ONE store transaction: the final usage billed before (with) the
+        end, ``ended_at`` from the locked row (``Store.end_sandboxes``; a pause that completed meanwhile
+        is closed there too)."""
+        ends = []
+        for sid, final in finals:
+            why = reason
+            if final is not None and final.end_reason not in (None, EndReason.killed):
+                why = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
+            self.ctx.last_usage.pop(sid, None)
+            ends.append(EndSandbox(sid, S.stopped.value, why.value, final=final is not None,
+                                   seq=final.seq if final is not None else None,
+                                   run_s=final.run_s if final is not None else None))
+        return await self.ctx.billing.end(ends, from_states=legal_from(S.stopped))
+
+    async def kill_many(self, team_id: str, req: KillSandboxesRequest) -> KillSandboxesResponse:
+        """Kill many sandboxes of ``team_id`` in one call (by ids, or every live one matching labels): one
+        node call per node (concurrently), then one store transaction for all of them. An id that is not
+        the team's is ``sandbox_not_found`` (as a single kill: no oracle of other teams' ids); an ended one
+        answers its final record (idempotent); a node that fails fails only its own sandboxes."""
+        ctx = self.ctx
+        if (req.ids is None) == (req.labels is None):
+            raise errors.InvalidRequest("give exactly one of ids or labels", details={"fields": ["ids", "labels"]})
+        if req.ids is not None:
+            if not req.ids:
+                raise errors.InvalidRequest("ids is empty: name at least one sandbox", details={"field": "ids"})
+            ids = list(dict.fromkeys(req.ids))
+            found = await ctx.store.get_sandboxes(ids)
+            rows = {sid: r for sid, r in found.items() if r.team_id == team_id}
+        else:
+            if not req.labels:
+                raise errors.InvalidRequest("labels must name at least one key=value pair (to kill every live "
+                                            "sandbox, list them first)", details={"field": "labels"})
+            rows = await self._live_matching(team_id, req.labels)
+            ids = list(rows)
+        errs: dict[str, ErrorInfo] = {sid: ErrorInfo(code=errors.SandboxNotFound.code,
+                                                    message=f"sandbox {sid!r} not found")
+                                      for sid in ids if sid not in rows}
+        live = [r for r in rows.values() if SandboxState(r.state) not in ENDED]
+        by_node: dict[str, list[str]] = {}
+        for r in live:
+            by_node.setdefault(r.node_id or "", []).append(r.id)
+        finals: dict[str, NodeSandboxStatus | None] = {sid: None for sid in by_node.pop("", [])}
+
+        async def on_node(node_id: str, sids: list[str]) -> None:
+            try:
+                node = await ctx.node(node_id)
+                if node is None:
+                    raise errors.NodeUnavailable(f"node {node_id} of these sandboxes is not known")
+                answers = await ctx.nodes.kill_many(node.url, sids)
+            except errors.PillDropsError as exc:
+                for sid in sids:
+                    errs[sid] = _error_info(exc)
+                return
+            for sid in sids:
+                got = answers.get(sid)
+                if got is not None and got.error_code is not None:
+                    errs[sid] = ErrorInfo(code=got.error_code, message=got.error or got.error_code)
+                else:
+                    finals[sid] = got.status if got is not None else None
+
+        async with anyio.create_task_group() as tg:
+            for node_id, sids in by_node.items():
+                tg.start_soon(on_node, node_id, sids)
+        done = await self._end(list(finals.items()), EndReason.killed) if finals else Ended()
+        items: list[KillItem] = []
+        for sid in ids:
+            row = done.rows.get(sid) or rows.get(sid)
+            if sid in errs or row is None:
+                items.append(KillItem(id=sid, error=errs.get(sid)))
+            else:
+                items.append(KillItem(id=sid, sandbox=await self.info(row)))
+        killed = sum(1 for it in items if it.sandbox is not None)
+        return KillSandboxesResponse(items=items, killed=killed, failed=len(items) - killed)
+
+    async def _live_matching(self, team_id: str, labels: dict[str, str]) -> dict[str, SandboxRecord]:
+        rows: dict[str, SandboxRecord] = {}
+        cursor = None
+        while True:
+            page = await self.ctx.store.list_sandboxes(team_id, states=[st.value for st in LIVE], labels=labels,
+                                                       limit=1000, cursor=cursor)
+            rows.update((r.id, r) for r in page.items)
+            if page.next_cursor is None or len(rows) >= MAX_BATCH:
+                return rows
+            cursor = page.next_cursor

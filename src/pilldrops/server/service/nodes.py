@@ -48,7 +48,8 @@ class NodeService:
             name=req.name, url=req.url.rstrip("/"), capacity_vcpu=req.capacity_vcpu,
             capacity_memory_mb=req.capacity_memory_mb,
             templates=[t.model_dump(mode="json") for t in req.templates], now=self.clock.now(),
-            isolation={m: v.model_dump(mode="json") for m, v in req.isolation.items()} or None)
+            isolation={m: v.model_dump(mode="json") for m, v in req.isolation.items()} or None,
+            ram_mb=req.ram_mb or None)
         self.sandboxes.forget_node(node.id)          # its URL may have changed
         self.sandboxes.ctx.grants.drop_node(node.id)  # a restarted agent reaped its unclaimed members
         await self._absorb(node.id, req.sandboxes)

@@ -67,7 +67,7 @@ def views(req: scheduler.Request, nodes: Sequence[NodeRecord], allocs: Allocatio
             id=n.id, capacity_vcpu=n.capacity_vcpu, capacity_memory_mb=n.capacity_memory_mb,
             used_vcpu=used[0] + cpu, used_memory_mb=used[1] + mem,
             ready=n.state == "ready" and now - n.last_heartbeat_at < NODE_READY_WINDOW, draining=n.draining,
-            templates=names | {req.template} if ref is not None else names,
+            templates=names | {req.template} if ref is not None else names, ram_mb=getattr(n, "ram_mb", None) or 0,
             **isolation.view_fields(getattr(n, "isolation", None))))
     return out, own or warm           # a member with the policy attached beats one to attach it to
 
@@ -108,18 +108,24 @@ def _capacity_notes(req: scheduler.Request, result: scheduler.Unschedulable,
     return notes
 
 
-def _too_large(req: scheduler.Request, nodes: Sequence[NodeRecord]) -> str:
-    """Why a request can never fit: each dimension it exceeds, with its unit and the largest node's size."""
+def _too_large(req: scheduler.Request, nodes: Sequence[NodeRecord]) -> tuple[str, dict[str, object]]:
+    """Why a request can never fit: each dimension it exceeds, with its unit and the largest node's size
+    (a memory limit is bounded by each node's RAM too: its capacity overcommits the RAM), and the details."""
     biggest_cpu = max(nodes, key=lambda n: n.capacity_vcpu)
-    biggest_mem = max(nodes, key=lambda n: n.capacity_memory_mb)
-    out = []
+    # the most memory one sandbox may have on a node: its capacity, and its RAM where it reported it
+    mem_max = {n.id: min(n.capacity_memory_mb, getattr(n, "ram_mb", None) or n.capacity_memory_mb) for n in nodes}
+    biggest_mem = max(nodes, key=lambda n: mem_max[n.id])
+    out, details = [], {}
     if req.vcpu > biggest_cpu.capacity_vcpu:
         out.append(f"vcpu={req.vcpu:g} is more than any node offers (largest: {biggest_cpu.name}, "
                    f"{biggest_cpu.capacity_vcpu:g} vCPU)")
-    if req.memory_mb > biggest_mem.capacity_memory_mb:
+    if req.memory_mb > mem_max[biggest_mem.id]:
+        ram = mem_max[biggest_mem.id] == getattr(biggest_mem, "ram_mb", None)
         out.append(f"memory_mb={req.memory_mb} MiB is more than any node offers (largest: {biggest_mem.name}, "
-                   f"{biggest_mem.capacity_memory_mb} MiB)")
-    return "; ".join(out) or "larger than any node"
+                   f"{mem_max[biggest_mem.id]} MiB{' of RAM' if ram else ''})")
+        details = {"field": "memory_mb", "memory_mb": req.memory_mb, "max_memory_mb": mem_max[biggest_mem.id],
+                   "node": biggest_mem.name}
+    return "; ".join(out) or "larger than any node", details
 
 
 def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: list[scheduler.NodeView],
@@ -127,8 +133,9 @@ def _decide(req: scheduler.Request, nodes: Sequence[NodeRecord], node_views: lis
     result = scheduler.place(req, node_views, [*scorers, scheduler.BEST_FIT])
     if isinstance(result, scheduler.Unschedulable):
         if result.never:
-            raise errors.InvalidRequest(f"request is larger than any node: {_too_large(req, nodes)} "
-                                        f"({result.explain()})", details={"reasons": result.reasons})
+            why, details = _too_large(req, nodes)
+            raise errors.InvalidRequest(f"request is larger than any node: {why} ({result.explain()})",
+                                        details={"reasons": result.reasons, **details})
         notes = _capacity_notes(req, result, nodes, node_views)
         raise errors.CapacityUnavailable("; ".join([result.explain(), *notes]),
                                          details={"reasons": result.reasons, "notes": notes})

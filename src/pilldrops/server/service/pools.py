@@ -21,7 +21,7 @@ import anyio
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock, TTLCache
-from pilldrops.schema.api import PoolInfo, PoolSetRequest
+from pilldrops.schema.api import PoolInfo, PoolSetRequest, TemplateNetwork
 from pilldrops.schema.node import NodePoolSpec, NodePoolStatus, network_key
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service import egress
@@ -73,8 +73,12 @@ class PoolService:
 
     async def set(self, req: PoolSetRequest) -> PoolInfo:
         nodes = await self.store.list_nodes()
-        # the members' policy, resolved and checked like a create's (a removal is never refused by the flags)
-        net = egress.resolve(req, nodes, "container", self.egress if req.size else egress.EgressSettings())
+        # the members' policy, resolved and checked like a create's (a removal is never refused by the flags),
+        # the template store's version's default first, as for a create (else a pool of a template's default
+        # would get another policy than that template's plain creates, which would then never claim from it)
+        version = await self.store.template_version(req.template)
+        stored = TemplateNetwork.model_validate(version.network) if version is not None and version.network else None
+        net = egress.resolve(req, nodes, "container", self.egress if req.size else egress.EgressSettings(), stored)
         net_id = egress.policy_id(net)
         net = net if net_id else None
         if req.size == 0:
@@ -85,7 +89,7 @@ class PoolService:
                 raise errors.NotFound(f"no pool {_label(req.template, req.vcpu, req.memory_mb, net)} to remove "
                                       f"(a pool is one template, shape and network policy; pools: {have})")
         if (req.size and not any(req.template in {t.get("name") for t in n.templates} for n in nodes)
-                and await self.store.template_version(req.template) is None):     # nor in the template store
+                and version is None):     # nor in the template store
             raise errors.TemplateNotFound(f"template {req.template!r} is not built on any node; build it first "
                                           f"(`pilldrops template build {req.template}`)")
         await self.store.set_pool(req.template, float(req.vcpu), req.memory_mb, req.size, self.clock.now(),

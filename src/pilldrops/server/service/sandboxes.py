@@ -21,6 +21,8 @@ from pilldrops.schema.api import (
     BatchCreateResponse,
     CreateSandboxRequest,
     EndReason,
+    KillSandboxesRequest,
+    KillSandboxesResponse,
     SandboxInfo,
     SandboxList,
 )
@@ -101,6 +103,9 @@ class SandboxService:
 
     async def kill(self, team_id: str, sandbox_id: str, reason: EndReason = EndReason.killed) -> SandboxRecord:
         return await self.lifecycle.kill(team_id, sandbox_id, reason)
+
+    async def kill_many(self, team_id: str, req: KillSandboxesRequest) -> KillSandboxesResponse:
+        return await self.lifecycle.kill_many(team_id, req)
 
     # ---- pause / resume ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import httpx
 
 from pilldrops import errors
 from pilldrops._internal.clock import Clock
-from pilldrops.schema.api import TemplateBuildRequest, TemplateInfo
+from pilldrops.schema.api import DISK_MB_CAP, MIN_DISK_MB, TemplateBuildRequest, TemplateInfo, TemplateNetwork
 from pilldrops.schema.node import NodeBuildRequest, NodeLayerRef, NodeTemplateRef
 from pilldrops.schema.templates import build_key
 from pilldrops.server import scheduler
@@ -52,7 +52,22 @@ def ref_of(row: TemplateVersionRecord) -> NodeTemplateRef:
                            layers=[NodeLayerRef(**layer) for layer in row.layers], env=dict(row.env or {}),
                            workdir=row.workdir or "/", user=getattr(row, "user", None),
                            home=getattr(row, "home", None), isolation=row.isolation, built_at=row.built_at,
-                           size_bytes=row.size_bytes)
+                           size_bytes=row.size_bytes, disk_mb=row.disk_mb,
+                           network=TemplateNetwork.model_validate(row.network) if row.network else None)
+
+
+def _defaults(spec: dict[str, Any]) -> tuple[int | None, dict[str, Any] | None]:
+    """The spec's sandbox defaults (``disk_mb``, ``[network]``), checked like a create's fields."""
+    disk_mb, network = spec.get("disk_mb"), spec.get("network")
+    if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int)
+                                or not MIN_DISK_MB <= disk_mb <= DISK_MB_CAP):
+        raise errors.InvalidRequest(f"spec 'disk_mb' must be an integer from {MIN_DISK_MB} to {DISK_MB_CAP}",
+                                    details={"field": "disk_mb"})
+    try:
+        net = TemplateNetwork.model_validate(network).model_dump() if network is not None else None
+    except ValueError as e:
+        raise errors.InvalidRequest(f"spec [network]: {e}", details={"field": "network"}) from None
+    return disk_mb, net
 
 
 def _opt_str(v: Any) -> str | None:
@@ -118,6 +133,7 @@ class TemplateService:
         base = spec.get("from")
         if not isinstance(base, str) or not base or base == name:
             raise errors.InvalidRequest("spec 'from' must name a parent template or a builder")
+        _defaults(spec)
         if req.context and not self.blobs.has("contexts", req.context):
             raise errors.InvalidRequest(f"build context {req.context} was not uploaded (PUT "
                                         f"/v1/templates/contexts/{req.context} first)")
@@ -206,12 +222,13 @@ class TemplateService:
                                              "template store does not hold it (upload failed?)")
         layers = [layer.model_dump(), *([x.model_dump() for x in parent.layers] if parent else [])]
         own = int(done.get("size_bytes") or layer.size)
+        disk_mb, network = _defaults(spec)
         return await self.store.add_template_version(
             name=name, key=key, layers=layers, env=dict(done.get("env") or {}),
             workdir=str(done.get("workdir") or "/"), user=_opt_str(done.get("user")),
             home=_opt_str(done.get("home")), size_bytes=own + (parent.size_bytes if parent else 0),
             description=str(spec.get("description") or ""), isolation=spec.get("isolation"),
-            parent=parent.name if parent else None, builder=node.name,
+            disk_mb=disk_mb, network=network, parent=parent.name if parent else None, builder=node.name,
             build_seconds=float(done.get("build_seconds") or 0.0), built_at=self.clock.now())
 
     # ---- listing and garbage collection --------------------------------------------------------------
@@ -220,6 +237,7 @@ class TemplateService:
         return TemplateInfo(name=ref.name, description=getattr(row, "description", "") or "",
                             layers=[x.digest for x in ref.layers], size_bytes=ref.size_bytes,
                             built_at=ref.built_at, nodes=nodes, workdir=ref.workdir, isolation=ref.isolation,
+                            disk_mb=ref.disk_mb, network=ref.network,
                             version=ref.version, digest=ref.layers[0].digest if ref.layers else None,
                             key=ref.key, build_seconds=getattr(row, "build_seconds", None),
                             builder=getattr(row, "builder", None))

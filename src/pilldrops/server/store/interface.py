@@ -45,6 +45,7 @@ class NodeRecord(Protocol):
     url: str
     capacity_vcpu: float
     capacity_memory_mb: int
+    ram_mb: int | None                      # the host's RAM: no sandbox's memory_mb can be more
     state: str
     draining: bool
     templates: list[Any]
@@ -80,6 +81,7 @@ class SandboxRecord(Protocol):
     access_token: str
     idempotency_key: str | None
     request_hash: str | None
+    replayed_at: datetime | None
     error: str | None
     end_reason: str | None
     created_at: datetime
@@ -114,6 +116,8 @@ class TemplateVersionRecord(Protocol):
     size_bytes: int
     description: str
     isolation: str | None
+    disk_mb: int | None
+    network: dict[str, Any] | None
     parent: str | None
     builder: str | None
     build_seconds: float
@@ -166,6 +170,29 @@ class NewSandbox:
 Choose = Callable[[list[Any], Allocations], Any]     # (nodes, allocations) -> the chosen NodeRecord
 
 
+@dataclass(frozen=True)
+class EndSandbox:
+    """One sandbox to end (``Store.end_sandboxes``): its new state and end reason, and the node's final
+    usage report when the node answered one (``final``; ``seq``/``run_s`` None when it carried none)."""
+    sandbox_id: str
+    state: str
+    end_reason: str
+    final: bool = False
+    seq: int | None = None
+    run_s: float | None = None
+
+
+@dataclass
+class Ended:
+    """What ``Store.end_sandboxes`` did: each sandbox's row after the transaction (ended, or as it was
+    when it was not in ``from_states``; absent when there is no such row), the ledger rows of the final
+    running usage it billed, and whether a paused interval's storage was charged."""
+    rows: dict[str, Any] = field(default_factory=dict)          # id -> SandboxRecord
+    entries: list[Any] = field(default_factory=list)            # UsageRecord
+    ended: set[str] = field(default_factory=set)                 # the ids this call ended
+    storage_charged: bool = False
+
+
 class DuplicateIdempotencyKey(Exception):
     """``place_and_insert``: another sandbox of the team already holds this idempotency key."""
 
@@ -212,6 +239,8 @@ class Store(Protocol):
                              cursor: str | None = None, template: str | None = None,
                              since: datetime | None = None, until: datetime | None = None) -> PageOf: ...
     async def live_sandboxes_on(self, node_id: str) -> list[Any]: ...
+    async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool: ...
+    async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool: ...
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool: ...
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              not_paused: bool = False, **values: Any) -> SandboxRecord | None: ...
@@ -223,6 +252,9 @@ class Store(Protocol):
     async def commit_usage_many(self, reports: list[tuple[str, int, float]], *, now: datetime, rates: Rates,
                                 charge_credits: bool, before_commit: Callable[[], None] | None = None
                                 ) -> list[Any]: ...
+    async def end_sandboxes(self, ends: list[EndSandbox], *, from_states: Iterable[str], now: datetime,
+                            rates: Rates, charge_credits: bool, before_commit: Callable[[], None] | None = None
+                            ) -> Ended: ...
     async def record_pause(self, sandbox_id: str, *, paused_at: datetime, checkpoint_bytes: int,
                            timeout_left: float) -> SandboxRecord | None: ...
     async def end_interval(self, sandbox_id: str, *, from_states: Iterable[str], until: datetime, rates: Rates,

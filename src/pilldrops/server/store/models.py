@@ -69,6 +69,7 @@ class Node(Base):
     url: Mapped[str] = mapped_column(String(512))
     capacity_vcpu: Mapped[float] = mapped_column(Float)
     capacity_memory_mb: Mapped[int] = mapped_column(Integer)
+    ram_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)   # the host's RAM (None: not reported)
     state: Mapped[str] = mapped_column(String(16))
     draining: Mapped[bool] = mapped_column(default=False)
     templates: Mapped[list[Any]] = mapped_column(JSON, default=list)
@@ -114,6 +115,9 @@ class Sandbox(Base):
     access_token: Mapped[str] = mapped_column(String(64))
     idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # when a retry with its idempotency key was first handed this sandbox: a batch whose client left kills
+    # only what nobody was handed (``Store.release_unclaimed_key``)
+    replayed_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     end_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
@@ -218,6 +222,8 @@ class TemplateVersion(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     description: Mapped[str] = mapped_column(Text, default="")
     isolation: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    disk_mb: Mapped[int | None] = mapped_column(Integer, nullable=True)            # its sandboxes' defaults:
+    network: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)    # disk size and [network]
     parent: Mapped[str | None] = mapped_column(String(128), nullable=True)
     builder: Mapped[str | None] = mapped_column(String(128), nullable=True)
     build_seconds: Mapped[float] = mapped_column(Float, default=0.0)

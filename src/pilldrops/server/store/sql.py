@@ -21,15 +21,28 @@ import anyio
 import orjson
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, and_, create_engine, event, func, insert, or_, select, text, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    create_engine,
+    event,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 
 from pilldrops._internal.ids import new_id
-from pilldrops.server.domain.billing import Rates, billable, running_usage, storage_usage
+from pilldrops.server.domain.billing import Rates, billable, end_time, running_usage, storage_usage
 from pilldrops.server.domain.states import HOLDING, LIVE
-from pilldrops.server.store.interface import Choose, DuplicateIdempotencyKey, NewSandbox
+from pilldrops.server.store.interface import Choose, DuplicateIdempotencyKey, Ended, EndSandbox, NewSandbox
 from pilldrops.server.store.models import (
     ApiKey,
     Node,
@@ -157,8 +170,66 @@ def _charge_sync(c: Any, team_id: str, cost: float, at: datetime) -> None:
               .values(credits_exhausted_at=at))
 
 
-async def _charge(s: Any, team_id: str, cost: float, at: datetime) -> None:
-    await s.run_sync(lambda ss: _charge_sync(ss.connection(), team_id, cost, at))
+def _bill_running(s: Session, sb: Sandbox, seq: int, run_s: float, now: datetime, rates: Rates
+                  ) -> UsageEntry | None:
+    """Bill a node's cumulative running seconds ``run_s`` (report ``seq``) of a LOCKED row, exactly once:
+    the ledger row is added to ``s`` and the row's totals move; None when nothing new was billed (an old
+    or resent report, or nothing past what is billed). The caller charges the team (``_charge_sync``)."""
+    if sb.started_at is None or seq <= sb.billed_seq:
+        return None
+    wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
+    total, delta = billable(run_s, sb.billed_run_s, wall)
+    if delta <= 0:             # nothing new to bill: remember the report, write no ledger row
+        sb.billed_seq = seq
+        return None
+    use = running_usage(sb.vcpu, sb.memory_mb, delta)
+    cost = use.cost(rates)
+    entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
+                       memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
+                       vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s,
+                       cost_usd=cost, committed_at=now)
+    s.add(entry)
+    sb.vcpu_s += use.vcpu_s
+    sb.gb_s += use.gb_s
+    sb.cost_usd += cost
+    sb.billed_run_s = total
+    sb.billed_seq = seq
+    return entry
+
+
+def _close_pause(s: Session, sb: Sandbox, until: datetime, rates: Rates, charge_credits: bool,
+                 resumed: bool) -> bool:
+    """End a LOCKED row's open paused interval at ``until``: its storage billed exactly once (the ledger
+    row ``(sandbox, -idx)`` and the cleared ``paused_at`` go in the caller's transaction); ``resumed``
+    stamps the interval's end as a resume. False when it had no open interval."""
+    if sb.paused_at is None:
+        return False
+    secs = max(0.0, (until - sb.paused_at).total_seconds())
+    use = storage_usage(sb.checkpoint_bytes or 0, secs)
+    cost = use.cost(rates)
+    pause = s.get(SandboxPause, (sb.id, sb.pause_count))
+    if pause is not None:
+        pause.storage_gb_s = use.storage_gb_s
+        if resumed:
+            pause.resumed_at = until
+    s.add(UsageEntry(sandbox_id=sb.id, seq=-(sb.pause_count or 0), team_id=sb.team_id, state="paused",
+                     vcpu=sb.vcpu, memory_mb=sb.memory_mb, storage_gb=(sb.checkpoint_bytes or 0) / 1024**3,
+                     from_s=0.0, to_s=secs, vcpu_s=0.0, gb_s=0.0, storage_gb_s=use.storage_gb_s, cost_usd=cost,
+                     committed_at=until))
+    sb.storage_gb_s += use.storage_gb_s
+    sb.cost_usd += cost
+    sb.paused_s = (sb.paused_s or 0.0) + secs
+    sb.paused_at = None
+    sb.checkpoint_bytes = None
+    if charge_credits:
+        _charge_sync(s.connection(), sb.team_id, cost, until)
+    return True
+
+
+def _locked_sandboxes(s: Session, ids: Iterable[str]) -> dict[str, Sandbox]:
+    """The rows of ``ids``, locked (in id order: two transactions never lock them in opposite orders)."""
+    q = select(Sandbox).where(Sandbox.id.in_(sorted(set(ids)))).order_by(Sandbox.id).with_for_update()
+    return {r.id: r for r in s.scalars(q).all()}
 
 
 def _shielded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -322,7 +393,7 @@ class Store:
 
     async def upsert_node(self, *, name: str, url: str, capacity_vcpu: float, capacity_memory_mb: int,
                           templates: list[dict[str, Any]], now: datetime, instance: str | None = None,
-                          isolation: dict[str, Any] | None = None) -> Node:
+                          isolation: dict[str, Any] | None = None, ram_mb: int | None = None) -> Node:
         async with self.session.begin() as s:
             node = (await s.scalars(select(Node).where(Node.name == name))).first()
             if node is None:
@@ -332,6 +403,7 @@ class Store:
             node.instance = instance or node.instance
             node.capacity_vcpu = capacity_vcpu
             node.capacity_memory_mb = capacity_memory_mb
+            node.ram_mb = ram_mb or None
             node.templates = templates
             node.isolation = isolation
             node.state = "ready"
@@ -518,6 +590,19 @@ class Store:
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
         return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
 
+    async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool:
+        """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key)
+             .values(replayed_at=func.coalesce(_SB.c.replayed_at, literal(now, _SB.c.replayed_at.type))))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+
+    async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool:
+        """Release ``key`` unless a retry was handed the sandbox (``claim_replay``): one compare-and-set, so
+        a replay and a release never both win."""
+        q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key, _SB.c.replayed_at.is_(None))
+             .values(idempotency_key=None))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
         q = update(_SB).where(_SB.c.id == sandbox_id, _SB.c.state.in_(list(from_states))).values(_columns(values))
@@ -568,33 +653,14 @@ class Store:
             entries: list[UsageEntry] = []
             s = Session(bind=c, expire_on_commit=False)     # inside the connection's transaction
             _write_lock_sync(c)
-            ids = sorted({sid for sid, _, _ in reports})
-            rows = {r.id: r for r in (s.scalars(
-                select(Sandbox).where(Sandbox.id.in_(ids)).order_by(Sandbox.id).with_for_update())).all()}
+            rows = _locked_sandboxes(s, (sid for sid, _, _ in reports))
             charges: dict[str, float] = {}
             for sid, seq, run_s in reports:
                 sb = rows.get(sid)
-                if sb is None or sb.started_at is None or seq <= sb.billed_seq:
-                    continue
-                wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
-                total, delta = billable(run_s, sb.billed_run_s, wall)
-                if delta <= 0:             # nothing new to bill: remember the report, write no ledger row
-                    sb.billed_seq = seq
-                    continue
-                use = running_usage(sb.vcpu, sb.memory_mb, delta)
-                cost = use.cost(rates)
-                entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
-                                   memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
-                                   vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s,
-                                   cost_usd=cost, committed_at=now)
-                s.add(entry)
-                entries.append(entry)
-                sb.vcpu_s += use.vcpu_s
-                sb.gb_s += use.gb_s
-                sb.cost_usd += cost
-                sb.billed_run_s = total
-                sb.billed_seq = seq
-                charges[sb.team_id] = charges.get(sb.team_id, 0.0) + cost
+                entry = _bill_running(s, sb, seq, run_s, now, rates) if sb is not None else None
+                if entry is not None:
+                    entries.append(entry)
+                    charges[entry.team_id] = charges.get(entry.team_id, 0.0) + entry.cost_usd
             for team_id, cost in sorted(charges.items()):
                 if charge_credits:
                     _charge_sync(c, team_id, cost, now)
@@ -696,39 +762,71 @@ class Store:
                            charge_credits: bool, resumed: bool, **values: Any) -> Sandbox | None:
         """Apply ``values`` (the new state: resumed, stopped, lost, ended) while the row is in ``from_states``,
         ending its billing interval at ``until`` in the same transaction: an open paused interval is closed
-        and its storage billed exactly once (the ledger row ``(sandbox, -idx)`` and the cleared
-        ``paused_at`` commit together; ``resumed`` stamps the interval's end as a resume). Running time is
-        billed from the node's reports (``commit_usage``), not here. None when the row was not in
-        ``from_states``."""
-        async with self.session.begin() as s:
-            await _write_lock(s)
-            sb = await s.get(Sandbox, sandbox_id, with_for_update=True)
-            if sb is None or sb.state not in set(from_states):
+        and its storage billed exactly once (``_close_pause``). Running time is billed from the node's
+        reports (``commit_usage``), not here. None when the row was not in ``from_states``."""
+        states = set(from_states)
+
+        def go(c: Connection) -> Sandbox | None:
+            s = Session(bind=c, expire_on_commit=False)
+            _write_lock_sync(c)
+            sb = _locked_sandboxes(s, [sandbox_id]).get(sandbox_id)
+            if sb is None or sb.state not in states:
                 return None
-            if sb.paused_at is not None:
-                secs = max(0.0, (until - sb.paused_at).total_seconds())
-                use = storage_usage(sb.checkpoint_bytes or 0, secs)
-                cost = use.cost(rates)
-                pause = await s.get(SandboxPause, (sb.id, sb.pause_count))
-                if pause is not None:
-                    pause.storage_gb_s = use.storage_gb_s
-                    if resumed:
-                        pause.resumed_at = until
-                s.add(UsageEntry(sandbox_id=sb.id, seq=-(sb.pause_count or 0), team_id=sb.team_id, state="paused",
-                                 vcpu=sb.vcpu, memory_mb=sb.memory_mb,
-                                 storage_gb=(sb.checkpoint_bytes or 0) / 1024**3, from_s=0.0, to_s=secs,
-                                 vcpu_s=0.0, gb_s=0.0, storage_gb_s=use.storage_gb_s, cost_usd=cost,
-                                 committed_at=until))
-                sb.storage_gb_s += use.storage_gb_s
-                sb.cost_usd += cost
-                sb.paused_s = (sb.paused_s or 0.0) + secs
-                sb.paused_at = None
-                sb.checkpoint_bytes = None
-                if charge_credits:
-                    await _charge(s, sb.team_id, cost, until)
+            _close_pause(s, sb, until, rates, charge_credits, resumed)
             for k, v in values.items():
                 setattr(sb, k, v)
-        return await self.get_sandbox(sandbox_id)
+            s.flush()
+            s.expunge_all()
+            return sb
+
+        return await self._run(go, write=True)
+
+    async def end_sandboxes(self, ends: list[EndSandbox], *, from_states: Iterable[str], now: datetime,
+                            rates: Rates, charge_credits: bool, before_commit: Callable[[], None] | None = None
+                            ) -> Ended:
+        """End many sandboxes (a kill, a batch kill) in ONE transaction: each row locked, the node's final
+        usage report billed (exactly once, as ``commit_usage``), ``ended_at`` computed from the locked,
+        just-billed row (start + final running seconds + paused time; ``now`` when the node had no final
+        report or the sandbox was paused), an open paused interval closed then (never before it began) with its storage
+        billed (``end_interval``), and the new state set. A row not in ``from_states`` is left as it is
+        (already ended: what it was billed is final). The credits of each team are charged once."""
+        states = set(from_states)
+
+        def go(c: Connection) -> Ended:
+            out = Ended()
+            s = Session(bind=c, expire_on_commit=False)
+            _write_lock_sync(c)
+            rows = _locked_sandboxes(s, (e.sandbox_id for e in ends))
+            charges: dict[str, float] = {}
+            for e in ends:
+                sb = rows.get(e.sandbox_id)
+                if sb is None or sb.state not in states or e.sandbox_id in out.ended:
+                    continue
+                if e.seq is not None and e.run_s is not None:
+                    entry = _bill_running(s, sb, e.seq, e.run_s, now, rates)
+                    if entry is not None:
+                        out.entries.append(entry)
+                        charges[sb.team_id] = charges.get(sb.team_id, 0.0) + entry.cost_usd
+                if sb.paused_at is not None:    # paused (maybe just now): the interval ends with it, never
+                    ended_at = max(now, sb.paused_at)      # before its own start (issue 16 item 5)
+                    out.storage_charged |= _close_pause(s, sb, ended_at, rates, charge_credits, resumed=False)
+                elif e.final:
+                    ended_at = end_time(sb.started_at, sb.billed_run_s, sb.paused_s, e.run_s, now)
+                else:
+                    ended_at = now
+                sb.state, sb.end_reason, sb.ended_at = e.state, e.end_reason, ended_at
+                out.ended.add(sb.id)
+            if charge_credits:
+                for team_id, cost in sorted(charges.items()):
+                    _charge_sync(c, team_id, cost, now)
+            s.flush()
+            s.expunge_all()
+            out.rows = rows
+            if before_commit is not None and out.entries:
+                before_commit()
+            return out
+
+        return await self._run(go, write=True)
 
     async def pauses_of(self, sandbox_ids: Iterable[str]) -> dict[str, list[SandboxPause]]:
         ids = list(sandbox_ids)

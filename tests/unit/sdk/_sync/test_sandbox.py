@@ -490,3 +490,39 @@ def test_create_and_kill_give_up_on_an_outage_after_30_s(fake: FakeControlPlane,
     with pytest.raises(TransportError):
         Sandbox.create(capacity_wait=5, **fake2.client_options())
     assert 4 <= sum(delays) <= 5.01           # bounded by capacity_wait too
+
+
+def test_kill_many_by_ids_and_by_metadata_in_one_request(fake: FakeControlPlane, opts: dict[str, Any]) -> None:
+    made = [Sandbox.create(metadata={"run": "a" if i < 3 else "b"}, **opts) for i in range(5)]
+    res = Sandbox.kill_many([made[0].id, made[1].id, made[0].id, "sb_nope"], **opts)
+    assert len(fake.requests_to("POST", "/v1/sandboxes/kill")) == 1
+    assert [it.id for it in res.items] == [made[0].id, made[1].id, "sb_nope"] and (res.killed, res.failed) == (2, 1)
+    assert res.items[0].sandbox is not None and res.items[0].sandbox.state == SandboxState.stopped
+    assert res.items[2].sandbox is None and res.items[2].error is not None
+    assert res.items[2].error.code == "sandbox_not_found"
+    res = Sandbox.kill_many(metadata={"run": "a"}, **opts)      # the live one left of run=a
+    assert [it.id for it in res.items] == [made[2].id] and res.killed == 1
+    assert {s.id for s in Sandbox.list(**opts)} == {made[3].id, made[4].id}
+    with pytest.raises(ValueError):
+        Sandbox.kill_many(**opts)
+    with pytest.raises(ValueError):
+        Sandbox.kill_many([made[3].id], metadata={"run": "b"}, **opts)
+    Sandbox._drop_made(made[3]._client, [made[3], made[4]])    # a failed batch's teardown
+    assert len(fake.requests_to("POST", "/v1/sandboxes/kill")) == 3 and not fake.requests_to("DELETE", ".*")
+    assert made[3].info.state == made[4].info.state == SandboxState.stopped
+
+
+def test_kill_many_by_metadata_stops_when_a_round_ends_nothing_new() -> None:
+    """The server ends at most 1,000 matches a call, so the SDK asks again while a round was full; a server
+    that keeps answering the same rows (ones it cannot end) must not make that loop forever."""
+    calls: list[int] = []
+    items = [{"id": f"sb_{i:04d}", "sandbox": None, "error": None} for i in range(1000)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        assert len(calls) < 10, "kill_many looped"
+        return httpx.Response(200, json={"items": items, "killed": 1000, "failed": 0})
+
+    res = Sandbox.kill_many(metadata={"run": "a"}, api_key="pd_test", api_url="http://cp.test",
+                                       transport=httpx.MockTransport(handler))
+    assert len(calls) == 2 and res.killed == 2000

@@ -154,10 +154,14 @@ static void release(struct slot *s) {
 }
 
 /* SIGKILL every live descendant of ``root`` (found through /proc ppid links; the shepherd is a subreaper,
- * so no descendant is ever re-parented past it), walking again until a walk finds no new one. */
+ * so no descendant is ever re-parented past it). Each one found is first SIGSTOPped, walking again until a
+ * walk finds no new one, and only then is everything found SIGKILLed: a process killed in the middle of the
+ * tree would orphan its children before the next walk, and where the subreaper does not hold (gVisor
+ * re-parents orphans to PID 1) they would no longer be found. */
 static void kill_tree(pid_t root) {
     size_t cap = 0, n = 0, ncap = 0, nkilled = 0;
     pid_t *pid = NULL, *ppid = NULL, *killed = NULL;
+    kill(root, SIGSTOP);
     for (int pass = 0; pass < 64; pass++) {
         DIR *d = opendir("/proc");
         if (!d) break;
@@ -207,12 +211,12 @@ static void kill_tree(pid_t root) {
             int seen = 0;
             for (size_t k = 0; k < nkilled && !seen; k++) seen = killed[k] == pid[i];
             if (seen) continue;
-            kill(pid[i], SIGKILL);
+            kill(pid[i], SIGSTOP);
             fresh = 1;
             if (nkilled == ncap) {
                 size_t nc = ncap ? ncap * 2 : 64;
                 pid_t *a = realloc(killed, nc * sizeof *a);
-                if (!a) continue;
+                if (!a) { kill(pid[i], SIGKILL); continue; }   /* unrecorded: never left stopped */
                 killed = a;
                 ncap = nc;
             }
@@ -221,6 +225,7 @@ static void kill_tree(pid_t root) {
         free(mark);
         if (!fresh) break;
     }
+    for (size_t k = 0; k < nkilled; k++) kill(killed[k], SIGKILL);
     free(pid); free(ppid); free(killed);
 }
 
@@ -514,7 +519,42 @@ static struct pollfd pfd[NPFD];
 static short owner[NPFD], kind[NPFD];      /* slot index (-1: signalfd, -2: listener); fd kind */
 enum { K_CONN, K_OUT, K_ERR, K_IN };
 
-int main(void) {
+/* ``/.pd/init --shepherd CMD [ARG...]``: a command the agent runs with ``crun exec`` (its fallback without
+ * the control socket) under a shepherd of its own: a child subreaper, so that every process the command
+ * starts (setsid, double fork) stays below it, where the agent's kill finds it (a walk of the host's /proc
+ * from this process, which is what crun exec's pid file names). Every signal is forwarded to the command,
+ * orphans are reaped, and it exits with the command's status (128+N when killed by signal N). */
+static int shepherd_exec(char **argv) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    pid_t c = fork();
+    if (c < 0) { dprintf(2, "pd-init: fork: %s\n", strerror(errno)); return 126; }
+    if (c == 0) {
+        sigprocmask(SIG_UNBLOCK, &all, NULL);
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "pd-init: exec `%s`: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    /* hold no end of the command's pipes: its output ends when it closes them */
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) { dup2(null, 0); dup2(null, 1); dup2(null, 2); if (null > 2) close(null); }
+    for (;;) {
+        siginfo_t si;
+        int sig = sigwaitinfo(&all, &si);
+        if (sig < 0) continue;
+        if (sig != SIGCHLD) { kill(c, sig); continue; }
+        int st;
+        pid_t w;
+        while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+            if (w == c) return WIFSIGNALED(st) ? 128 + WTERMSIG(st) : WEXITSTATUS(st);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--shepherd") == 0) return shepherd_exec(argv + 2);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGCHLD);
