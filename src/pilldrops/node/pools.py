@@ -61,6 +61,7 @@ def spec_key(spec: NodePoolSpec) -> Key:
 class Claim:
     handle: Handle
     network_attached: bool    # the member's egress (the create's policy) is attached under its id already
+    ready_mono: float | None = None   # CLOCK_MONOTONIC when it became ready: its usage never counts from before
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Member:
     version: object          # the template build it was made from: a rebuilt template retires it
     grant: NodeGrant | None = None     # pre-issued id and token (loopback pools; set when it becomes ready)
     reported: bool = False             # its grant went to a control plane: only claim_grant may take it
+    ready_mono: float = field(default_factory=time.monotonic)    # when it became ready (pool time from here)
 
 
 @dataclass
@@ -179,7 +181,7 @@ class WarmPools:
         self._drop(pool, member)
         pool.hits += 1
         self.wake()
-        return Claim(member.handle, network_attached=False)
+        return Claim(member.handle, network_attached=False, ready_mono=member.ready_mono)
 
     def granted(self, grant_id: str) -> NodeGrant | None:
         """The grant ``grant_id`` while its member is still ready (unclaimed)."""

@@ -173,6 +173,11 @@ class NodeSandboxSpec(_Model):
     disk_mb: int | None = Field(None, description="the writable layer's size in MiB (None: the node's default)")
     network: NodeNetwork | None = Field(None, description="egress (issue 14); None: loopback only")
     template_ref: NodeTemplateRef | None = None   # a template-store version (None: one built on the node)
+    claimed_s: float | None = Field(
+        None, ge=0, exclude_if=lambda v: v is None,
+        description="a pre-issued warm member's hand-over (issue 15): seconds since the control plane recorded "
+                    "the claim, so the node's running seconds count from the claim, never from the hand-over "
+                    "(which comes after the answer) nor from before it (the member's pool time)")
 
 
 class NodeSandboxStatus(_Model):

@@ -6,7 +6,8 @@ control planes, idempotent retries, and ``GrantIndex`` itself."""
 from __future__ import annotations
 
 import secrets
-from datetime import timedelta
+import time
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -17,7 +18,7 @@ from pilldrops.schema.node import NodeGrant, NodePoolStatus
 from pilldrops.server.service.claims import GrantIndex
 from pilldrops.server.service.lifecycle import Lifecycle
 from pilldrops.server.store.interface import NewSandbox
-from tests.stack import Stack, stack
+from tests.stack import Stack, stack, until
 
 pytestmark = pytest.mark.anyio
 SHAPE = {"template": "tiny", "vcpu": 1, "memory_mb": 256}
@@ -82,6 +83,55 @@ async def test_a_claim_is_one_store_write_and_the_node_is_told_after_the_answer(
         run = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo hi"})
         assert '"exit_code":0' in run.text.replace(" ", "")
         assert (await c.delete(f"/v1/sandboxes/{sb['id']}")).json()["state"] == "stopped"
+
+
+async def test_a_claim_is_billed_from_the_claim_however_late_its_node_is_told(tmp_path, monkeypatch) -> None:
+    """The billing race of session 5 (``test_claim_refill_and_billing_from_the_claim`` flaked under load):
+    the record is running and billed from the claim, but the node is told after the answer, and it counted
+    the sandbox's running seconds from that hand-over; so the gap (however long the told-after-the-answer
+    task waited for the loop) was billed in the live view and dropped from the final bill, which was then
+    short of ``ended_at - started_at`` of a sandbox that ran since its claim. Here the hand-over is held
+    past the answer: the node must count from the claim, and the final bill equals the claim-to-end time."""
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        release = anyio.Event()
+        real_tell = Lifecycle._tell
+        handed: list[Any] = []
+
+        async def held(self: Lifecycle, *a: Any, **k: Any) -> None:
+            await release.wait()                       # the told-after-the-answer task, late
+            await real_tell(self, *a, **k)
+
+        real_create = s.agent.create
+
+        async def node_create(spec: Any) -> Any:
+            st = await real_create(spec)               # its status right at the hand-over
+            handed.append((spec, st))
+            return st
+
+        monkeypatch.setattr(Lifecycle, "_tell", held)
+        monkeypatch.setattr(s.agent, "create", node_create)
+        before = time.monotonic()
+        sb = (await c.post("/v1/sandboxes", json={**SHAPE, "timeout": 60})).json()
+        answered = time.monotonic()
+        assert sb["state"] == "running" and sb["id"] not in s.agent.live
+        await anyio.sleep(0.5)
+        released = time.monotonic()
+        release.set()
+        await until(lambda: sb["id"] in s.agent.live)
+        (spec, st), = handed
+        held_s = released - answered
+        assert spec.claimed_s is not None and spec.claimed_s >= held_s
+        # the node's running seconds at the hand-over already cover the time since the claim
+        assert held_s <= st.run_s <= time.monotonic() - before, (st.run_s, held_s)
+        assert 55 <= (st.end_at - s.agent.now()).total_seconds() <= 60 - held_s + 0.01  # the deadline left
+        ended = (await c.delete(f"/v1/sandboxes/{sb['id']}")).json()
+        done = time.monotonic()
+        info = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        assert ended["state"] == "stopped" and info["state"] == "stopped"
+        ran = (datetime.fromisoformat(info["ended_at"]) - datetime.fromisoformat(info["started_at"])).total_seconds()
+        assert held_s <= ran <= done - before                    # claim to end: never the pool time before
+        assert info["vcpu_s"] == pytest.approx(ran * SHAPE["vcpu"], abs=1e-3)   # billed = claim to end
 
 
 async def test_an_idempotent_retry_replays_the_claim_and_wastes_no_member(tmp_path) -> None:

@@ -241,7 +241,7 @@ class Lifecycle:
             if node is None or node.state != "ready" or node.draining:
                 continue
             nodes = [node]
-            now = ctx.clock.now()
+            now, claimed_mono = ctx.clock.now(), ctx.clock.monotonic()    # the claim: billed from here
             try:           # a create refused here (or replayed) gives the grant back: no member is stranded
                 iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
                                         stored_isolation)
@@ -267,24 +267,33 @@ class Lifecycle:
                 raise
             if row is None:
                 continue                     # another control plane claimed this member first
-            spec = ctx.node_spec(row, float(req.timeout), ref)       # type: ignore[arg-type]
             ctx.creating.add(row.id)
             if row.network is not None:      # its egress is attached by the node: answered once it is
-                await self._tell(node, row, spec, raise_=True)
+                await self._tell(node, row, ref, claimed_mono, raise_=True)
             else:                            # the node is told right after the answer
-                task = asyncio.get_running_loop().create_task(self._tell(node, row, spec))
+                task = asyncio.get_running_loop().create_task(self._tell(node, row, ref, claimed_mono))
                 self._telling.add(task)
                 task.add_done_callback(self._telling.discard)
             return row
         return None
 
-    async def _tell(self, node: NodeRecord, row: SandboxRecord, spec: object, raise_: bool = False) -> None:
-        """Hand the claimed member over on its node (``create`` with the grant's id). A refusal ends the
-        record ``failed`` (never billed: the node reported no running time); an unknown outcome is left to
-        the node's next heartbeat (``Reconciler.reconcile_node`` tells it again, or ends the record)."""
+    async def _tell(self, node: NodeRecord, row: SandboxRecord, ref: object, claimed_mono: float | None = None,
+                    raise_: bool = False) -> None:
+        """Hand the claimed member over on its node (``create`` with the grant's id). The spec is made when
+        it is sent: the deadline the record has left, and how long ago the claim was (``claimed_s``: this
+        process's monotonic clock since ``claimed_mono``, else the wall clock since the record's
+        ``started_at``), so the node's running seconds count from the claim however late it is told (billing
+        starts at the claim; the member's pool time before it is never billed). A refusal ends the record
+        ``failed`` (never billed: the node reported no running time); an unknown outcome is left to the
+        node's next heartbeat (``Reconciler.reconcile_node`` tells it again, or ends the record)."""
         ctx = self.ctx
         try:
-            await ctx.nodes.create(node.url, spec)       # type: ignore[arg-type]
+            now = ctx.clock.now()
+            since = (ctx.clock.monotonic() - claimed_mono if claimed_mono is not None
+                     else (now - (row.started_at or now)).total_seconds())
+            left = max(1.0, ((row.end_at or now) - now).total_seconds())
+            spec = ctx.node_spec(row, left, ref).model_copy(update={"claimed_s": max(0.0, since)})  # type: ignore[arg-type]
+            await ctx.nodes.create(node.url, spec)
         except Exception as exc:
             if not outcome_unknown(exc):
                 log.warning("node %s refused pre-issued member %s: %s", node.name, row.id, exc)
@@ -304,12 +313,15 @@ class Lifecycle:
         ctx = self.ctx
         if row.id in ctx.creating:
             return
-        left = max(1.0, ((row.end_at or ctx.clock.now()) - ctx.clock.now()).total_seconds())
-        spec = ctx.node_spec(row, left, await ctx.template_ref(row))
         ctx.creating.add(row.id)
+        try:
+            ref = await ctx.template_ref(row)
+        except BaseException:
+            ctx.creating.discard(row.id)
+            raise
         log.info("telling node %s of claimed member %s again (its create's control plane never did)",
                  node.name, row.id)
-        await self._tell(node, row, spec)
+        await self._tell(node, row, ref)
 
     async def create_batch(self, team_id: str, req: BatchCreateRequest, idempotency_key: str | None = None,
                            disconnected: Callable[[], Awaitable[bool]] | None = None) -> BatchCreateResponse:
