@@ -14,8 +14,14 @@ Failure analysis (what keeps "an answered create is in the store" and exact bill
   replays it (it is running); the node is told by the next heartbeat (below).
 - after the answer, before the node was told: the row is recorded; requests for the sandbox wait on the
   node (``GRANT_WAIT_S``); the node's next heartbeat still lists the grant, and ``Reconciler.reconcile_node``
-  tells the node then (``resync``), with the deadline left from the record's ``end_at``. Billing is the
-  node's running seconds from the hand-over (as for every create); ``started_at`` is the claim.
+  tells the node then (``resync``), with the deadline left from the record's ``end_at``.
+- billing: ``started_at`` is the claim, and the node's running seconds count from the claim too, however
+  late it is told (the tell carries ``claimed_s``, the claim's age when it is sent: this process's
+  monotonic clock, or for a resync the wall clock since ``started_at``; the node never counts from before
+  the member became ready, so its pool time is never billed). Before, the node counted from the hand-over,
+  which comes after the answer: the live view (wall time since the claim) billed the gap and the final bill
+  dropped it (``test_a_claim_is_billed_from_the_claim_however_late_its_node_is_told``). The create request's
+  own transit to the node (milliseconds) is the only time not counted.
 - node agent restarted before it was told: its unclaimed members are reaped, the grant is gone; the
   record is then a running sandbox its node no longer has: ``lost`` after the usual grace period, billed
   nothing (no running seconds were reported).
