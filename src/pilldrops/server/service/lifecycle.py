@@ -254,11 +254,12 @@ class Lifecycle:
                     disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
                     else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
                     created_at=now, end_at=now + timedelta(seconds=req.timeout))
-                if claim.network is not None and ctx.pools is not None and any(
-                        p.network is not None and (p.template, p.vcpu, p.memory_mb) == (req.template, req.vcpu,
-                                                                                        req.memory_mb)
-                        for p in await ctx.pools.specs()):
-                    # pools per egress policy exist for this shape: the node picks a member made with it
+                policy = network_key(egress.node_network(claim.network, ctx.egress))
+                if policy and ctx.pools is not None and any(
+                        network_key(p.network) == policy and (p.template, p.vcpu, p.memory_mb) == (
+                            req.template, req.vcpu, req.memory_mb) for p in await ctx.pools.specs()):
+                    # a pool of this very egress policy exists for this shape: the node picks a member made
+                    # with it (another policy takes this loopback member, its network attached at the tell)
                     ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
                     return None
                 row = await ctx.store.insert_claimed(claim, node.id, now)
