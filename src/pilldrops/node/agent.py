@@ -114,7 +114,6 @@ class Stats:
     ended: dict[str, int] = field(default_factory=dict)
 
 
-
 def _usage_start(claimed_s: float | None, ready_mono: float | None) -> float | None:
     """CLOCK_MONOTONIC a pre-issued member's usage counts from (issue 15): its claim, ``claimed_s`` seconds
     before now as the control plane measured it (the hand-over comes after the create's answer: billing
@@ -124,6 +123,7 @@ def _usage_start(claimed_s: float | None, ready_mono: float | None) -> float | N
         return None
     start = time.monotonic() - max(0.0, claimed_s)
     return max(start, ready_mono) if ready_mono is not None else start
+
 
 class NodeAgent:
     def __init__(self, settings: Settings, runtime: Runtime, templates: Templates, state_dir: Path,
