@@ -79,3 +79,32 @@ def test_claimed_members_are_unique_fresh_and_refilled(server: Server, api: http
     while _pool(api) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _pool(api)
+
+
+def test_a_claim_from_a_pre_issued_member_runs_at_once_and_keeps_its_timeout(server: Server,
+                                                                             api: httpx.Client) -> None:
+    """Issue 15: the create is answered from the member's grant (one store write) and the node is told right
+    after; the client's first command must not notice, and the node enforces the create's timeout."""
+    api.put("/v1/pools", json={**SHAPE, "size": 1}).raise_for_status()
+    try:
+        _wait_pool(api, 1)                   # the heartbeat that reported it ready carried its grant
+        sb = Sandbox.create(**SHAPE, envs={"CLAIMED": "yes"}, metadata={"claim": "e2e"}, timeout=3,
+                            api_url=server.api_url, api_key=server.api_key)
+        try:
+            assert sb.info.started_at == sb.info.created_at       # answered from the grant, billed from now
+            r = sb.run("env")                                     # at once: the node may not know it yet
+            assert r.exit_code == 0 and "CLAIMED=yes" in r.stdout, r
+            deadline = time.monotonic() + 30
+            while (info := sb.get_info()).state == "running" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert info.state == "stopped" and info.end_reason == "timeout", info
+            assert 2.5 <= (info.ended_at - info.started_at).total_seconds() <= 10, info
+            assert info.cost_usd > 0
+        finally:
+            sb.kill()
+    finally:
+        api.put("/v1/pools", json={**SHAPE, "size": 0}).raise_for_status()
+    deadline = time.monotonic() + 30
+    while _pool(api) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pool(api)

@@ -31,6 +31,7 @@ import anyio
 import httpx
 
 from pilldrops import errors
+from pilldrops._internal.ids import same_secret
 from pilldrops.node.checkpoints import Checkpoints
 from pilldrops.node.control_plane import ControlPlaneClient, Identity
 from pilldrops.node.dataplane import Target
@@ -113,6 +114,17 @@ class Stats:
     ended: dict[str, int] = field(default_factory=dict)
 
 
+def _usage_start(claimed_s: float | None, ready_mono: float | None) -> float | None:
+    """CLOCK_MONOTONIC a pre-issued member's usage counts from (issue 15): its claim, ``claimed_s`` seconds
+    before now as the control plane measured it (the hand-over comes after the create's answer: billing
+    starts at the claim, as the record's ``started_at`` says), never before the member became ready (its
+    pool time is never billed). None (count from the hand-over) when the control plane did not say."""
+    if claimed_s is None:
+        return None
+    start = time.monotonic() - max(0.0, claimed_s)
+    return max(start, ready_mono) if ready_mono is not None else start
+
+
 class NodeAgent:
     def __init__(self, settings: Settings, runtime: Runtime, templates: Templates, state_dir: Path,
                  *, http: httpx.AsyncClient | None = None, now: Callable[[], datetime] = utcnow,
@@ -145,7 +157,9 @@ class NodeAgent:
         self.pools = WarmPools(runtime, self._member_spec, self.template_cache.has,
                                concurrency=settings.pool_concurrency,
                                template_version=self.template_cache.version,
-                               attach=self._attach_member, release=lambda mid: self.egress.release(mid))
+                               attach=self._attach_member, release=lambda mid: self.egress.release(mid),
+                               grant_version=self.template_cache.store_version,
+                               on_ready=lambda: self._wake_heartbeat.set())
         self.control_plane = ControlPlaneClient(
             settings.control_plane_url, self._http,
             Identity(settings.name, settings.public_url, settings.capacity_vcpu, settings.capacity_memory_mb,
@@ -265,13 +279,30 @@ class NodeAgent:
             raise errors.InvalidRequest(why, details={"field": "disk_mb", "disk_mb": rt_spec.disk_mb,
                                                       "isolation": rt_spec.isolation})
         # warm pools are containers, and their members have the template's default disk
-        member = (self.pools.claim(spec.template, spec.vcpu, spec.memory_mb, spec.network)
-                  if spec.isolation == "container" and self.template_cache.pooled_version(spec)
-                  and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None}))
-                  else None)
-        if member is not None:             # warm: a ready member becomes this sandbox (billing starts now)
-            sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
-            return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached)
+        existing = self.sandboxes.get(spec.id)    # again: a concurrent create of this id may have made it
+        if existing is not None and existing.state in _LIVE:
+            return existing.status()
+        if existing is not None:
+            raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
+                                      current=existing.state.value, target="running")
+        poolable = (spec.isolation == "container" and self.template_cache.pooled_version(spec)
+                    and rt_spec.disk_mb == self.template_cache.disk_mb(spec.model_copy(update={"disk_mb": None})))
+        grant = self.pools.granted(spec.id)
+        if grant is not None:     # the control plane answered this create from a pre-issued member (issue 15)
+            if not same_secret(grant.access_token, spec.access_token):
+                raise errors.InvalidRequest(f"sandbox {spec.id} is a pre-issued member with another access token")
+            member = self.pools.claim_grant(spec.id, spec.template, spec.vcpu, spec.memory_mb) if poolable else None
+            if member is None:
+                raise errors.InvalidState(f"pre-issued member {spec.id} does not fit this create (template "
+                                          "rebuilt, other shape, isolation or disk)", current="ready",
+                                          target="running")
+        else:
+            member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb, spec.network) if poolable else None
+        if member is not None:             # warm: a ready member becomes this sandbox (billing starts now, or
+            sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))     # at the claim: ``_usage_start``)
+            since = _usage_start(spec.claimed_s, member.ready_mono) if grant is not None else None
+            return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached,
+                                         since=since)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
         # journaled once, when it runs (``_adopt_new``), not also before: an agent killed in between leaves
         # a half-made sandbox that the next start reaps as unrecorded (``Recovery``: every id the runtime
@@ -301,8 +332,9 @@ class NodeAgent:
             raise errors.NotSupported(f"egress is not available on node {self.settings.name}: {why}",
                                       details={"feature": "egress"})
 
-    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool,
-                         attached: bool = False) -> NodeSandboxStatus:
+    async def _adopt_new(self, sb: Sandbox, handle: Handle, *, claimed: bool, attached: bool = False,
+                         since: float | None = None) -> NodeSandboxStatus:
+        """``since``: CLOCK_MONOTONIC its usage counts from (a pre-issued member: its claim), else now."""
         try:
             if attached:                   # a member of the pool of this policy: its network is there already
                 self.egress.rekey(handle.id, sb.id)
@@ -312,7 +344,9 @@ class NodeAgent:
                 except RuntimeFailure as exc:
                     raise errors.ServerError(f"sandbox network failed to start: {exc}") from exc
             sb.target = self._target(sb.spec, handle)
-            sb.started_at, sb.started_mono = self.now(), time.monotonic()
+            mono = time.monotonic()
+            start = mono if since is None else min(since, mono)
+            sb.started_at, sb.started_mono = self.now() - timedelta(seconds=mono - start), start
             self.sandboxes.move(sb, NodeState.running)
             self.journal.write(sb.journal_entry())
         except BaseException:    # what the runtime made goes with its record (never stuck in "creating")

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import HTTPConnection
 from starlette.types import Send
 
 from pilldrops import errors
@@ -32,6 +33,8 @@ from pilldrops.schema.node import (
     NodeTemplateRef,
 )
 
+GRANT_WAIT_S = 10.0       # how long a request for a pre-issued member waits for the node to be told of its claim
+
 
 class RunStream(StreamingResponse):
     """A run's NDJSON stream whose ``Last`` chunk (the exit line) ends the body in the same write as the
@@ -50,12 +53,21 @@ class RunStream(StreamingResponse):
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
-    async def recovered() -> None:
+    async def recovered(conn: HTTPConnection) -> None:
         # a restarted agent serves only once it has re-adopted its sandboxes: until then it would answer
         # 404 for live ones (a kill then recorded as ended and unbilled while the sandbox ran on)
         if not agent.recovered:
             raise errors.NodeUnavailable("the node agent is re-adopting its sandboxes after a restart; retry "
                                          "in a moment")
+        # a create answered from a pre-issued warm member reaches the client before this node is told of it:
+        # a request for it (data plane or kill) waits for that (milliseconds; a control plane that died in
+        # between has its heartbeat handler tell us)
+        sid = conn.path_params.get("sandbox_id")
+        if sid and agent.sandboxes.get(sid) is None and (grant := agent.pools.granted(sid)) is not None:
+            token = conn.headers.get("x-access-token") or conn.query_params.get("access_token") or ""
+            node_call = same(bearer(conn) or "", node_token)  # type: ignore[arg-type]
+            if same(token, grant.access_token) or node_call:      # only its holder waits: no oracle of ids
+                await agent.pools.wait_granted(sid, GRANT_WAIT_S)
 
     app = FastAPI(title="PillDrops node agent", version=__version__, dependencies=[Depends(recovered)])
     app.add_middleware(RequestIdMiddleware)

@@ -87,7 +87,7 @@ class ControlPlaneClient:
         pool_cpu, pool_mem = self.pools.reserved()
         cpu, mem = self._usage()
         hb = NodeHeartbeat(templates=self._templates(), sandboxes=self._statuses(), used_vcpu=cpu + pool_cpu,
-                           used_memory_mb=mem + pool_mem, pools=self.pools.statuses())
+                           used_memory_mb=mem + pool_mem, pools=self.pools.statuses(grants=True))
         resp = await self.http.post(f"{self.url}/internal/v1/nodes/{self.node_id}/heartbeat",
                                     content=hb.model_dump_json(), headers=_JSON)
         if resp.status_code == 404:

@@ -17,11 +17,18 @@ shape claims instead of booting one (issue 5).
   first. After ``BREAKER_FAILURES`` consecutive failed refills a pool's breaker opens: no refills for a
   back-off that doubles from 2 s up to 5 minutes, then one trial create (half-open) that closes it again
   on success.
+- Grants (issue 15): each ready member of a loopback-only pool carries a pre-issued sandbox id and access
+  token, sent to the control plane with the heartbeat (woken at once when a member becomes ready). A control
+  plane answers a create of the shape from that grant (one store write) and then tells the node (a create
+  with the grant's id): ``claim_grant``. Once a grant was reported it is only ever claimed by its id, never by
+  an anonymous ``claim``, so no member is handed out twice; requests for a granted id that arrive before the
+  node was told wait for it (``wait_granted``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -30,8 +37,9 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from pilldrops._internal.ids import new_id
 from pilldrops.node.runtime.base import Handle, Runtime, SandboxSpec
-from pilldrops.schema.node import NodeNetwork, NodePoolSpec, NodePoolStatus, network_key
+from pilldrops.schema.node import NodeGrant, NodeNetwork, NodePoolSpec, NodePoolStatus, network_key
 
 log = logging.getLogger("pilldrops.node.pools")
 Key = tuple[str, float, int, str]       # shape and the members' ``network_key`` ("" loopback only)
@@ -53,12 +61,16 @@ def spec_key(spec: NodePoolSpec) -> Key:
 class Claim:
     handle: Handle
     network_attached: bool    # the member's egress (the create's policy) is attached under its id already
+    ready_mono: float | None = None   # CLOCK_MONOTONIC when it became ready: its usage never counts from before
 
 
-@dataclass(frozen=True)
+@dataclass
 class Member:
     handle: Handle
     version: object          # the template build it was made from: a rebuilt template retires it
+    grant: NodeGrant | None = None     # pre-issued id and token (loopback pools; set when it becomes ready)
+    reported: bool = False             # its grant went to a control plane: only claim_grant may take it
+    ready_mono: float = field(default_factory=time.monotonic)    # when it became ready (pool time from here)
 
 
 @dataclass
@@ -77,8 +89,9 @@ class Pool:
     def breaker_open(self) -> bool:
         return self.failures >= BREAKER_FAILURES
 
-    def status(self) -> NodePoolStatus:
-        return NodePoolStatus(**self.spec.model_dump(), ready=len(self.ready), starting=self.starting,
+    def status(self, grants: bool = False) -> NodePoolStatus:
+        given = [m.grant for m in self.ready if m.grant is not None] if grants else []
+        return NodePoolStatus(**self.spec.model_dump(), grants=given, ready=len(self.ready), starting=self.starting,
                               hits=self.hits, misses=self.misses, failures=self.failures,
                               breaker_open=self.breaker_open, last_error=self.last_error)
 
@@ -91,8 +104,14 @@ class WarmPools:
                  has_template: Callable[[str], bool], *, concurrency: int = 2,
                  template_version: Callable[[str], object] = lambda name: None,
                  attach: Callable[[Handle, NodeNetwork], Awaitable[object]] | None = None,
-                 release: Callable[[str], Awaitable[None]] | None = None) -> None:
+                 release: Callable[[str], Awaitable[None]] | None = None,
+                 grant_version: Callable[[str], str | None] = lambda name: None,
+                 on_ready: Callable[[], None] = lambda: None) -> None:
         self.runtime = runtime
+        self.grant_version = grant_version      # the template-store version a member is of (grants carry it)
+        self.on_ready = on_ready                # a member became ready: report its grant now
+        self._granted: dict[str, tuple[Pool, Member]] = {}     # grant id -> its ready member
+        self._claimed: dict[str, anyio.Event] = {}             # grant id -> set once claimed or gone
         self.attach = attach
         self.release = release
         self.make_spec = make_spec
@@ -139,8 +158,10 @@ class WarmPools:
             return None
         self.wake()
         current = self.template_version(pool.spec.template)
-        while pool.ready:
-            member = pool.ready.popleft()
+        for member in list(pool.ready):
+            if member.reported:
+                continue                            # promised to a control plane: claimed by its grant only
+            self._drop(pool, member)
             if member.version == current:
                 pool.hits += 1
                 return member.handle
@@ -148,8 +169,54 @@ class WarmPools:
         pool.misses += 1
         return None
 
-    def statuses(self) -> list[NodePoolStatus]:
-        return [p.status() for p in self.pools.values() if p.spec.size > 0 and self.has_template(p.spec.template)]
+    def claim_grant(self, grant_id: str, template: str, vcpu: float, memory_mb: int) -> Claim | None:
+        """The ready (loopback-only) member pre-issued as ``grant_id`` if it is of this shape and of the
+        template's current build, now the caller's; None when no such grant is held here (issue 15)."""
+        found = self._granted.get(grant_id)
+        if found is None or found[0] is not self.pools.get(key_of(template, vcpu, memory_mb)):
+            return None
+        pool, member = found
+        if member.version != self.template_version(template):
+            return None
+        self._drop(pool, member)
+        pool.hits += 1
+        self.wake()
+        return Claim(member.handle, network_attached=False, ready_mono=member.ready_mono)
+
+    def granted(self, grant_id: str) -> NodeGrant | None:
+        """The grant ``grant_id`` while its member is still ready (unclaimed)."""
+        found = self._granted.get(grant_id)
+        return found[1].grant if found is not None else None
+
+    async def wait_granted(self, grant_id: str, timeout: float) -> None:
+        """Until the member of ``grant_id`` was claimed or is gone (at most ``timeout`` seconds)."""
+        ev = self._claimed.get(grant_id)
+        if ev is not None:
+            with anyio.move_on_after(timeout):
+                await ev.wait()
+
+    def _drop(self, pool: Pool, member: Member) -> None:
+        """``member`` leaves the ready list (claimed, retired or destroyed): its grant with it."""
+        try:
+            pool.ready.remove(member)
+        except ValueError:
+            pass
+        if member.grant is not None:
+            self._granted.pop(member.grant.id, None)
+            ev = self._claimed.pop(member.grant.id, None)
+            if ev is not None:
+                ev.set()
+
+    def statuses(self, grants: bool = False) -> list[NodePoolStatus]:
+        """Each pool's status; ``grants``: with the ready members' grants (for a heartbeat), which from now
+        on are claimed by their id only."""
+        out = [p.status(grants) for p in self.pools.values() if p.spec.size > 0 and self.has_template(p.spec.template)]
+        if grants:
+            for pool in self.pools.values():
+                for m in pool.ready:
+                    if m.grant is not None:
+                        m.reported = True
+        return out
 
     def reserved(self) -> tuple[float, int]:
         """(vCPU, MiB) the pools hold: their target size, whatever is ready right now."""
@@ -178,10 +245,12 @@ class WarmPools:
                 pool.spec = pool.spec.model_copy(update={"size": 0})
             current = self.template_version(pool.spec.template)
             for member in [m for m in pool.ready if m.version != current]:   # rebuilt: retire old members
-                pool.ready.remove(member)
+                self._drop(pool, member)
                 await self._destroy(member.handle)
             while len(pool.ready) > pool.spec.size:            # shrunk or removed: destroy the surplus
-                await self._destroy(pool.ready.pop().handle)
+                member = pool.ready[-1]
+                self._drop(pool, member)
+                await self._destroy(member.handle)
             if pool.spec.size == 0 and pool.starting == 0 and not pool.ready:
                 self.pools.pop(key, None)
         now = time.monotonic()
@@ -233,7 +302,15 @@ class WarmPools:
             current = self.pools.get(spec_key(pool.spec))
             if current is pool and len(pool.ready) < pool.spec.size and not self._closing \
                     and version == self.template_version(pool.spec.template):
-                pool.ready.append(Member(handle, version))
+                grant = (NodeGrant(id=new_id("sb"), access_token=secrets.token_urlsafe(24),
+                                   template_version=self.grant_version(pool.spec.template))
+                         if pool.spec.network is None else None)       # loopback pools are pre-issued
+                member = Member(handle, version, grant)
+                pool.ready.append(member)
+                if grant is not None:
+                    self._granted[grant.id] = (pool, member)
+                    self._claimed[grant.id] = anyio.Event()
+                    self.on_ready()
             else:
                 await self._destroy(handle)
 
@@ -256,7 +333,9 @@ class WarmPools:
             await self._destroy(self._retired.pop())
         for pool in list(self.pools.values()):       # the refill loop may drop emptied pools meanwhile
             while pool.ready:
-                await self._destroy(pool.ready.pop().handle)
+                member = pool.ready[-1]
+                self._drop(pool, member)
+                await self._destroy(member.handle)
         with anyio.move_on_after(30):
             while self.in_flight:
                 await anyio.sleep(0.02)

@@ -197,6 +197,11 @@ class TemplateCache:
     def has(self, name: str) -> bool:
         return name in self._cache
 
+    def store_version(self, name: str) -> str | None:
+        """The template-store version of the template ``name`` held here (None: built on this node)."""
+        tpl = self._cache.get(name)
+        return str(tpl.version) if isinstance(tpl, StoredTemplate) else None
+
     def version(self, name: str) -> object:
         """What changes when the template is rebuilt (warm-pool members of an older build are replaced)."""
         tpl = self._cache.get(name)

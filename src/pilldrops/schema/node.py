@@ -56,7 +56,17 @@ class NodePoolSpec(_Model):
     network: NodeNetwork | None = Field(None, exclude_if=lambda v: v is None)
 
 
+class NodeGrant(_Model):
+    """A ready warm-pool member, pre-issued to the control plane: a create of its shape may be answered
+    with it from memory (one store write), and the node is told afterwards (a create with this ``id``)."""
+
+    id: str                            # the sandbox id it becomes
+    access_token: str                  # its data-plane token (the node checks the create carries it)
+    template_version: str | None = None   # a template-store version it was made from (None: node-built)
+
+
 class NodePoolStatus(NodePoolSpec):
+    grants: list[NodeGrant] = Field(default_factory=list)   # heartbeats only (never in API views)
     ready: int = 0
     starting: int = 0
     hits: int = 0
@@ -163,6 +173,11 @@ class NodeSandboxSpec(_Model):
     disk_mb: int | None = Field(None, description="the writable layer's size in MiB (None: the node's default)")
     network: NodeNetwork | None = Field(None, description="egress (issue 14); None: loopback only")
     template_ref: NodeTemplateRef | None = None   # a template-store version (None: one built on the node)
+    claimed_s: float | None = Field(
+        None, ge=0, exclude_if=lambda v: v is None,
+        description="a pre-issued warm member's hand-over (issue 15): seconds since the control plane recorded "
+                    "the claim, so the node's running seconds count from the claim, never from the hand-over "
+                    "(which comes after the answer) nor from before it (the member's pool time)")
 
 
 class NodeSandboxStatus(_Model):

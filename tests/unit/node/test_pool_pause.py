@@ -24,7 +24,10 @@ async def test_claimed_sandbox_pauses_resumes_and_moves(tmp_path) -> None:
             while not any(p.ready for a in (s.agent, s.others[0][0]) for p in a.pools.pools.values()):
                 await anyio.sleep(0.02)
         sb = (await c.post("/v1/sandboxes", json=shape)).json()
-        holder = s.agent if sb["id"] in s.agent.live else s.others[0][0]
+        holder = s.agent if sb["node_id"] == s.agent.node_id else s.others[0][0]
+        with anyio.fail_after(10):                     # a pre-issued member: its node is told after the answer
+            while sb["id"] not in holder.live:
+                await anyio.sleep(0.02)
         assert holder.live[sb["id"]].target.handle.id.startswith("pd-")        # claimed
         await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo kept > f"})
         for _ in range(2):                                                      # on its own node

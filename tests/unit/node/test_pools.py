@@ -3,6 +3,8 @@ with bounded concurrency, the circuit breaker, reserved capacity, billing from t
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -37,18 +39,27 @@ async def test_claim_refill_and_billing_from_the_claim(tmp_path) -> None:
         await _until(lambda: len(_pool(s).ready) == 3)
         members = {m.handle.id for m in _pool(s).ready}
         await anyio.sleep(0.5)                        # pool time is never billed
+        before, before_mono = datetime.now(UTC), time.monotonic()
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
         assert sb["state"] == "running"
+        await _until(lambda: sb["id"] in s.agent.live)    # told right after the answer (a pre-issued member)
         live = s.agent.live[sb["id"]]
         assert live.target.handle.id in members and s.agent.stats.claimed == 1
         info = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
-        assert info["vcpu_s"] < 0.4
+        # billed from the claim (made during the create request), never from before it: bounds, not timings
+        assert datetime.fromisoformat(info["started_at"]) >= before
+        assert 0 <= info["vcpu_s"] <= time.monotonic() - before_mono
+        assert live.started_mono is not None and live.started_mono >= before_mono   # the node's count too
         r = await c.post(f"/v1/sandboxes/{sb['id']}/run", json={"cmd": "echo hi"})
         assert '"exit_code":0' in r.text.replace(" ", "")
         await _until(lambda: len(_pool(s).ready) == 3)          # refilled with a new member
         assert live.target.handle.id not in {m.handle.id for m in _pool(s).ready}
         # a claimed member is never handed out again, even after its sandbox ended
         await c.delete(f"/v1/sandboxes/{sb['id']}")
+        done = time.monotonic()
+        info = (await c.get(f"/v1/sandboxes/{sb['id']}")).json()
+        ran = (datetime.fromisoformat(info["ended_at"]) - datetime.fromisoformat(info["started_at"])).total_seconds()
+        assert 0 < ran <= done - before_mono and info["vcpu_s"] == pytest.approx(ran, abs=1e-3)  # claim to end
         assert live.target.handle.id not in {m.handle.id for m in _pool(s).ready}
         assert live.target.handle.id not in await s.runtime.list_ids()
         listed = (await c.get("/v1/pools")).json()["items"]
@@ -61,6 +72,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         s.runtime.create_delay = 0.3
         await _set(c, 1)
         await _until(lambda: len(_pool(s).ready) == 1)
+        await s.agent._heartbeat()       # the control plane holds its grant (a reported member is claimed by it)
         codes: list[int] = []
 
         async def create() -> None:
@@ -74,6 +86,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         other = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})
         assert other.status_code == 201                           # another shape: not pooled, not a miss
         pool = _pool(s)
+        await _until(lambda: pool.hits == 1)             # the claim's node is told right after its answer
         assert (pool.hits, pool.misses) == (1, 2) and s.agent.stats.claimed == 1
         await s.agent._heartbeat()
         info = (await c.get("/v1/pools")).json()["items"][0]
@@ -136,6 +149,7 @@ async def test_restarted_agent_reaps_unclaimed_members(tmp_path) -> None:
         await _set(c, 2)
         await _until(lambda: len(_pool(s).ready) == 2)
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 1, "memory_mb": 256})).json()
+        await _until(lambda: sb["id"] in s.agent.live)   # a pre-issued member: told after the answer
         member = s.agent.live[sb["id"]].target.handle.id
         await _until(lambda: len(_pool(s).ready) == 2)
         unclaimed = {m.handle.id for m in _pool(s).ready}

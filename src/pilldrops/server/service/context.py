@@ -24,6 +24,7 @@ from pilldrops.server.domain.states import TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service import egress
 from pilldrops.server.service.billing import BillingService
+from pilldrops.server.service.claims import GrantIndex
 from pilldrops.server.service.pools import PoolService
 from pilldrops.server.store.interface import NodeRecord, SandboxRecord, Store
 
@@ -65,6 +66,7 @@ class SandboxContext:
     node_cache: TTLCache[str, NodeRecord] = field(init=False)
     in_flight: set[str] = field(default_factory=set)      # pauses/resumes this process is carrying out
     creating: set[str] = field(default_factory=set)       # creates this process is carrying out (placed rows)
+    grants: GrantIndex = field(default_factory=GrantIndex)   # pre-issued warm members, per shape (claims)
     # the last usage report of each running sandbox (billed every commit_every_s): what is billed when its
     # node is lost before the next commit
     last_usage: dict[str, NodeSandboxStatus] = field(default_factory=dict)

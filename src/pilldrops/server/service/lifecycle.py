@@ -8,6 +8,8 @@ over-commit a node; the node is called only after that transaction.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import secrets
 from collections.abc import Awaitable, Callable
@@ -38,7 +40,7 @@ from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus, network_key
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE
 from pilldrops.server.service import egress, isolation, placement
-from pilldrops.server.service.context import SandboxContext, legal_from, log
+from pilldrops.server.service.context import SandboxContext, legal_from, log, outcome_unknown
 from pilldrops.server.store.interface import (
     Allocations,
     DuplicateIdempotencyKey,
@@ -66,6 +68,7 @@ class Lifecycle:
         self.max_disk_mb = DEFAULT_MAX_DISK_MB                  # `up/serve --max-disk-mb`
         self._place_lock = anyio.Lock()
         self._admission = anyio.Semaphore(ADMISSION)
+        self._telling: set[asyncio.Task[None]] = set()         # claims the node is being told of
 
     # ---- views ---------------------------------------------------------------------------------------
 
@@ -125,7 +128,9 @@ class Lifecycle:
         """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
         ctx = self.ctx
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
-        if idempotency_key:
+        # a claimable create checks its key by its insert (the unique index), not by a read before it
+        claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
+        if idempotency_key and not claimable:
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
@@ -143,6 +148,16 @@ class Lifecycle:
         specs = await ctx.pools.specs() if ctx.pools else []
         ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
         new.template_version = ref.version if ref is not None else None
+        if claimable:
+            try:
+                if (claimed := await self._claim(req, new, ref)) is not None:
+                    return claimed, True
+            except DuplicateIdempotencyKey:
+                pass        # an earlier attempt holds the key: replayed below
+            if idempotency_key:
+                existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+                if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+                    return replayed, False
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
@@ -209,6 +224,105 @@ class Lifecycle:
             with anyio.CancelScope(shield=True):
                 await ctx.quiet_kill(node, row.id, "(killed while starting) ")
         return (updated or await ctx.get_row(team_id, row.id)), True
+
+    # ---- warm claims from pre-issued grants (issue 15; failure analysis in ``service.claims``) ---------
+
+    async def _claim(self, req: CreateSandboxRequest, new: NewSandbox, ref: object) -> SandboxRecord | None:
+        """The create answered from a ready warm member a node pre-issued, with ONE store write; None when no
+        grant fits (the regular path then places it, and may still claim an unreported member there)."""
+        ctx = self.ctx                       # (members are containers with the template's default disk)
+        version = str(ref.version) if ref is not None else None       # type: ignore[attr-defined]
+        stored_isolation = getattr(ref, "isolation", None)
+        while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
+                                     lambda node_id: (n := ctx.node_cache.get(node_id)) is None
+                                     or (n.state == "ready" and not n.draining))) is not None:
+            node_id, grant = got
+            node = await ctx.node(node_id)
+            if node is None or node.state != "ready" or node.draining:
+                continue
+            nodes = [node]
+            now, claimed_mono = ctx.clock.now(), ctx.clock.monotonic()    # the claim: billed from here
+            try:           # a create refused here (or replayed) gives the grant back: no member is stranded
+                iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
+                                        stored_isolation)
+                if iso != "container":
+                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                    return None
+                tpl_disk = isolation.template_disk_mb(nodes, req.template)
+                claim = dataclasses.replace(
+                    new, id=grant.id, access_token=grant.access_token, state=S.running.value, isolation=iso,
+                    disk_mb=self._check_disk(tpl_disk, f"template {req.template}'s disk_mb") if tpl_disk
+                    else self.default_disk_mb, network=egress.resolve(req, nodes, iso, ctx.egress),
+                    created_at=now, end_at=now + timedelta(seconds=req.timeout))
+                policy = network_key(egress.node_network(claim.network, ctx.egress))
+                if policy and ctx.pools is not None and any(
+                        network_key(p.network) == policy and (p.template, p.vcpu, p.memory_mb) == (
+                            req.template, req.vcpu, req.memory_mb) for p in await ctx.pools.specs()):
+                    # a pool of this very egress policy exists for this shape: the node picks a member made
+                    # with it (another policy takes this loopback member, its network attached at the tell)
+                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                    return None
+                row = await ctx.store.insert_claimed(claim, node.id, now)
+            except BaseException:
+                ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
+                raise
+            if row is None:
+                continue                     # another control plane claimed this member first
+            ctx.creating.add(row.id)
+            if row.network is not None:      # its egress is attached by the node: answered once it is
+                await self._tell(node, row, ref, claimed_mono, raise_=True)
+            else:                            # the node is told right after the answer
+                task = asyncio.get_running_loop().create_task(self._tell(node, row, ref, claimed_mono))
+                self._telling.add(task)
+                task.add_done_callback(self._telling.discard)
+            return row
+        return None
+
+    async def _tell(self, node: NodeRecord, row: SandboxRecord, ref: object, claimed_mono: float | None = None,
+                    raise_: bool = False) -> None:
+        """Hand the claimed member over on its node (``create`` with the grant's id). The spec is made when
+        it is sent: the deadline the record has left, and how long ago the claim was (``claimed_s``: this
+        process's monotonic clock since ``claimed_mono``, else the wall clock since the record's
+        ``started_at``), so the node's running seconds count from the claim however late it is told (billing
+        starts at the claim; the member's pool time before it is never billed). A refusal ends the record
+        ``failed`` (never billed: the node reported no running time); an unknown outcome is left to the
+        node's next heartbeat (``Reconciler.reconcile_node`` tells it again, or ends the record)."""
+        ctx = self.ctx
+        try:
+            now = ctx.clock.now()
+            since = (ctx.clock.monotonic() - claimed_mono if claimed_mono is not None
+                     else (now - (row.started_at or now)).total_seconds())
+            left = max(1.0, ((row.end_at or now) - now).total_seconds())
+            spec = ctx.node_spec(row, left, ref).model_copy(update={"claimed_s": max(0.0, since)})  # type: ignore[arg-type]
+            await ctx.nodes.create(node.url, spec)
+        except Exception as exc:
+            if not outcome_unknown(exc):
+                log.warning("node %s refused pre-issued member %s: %s", node.name, row.id, exc)
+                with anyio.CancelScope(shield=True):
+                    await ctx.store.update_sandbox(
+                        row.id, from_states=[S.running.value], state=S.failed.value,
+                        end_reason=EndReason.failed_start.value, ended_at=row.started_at, idempotency_key=None,
+                        error=exc.message if isinstance(exc, errors.PillDropsError) else repr(exc))
+            if raise_:
+                raise
+        finally:
+            ctx.creating.discard(row.id)
+
+    async def resync_claim(self, node: NodeRecord, row: SandboxRecord) -> None:
+        """A claim recorded whose node was never told (its control plane died in between; the node still
+        lists the grant): tell it now, with the deadline the record has left."""
+        ctx = self.ctx
+        if row.id in ctx.creating:
+            return
+        ctx.creating.add(row.id)
+        try:
+            ref = await ctx.template_ref(row)
+        except BaseException:
+            ctx.creating.discard(row.id)
+            raise
+        log.info("telling node %s of claimed member %s again (its create's control plane never did)",
+                 node.name, row.id)
+        await self._tell(node, row, ref)
 
     async def create_batch(self, team_id: str, req: BatchCreateRequest, idempotency_key: str | None = None,
                            disconnected: Callable[[], Awaitable[bool]] | None = None) -> BatchCreateResponse:

@@ -51,15 +51,18 @@ class NodeService:
             isolation={m: v.model_dump(mode="json") for m, v in req.isolation.items()} or None,
             ram_mb=req.ram_mb or None)
         self.sandboxes.forget_node(node.id)          # its URL may have changed
+        self.sandboxes.ctx.grants.drop_node(node.id)  # a restarted agent reaped its unclaimed members
         await self._absorb(node.id, req.sandboxes)
         return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval,
                               pools=await self.pools.specs() if self.pools else [])
 
     async def heartbeat(self, node_id: str, hb: NodeHeartbeat) -> NodeHeartbeatReply:
         node = await self.store.heartbeat(node_id, [t.model_dump(mode="json") for t in hb.templates],
-                                          self.clock.now(), [p.model_dump(mode="json") for p in hb.pools])
+                                          self.clock.now(),
+                                          [p.model_dump(mode="json", exclude={"grants"}) for p in hb.pools])
         if node is None:
             raise errors.NotFound(f"unknown node {node_id!r}: register again")
+        self.sandboxes.ctx.grants.update(node_id, hb.pools)     # its ready members, pre-issued (claims)
         await self._absorb(node_id, hb.sandboxes)
         return NodeHeartbeatReply(pools=await self.pools.specs() if self.pools else [])
 

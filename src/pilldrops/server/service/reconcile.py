@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from pilldrops.schema.api import EndReason, SandboxState
@@ -27,6 +28,8 @@ SETTLE_AFTER = timedelta(seconds=660)   # longer than any pause/resume request (
 class Reconciler:
     def __init__(self, ctx: SandboxContext) -> None:
         self.ctx = ctx
+        # tells a node of a claim it never heard of (``Lifecycle.resync_claim``; set by the facade)
+        self.resync: Callable[[NodeRecord, SandboxRecord], Awaitable[None]] | None = None
 
     async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime) -> None:
         """A node's full report (register or heartbeat), in a few queries whatever the number of sandboxes:
@@ -135,8 +138,15 @@ class Reconciler:
         from when the report was received, so a report composed before a create finished does not count)."""
         cutoff = (received or self.ctx.clock.now()) - NODE_READY_WINDOW
         for row in await self.ctx.store.live_sandboxes_on(node_id):
-            if row.id in live_ids or row.created_at > cutoff or row.state in IN_FLIGHT \
-                    or row.id in self.ctx.creating:
+            if row.id in live_ids or row.state in IN_FLIGHT or row.id in self.ctx.creating:
+                continue
+            if row.state == S.running.value and self.resync is not None and self.ctx.grants.listed(node_id, row.id):
+                # a claim answered from this node's pre-issued member, and the node was never told (its
+                # control plane died in between): the member still waits for it
+                if (node := await self.ctx.node(node_id)) is not None:
+                    await self.resync(node, row)
+                continue
+            if row.created_at > cutoff:
                 continue
             if row.state == S.starting.value:
                 await self._fail_start(row)

@@ -43,6 +43,7 @@ class SandboxService:
         self.ctx = SandboxContext(store, nodes, clock, billing, pools)
         self.lifecycle = Lifecycle(self.ctx)
         self.reconciler = Reconciler(self.ctx)
+        self.reconciler.resync = self.lifecycle.resync_claim
         self.pause_resume = PauseResume(self.ctx, self.lifecycle, self.reconciler)
 
     @property

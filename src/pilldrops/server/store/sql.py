@@ -477,6 +477,38 @@ class Store:
                 raise DuplicateIdempotencyKey(new.idempotency_key) from exc
             raise
 
+    async def insert_claimed(self, new: NewSandbox, node_id: str, started_at: datetime) -> Sandbox | None:
+        """Record a create answered from a warm member pre-issued by ``node_id`` (issue 15): ONE insert (and
+        its labels), already ``running`` since ``started_at`` (billing starts at the claim). The member's
+        capacity is the pool's reservation, so no node row is locked. The primary key is the member's
+        grant id: of control planes racing for the same member exactly one insert wins; the others get None
+        (as does a grant whose sandbox was recorded before). ``DuplicateIdempotencyKey`` as for
+        ``place_and_insert``."""
+        values = {"id": new.id, "team_id": new.team_id, "template": new.template, "vcpu": new.vcpu,
+                  "memory_mb": new.memory_mb, "timeout": new.timeout, "state": new.state,
+                  "metadata_": dict(new.metadata), "envs": dict(new.envs), "access_token": new.access_token,
+                  "idempotency_key": new.idempotency_key, "request_hash": new.request_hash,
+                  "created_at": new.created_at, "started_at": started_at, "end_at": new.end_at,
+                  "template_version": new.template_version, "node_id": node_id, "isolation": new.isolation,
+                  "disk_mb": new.disk_mb, "network": new.network,
+                  "public_ports": list(new.public_ports) or None, "public": new.public}
+
+        def go(c: Connection) -> Sandbox:
+            row = _sandbox(c.execute(insert(_SB).values(_columns(values)).returning(*_SB_COLS)).one())
+            if row.metadata_:
+                c.execute(insert(SandboxLabel.__table__),
+                          [{"sandbox_id": row.id, "key": k, "value": v} for k, v in row.metadata_.items()])
+            return row
+
+        try:
+            return await self._run(go, write=True)
+        except IntegrityError as exc:
+            if await self.get_sandbox(new.id) is not None:
+                return None                  # the member was claimed already (another control plane won)
+            if new.idempotency_key:
+                raise DuplicateIdempotencyKey(new.idempotency_key) from exc
+            raise
+
     async def place_existing(self, sandbox_id: str, from_state: str, choose: Choose) -> Node | None:
         """Like ``place_and_insert`` for a sandbox that already exists (a resume): choose a node with the
         node rows locked and move the sandbox's reservation there, while it is still in ``from_state``.
@@ -670,12 +702,12 @@ class Store:
             return list((await s.scalars(q)).all())
 
     async def template_version(self, name: str, version: int | None = None) -> TemplateVersion | None:
-        """That version, or (``None``) the current one: the highest."""
-        async with self.session() as s:
-            q = select(TemplateVersion).where(TemplateVersion.name == name)
-            q = (q.where(TemplateVersion.version == version) if version is not None
-                 else q.order_by(TemplateVersion.version.desc()).limit(1))
-            return (await s.scalars(q)).first()
+        """That version, or (``None``) the current one: the highest (Core, one ``_run``: read by creates)."""
+        q = select(*_cols(TemplateVersion)).where(TemplateVersion.name == name)
+        q = (q.where(TemplateVersion.version == version) if version is not None
+             else q.order_by(TemplateVersion.version.desc()).limit(1))
+        return await self._run(lambda c: next((_record(TemplateVersion, r) for r in c.execute(q)), None),
+                               write=False)
 
     async def template_versions_in_use(self) -> set[tuple[str, int]]:
         """(name, version) of every sandbox not yet ended (running, paused, starting...)."""
