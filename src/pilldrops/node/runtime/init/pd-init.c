@@ -487,9 +487,9 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
         close(cg_procs);
     }
     pid_t c = fork();
+    int32_t v = c < 0 ? -errno : c;            /* the command's pid, or why it has none */
     if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty, ids); }
     if (c > 0) setpgid(c, c);
-    int32_t v = c;
     if (write(pid_w, &v, sizeof v) != sizeof v || c < 0) _exit(127);
     /* hold nothing of the command's or of other commands': no pipe end, socket or terminal */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
@@ -509,16 +509,19 @@ static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char 
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
+    int fork_errno = errno;
     if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids, *cg_procs); }
     cl(cg_procs);                                    /* the shepherd's alone from here */
     close(pp[1]);
+    if (pid < 0) { close(pp[0]); errno = fork_errno; return -1; }
     int32_t v = -1;
     ssize_t n;
     do n = read(pp[0], &v, sizeof v); while (n < 0 && errno == EINTR);
     close(pp[0]);
-    if (pid > 0 && (n != sizeof v || v <= 0)) {      /* the shepherd could not fork the command */
+    if (n != sizeof v || v <= 0) {                   /* the shepherd could not fork the command */
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        errno = n == sizeof v && v < 0 ? -v : ECHILD;
         return -1;
     }
     *cmd = v;
