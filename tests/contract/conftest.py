@@ -225,7 +225,7 @@ class GvisorCase(CrunCase):
 
     name = "gvisor"
     forks_fail_at_the_limit = False
-    terminals = False                     # not verified under gVisor yet
+    terminals = True
     signals = "a signal reaches the `runsc exec` process, not the command in the sandbox (exit 143)"
 
     @staticmethod

@@ -50,6 +50,14 @@ async def test_is_gvisor_with_crun_bundle_limits_and_both_exec_paths(gvisor, tin
         assert p.pid is None                            # never a host pid: the sandbox's pids are gVisor's
         # uname: gVisor's Sentry, not this host's kernel
         assert (code, out.split(), err) == (3, ["4.4.0", "bar", "gv-basic"], "e\n")
+        # a terminal: this gVisor lacks TIOCGPTPEER, pd-init opens the PTY's terminal side by its number
+        p = await gvisor.exec(h, ["/bin/sh", "-c", "echo hi; tty; stty size"], env={}, cwd=None, pty=(33, 101))
+        chunks = []
+        while (c := await p.read()) is not None:
+            chunks.append(c)
+        assert (await p.wait(), p.timed_out) == (0, False)
+        lines = b"".join(d for _, d in chunks).decode().split("\r\n")
+        assert lines[0] == "hi" and lines[1].startswith("/dev/pts/") and lines[2:] == ["33 101", ""], lines
         # same limits as crun; the pids limit leaves room for gVisor's own tasks
         assert cg(h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cg(h, "memory", "memory.limit_in_bytes") == str(256 << 20)

@@ -111,6 +111,30 @@ async def test_basics(runtime, box):  # type: ignore[no-untyped-def]
     assert await p.wait() == 137
 
 
+async def test_a_command_that_cannot_start_says_why(runtime, tiny, monkeypatch):  # type: ignore[no-untyped-def]
+    """pd-init cannot fork (the sandbox is at its pids limit): the command ends with pd-init's reason on
+    stderr and exit 126, not as a lost connection (137, no output)."""
+    monkeypatch.setenv("PILLDROPS_EXEC", "supervisor")
+    h = await runtime.create(spec(tiny, "sup-full", pids_limit=8))
+    try:
+        # pd-init, the filler's shepherd, the filler (exec'ed into a sleep) and 5 sleeps: 8 (busybox sh would
+        # end at a refused fork)
+        fill = await runtime.exec(h, ["sh", "-c", "for i in 1 2 3 4 5; do sleep 60 & done; echo full; exec sleep 60"],
+                                  env={}, cwd=None)
+        got = b""
+        with anyio.fail_after(20):
+            while b"full" not in got:
+                chunk = await fill.read()
+                assert chunk is not None, got
+                got += chunk[1]
+        for pty in (None, (24, 80)):
+            code, out, err = await run(runtime, h, ["echo", "hi"], pty=pty)
+            assert (code, out) == (126, "") and err.startswith("pd-init: cannot start the command: "), err
+        await fill.kill()
+    finally:
+        await runtime.destroy(h)
+
+
 async def test_large_output_cap_and_separation(runtime, box):  # type: ignore[no-untyped-def]
     h = box
     code, out, err = await run(runtime, h, ["sh", "-c", ("head -c 5000000 /dev/zero | tr '\\0' a; "

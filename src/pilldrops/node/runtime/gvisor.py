@@ -28,6 +28,8 @@ What differs is in the hooks:
   runs with ``--cgroups`` (``with_command_cgroups``): each command in a cgroup of its own on a cgroupfs only
   pd-init can reach, and a timeout or kill ends every process listed there, also one that left the
   command's session after its parent exited (tests/hostile/test_detach.py);
+- terminals (``exec(pty=...)``) go through pd-init as under crun; this runsc answers TIOCGPTPEER ENOTTY,
+  so pd-init opens the terminal side by its number in the sandbox's devpts (pd-init.c, ``pty_peer``);
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
   kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``: an orphan that left the
   session before is not in that tree);

@@ -29,8 +29,10 @@
  *                      'X' i32 exit code (128+N when killed by signal N), last frame
  *
  * With a PTY the command gets a new pseudo-terminal (opened from the sandbox's own devpts: TIOCGPTPEER, so
- * no path is looked up) as its controlling terminal and stdin/stdout/stderr; Ctrl-C (0x03 in 'I') reaches
- * its foreground process group through the terminal's line discipline, and 'W' raises SIGWINCH there.
+ * no path is looked up; gVisor lacks that ioctl, there it is opened by its number: pty_peer) as its
+ * controlling terminal and stdin/stdout/stderr; Ctrl-C (0x03 in 'I') reaches its foreground process group
+ * through the terminal's line discipline, and 'W' raises SIGWINCH there. A command that cannot be started
+ * (no terminal, no pipe, no fork) gets its reason on stderr ('e') and exit 126, never a dropped connection.
  *
  * Every command runs under a shepherd (issue 16 part 3): a fork of pd-init that makes itself a child
  * subreaper (PR_SET_CHILD_SUBREAPER) and session leader, forks the command and waits for it. So every
@@ -79,6 +81,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -483,9 +487,9 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
         close(cg_procs);
     }
     pid_t c = fork();
+    int32_t v = c < 0 ? -errno : c;            /* the command's pid, or why it has none */
     if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty, ids); }
     if (c > 0) setpgid(c, c);
-    int32_t v = c;
     if (write(pid_w, &v, sizeof v) != sizeof v || c < 0) _exit(127);
     /* hold nothing of the command's or of other commands': no pipe end, socket or terminal */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
@@ -505,20 +509,68 @@ static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char 
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
+    int fork_errno = errno;
     if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids, *cg_procs); }
     cl(cg_procs);                                    /* the shepherd's alone from here */
     close(pp[1]);
+    if (pid < 0) { close(pp[0]); errno = fork_errno; return -1; }
     int32_t v = -1;
     ssize_t n;
     do n = read(pp[0], &v, sizeof v); while (n < 0 && errno == EINTR);
     close(pp[0]);
-    if (pid > 0 && (n != sizeof v || v <= 0)) {      /* the shepherd could not fork the command */
+    if (n != sizeof v || v <= 0) {                   /* the shepherd could not fork the command */
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        errno = n == sizeof v && v < 0 ? -v : ECHILD;
         return -1;
     }
     *cmd = v;
     return pid;
+}
+
+/* The terminal side of the PTY whose master is ``master``. TIOCGPTPEER opens it without a path lookup;
+ * gVisor (runsc 20221219, Debian's) answers it ENOTTY, so there the peer is opened by its number
+ * (TIOCGPTN) in the sandbox's own devpts, and kept only if it is that number's terminal device on a devpts
+ * (a path the sandbox cannot remount: it holds no CAP_SYS_ADMIN). */
+static int pty_peer(int master) {
+    int fd = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (fd >= 0 || (errno != ENOTTY && errno != EINVAL)) return fd;
+    unsigned n;
+    if (ioctl(master, TIOCGPTN, &n) != 0) return -1;
+    char path[32];
+    snprintf(path, sizeof path, "/dev/pts/%u", n);
+    if ((fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW)) < 0) return -1;
+    struct stat st;
+    struct statfs fs;
+    if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) != 136 || minor(st.st_rdev) != n ||
+        fstatfs(fd, &fs) != 0 || fs.f_type != 0x1cd1 /* DEVPTS_SUPER_MAGIC */) {
+        close(fd);
+        errno = ENXIO;
+        return -1;
+    }
+    return fd;
+}
+
+/* A command that could not be started for a reason the sandbox has (no terminal, no fork): its message on
+ * stderr and exit 126, so the agent reports it instead of a lost connection (137 with no output). */
+static void start_failed(struct slot *s, const char *what, int err) {
+    char msg[160];
+    int len = snprintf(msg, sizeof msg, "pd-init: %s: %s\n", what, strerror(err));
+    if (len < 0) len = 0;
+    if (len >= (int)sizeof msg) len = sizeof msg - 1;
+    unsigned char *h = s->out + s->out_len;
+    if (!s->conn_dead && s->out_len + 5 + len + 9 <= OUTBUF) {
+        h[0] = 'e';
+        put_u32(h + 1, len);
+        memcpy(h + 5, msg, len);
+        s->out_len += 5 + len;
+    }
+    s->state = RUN;
+    s->exited = 1;
+    s->status = 126;
+    frame(s, 'X', 126);
+    s->exit_sent = 1;
+    flush(s);
 }
 
 static int start(struct slot *s) {
@@ -557,22 +609,29 @@ static int start(struct slot *s) {
     int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1, cg_procs;
     pid_t pid = -1, cmd = -1;
     unsigned cg = cg_new(&cg_procs);
+    const char *failed = "cannot start the command";
+    int unlock = 0;
     if (pty) {           /* master: out[0] (read) and in[1] (a dup, write); slave: tty, for the child only */
-        int unlock = 0;
+        failed = "cannot open a terminal";
         out[0] = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
-            (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
-            (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
+            (tty = pty_peer(out[0])) >= 0 && (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
+            failed = "cannot start the command";
             pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cg_procs, &cmd);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
         pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cg_procs, &cmd);
     }
+    int err_no = errno;
     free(vec);
     free(s->req);
     s->req = NULL;
     cl(&in[0]); cl(&out[1]); cl(&err[1]); cl(&tty); cl(&cg_procs);
-    if (pid < 0) { cl(&in[1]); cl(&out[0]); cl(&err[0]); cg_done(cg); return -1; }
+    if (pid < 0) {
+        cl(&in[1]); cl(&out[0]); cl(&err[0]); cg_done(cg);
+        start_failed(s, failed, err_no);
+        return 0;
+    }
     s->cg = cg;
     s->pty = pty != 0;
     s->in_w = in[1]; s->out_r = out[0]; s->err_r = err[0];
