@@ -156,33 +156,46 @@ class Deployment:
 _WATCH = r"""
 import json, os, signal, sys, time
 root, every, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-first, last, stop = {}, {}, []
+first, last, before, after, stop = {}, {}, {}, {}, []
+prev, seen, gap = None, set(), 0.0      # the previous listing's time and ids; the longest gap between listings
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 while not stop:
     now = time.time()
     try:
-        ids = os.listdir(root)
+        ids = set(os.listdir(root))
     except OSError:
-        ids = []
+        ids = set()
+    for cid in ids - seen:
+        first[cid] = now                  # appeared in (prev, now]
+        before[cid] = prev if prev is not None else now
+    for cid in seen - ids:
+        after[cid] = now                  # vanished in (last, now]
     for cid in ids:
-        first.setdefault(cid, now)
         last[cid] = now
+    if prev is not None:
+        gap = max(gap, now - prev)
+    prev, seen = now, ids
     time.sleep(every)
 with open(out, "w") as f:
-    json.dump({"first": first, "last": last}, f)
+    json.dump({"first": first, "last": last, "before": before, "after": after, "gap": gap}, f)
 """
 
 
 class CrunWatch:
     """What the node ran: a separate process at raised priority (the benchmark's own threads and a loaded
     machine must not starve it) listing the crun state dir every ``every`` s (one ``listdir``); for each
-    container id the wall time it was first and last seen (``time.time()``). The interval includes the
-    container's creation and teardown, which are not billed."""
+    container id the wall time (``time.time()``) it was first and last seen, and the listings around them:
+    it appeared after ``before`` and vanished before ``after`` (exact bounds however late the listings came;
+    ``gap`` is the longest time between two listings). The interval includes the container's creation and
+    teardown, which are not billed. A container id that comes back (never, ids are unique) is not handled."""
 
     def __init__(self, crun_root: Path, every: float = 0.1) -> None:
         self.root, self.every = crun_root, every
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
+        self.before: dict[str, float] = {}
+        self.after: dict[str, float] = {}
+        self.gap = 0.0
         self._out = crun_root.parent / "crun-watch.json"
         self._p = subprocess.Popen([sys.executable, "-c", _WATCH, str(crun_root), str(every), str(self._out)],
                                    stdin=subprocess.DEVNULL, preexec_fn=lambda: os.nice(-10))  # noqa: PLW1509
@@ -194,7 +207,8 @@ class CrunWatch:
         try:
             data = json.loads(self._out.read_text())
             self.first, self.last = data["first"], data["last"]
-        except (OSError, ValueError):
+            self.before, self.after, self.gap = data["before"], data["after"], data["gap"]
+        except (OSError, ValueError, KeyError):
             pass
 
     def lifetime(self, cid: str) -> float | None:
@@ -202,6 +216,13 @@ class CrunWatch:
         if cid not in self.first:
             return None
         return self.last[cid] - self.first[cid] + self.every
+
+    def held(self, cid: str) -> tuple[float, float] | None:
+        """(appeared after, vanished before): the container's state dir existed only inside this interval
+        (``inf`` as the end if it was still there at the last listing); None if never seen."""
+        if cid not in self.first:
+            return None
+        return self.before[cid], self.after.get(cid, float("inf"))
 
 
 def history(dep: Deployment) -> list[dict]:  # type: ignore[type-arg]

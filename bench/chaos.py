@@ -25,10 +25,14 @@ would. Then it checks:
    the control plane does not list; the sandboxes the client saw fail to create or kill are killed through
    the API (as their owner would) and the host is checked again, then after stopping everything;
 3. **billing = lifetime ± 1 s**: for every sandbox in ``GET /v1/history``: billed running seconds
-   (``vcpu_s / vcpu``) against ``ended_at - started_at``, and against how long the node's crun state dir
-   held the container (a separate process at raised priority lists the crun state dir every 0.1 s; that
-   interval includes creation and teardown, which are not billed); and every sandbox the client got is in
-   history, ended.
+   (``vcpu_s / vcpu``) against ``ended_at - started_at``; the billed interval ``[started_at, started_at +
+   billed]`` lies within the node's holding of the container (a separate process at raised priority lists
+   the crun state dir every 0.1 s; the listings just before it appeared and just after it vanished bound
+   it exactly, however late they came) and covers the client's holding of every rollout that went through
+   (from create's answer to the kill it sent), both ± 1 s. The node's holding also includes creation
+   (``crun run`` until the node has it running) and teardown (from the kill's start), neither billed; how
+   many records differ from it by more than 1 s in each part is printed, not a finding. And every sandbox
+   the client got is in history, ended.
 
 Prints a table per scenario and writes ``--json``. Exits 1 when an invariant fails.
 """
@@ -74,6 +78,7 @@ class Attempt:
     sandbox: str | None = None
     killed: bool = False           # the client's kill answered
     seconds: float = 0.0
+    t: dict[str, float] = field(default_factory=dict)  # wall times (time.time()) of the steps' starts and ends
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Scenario:
     wall: float = 0.0
     findings: list[str] = field(default_factory=list)
     checks: dict[str, object] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)  # type: ignore[type-arg]  # per history record (--json)
 
 
 def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
@@ -91,9 +97,11 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
     t0 = time.monotonic()
     sb = None
     try:
+        at.t["create"] = time.time()
         sb = Sandbox.create(template=a.template, vcpu=1, memory_mb=a.memory_mb, timeout=a.sandbox_timeout,
                             api_url=dep.url, api_key=dep.key, request_timeout=a.request_timeout)
         at.sandbox = sb.id
+        at.t["created"] = time.time()
         at.step = "upload"
         sb.upload(ENV, "/env")
         at.step = "run"
@@ -105,7 +113,9 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
             at.typed = False
             raise RuntimeError(f"WRONG reward {reward} != {episode(policy)}")
         at.step = "kill"
+        at.t["kill"] = time.time()
         sb.kill()
+        at.t["killed"] = time.time()
         at.killed = True
         at.ok = True
     except PillDropsError as e:
@@ -115,7 +125,9 @@ def rollout(policy: int, dep: Deployment, a: argparse.Namespace) -> Attempt:
             and "exited" in str(e)
     if not at.ok and sb is not None and not at.killed:
         try:                       # as `with Sandbox.create(...)` would on the way out
+            at.t["kill"] = time.time()
             sb.kill()
+            at.t["killed"] = time.time()
             at.killed = True
         except Exception:  # noqa: BLE001 - it stays for the end-of-run check to find
             pass
@@ -258,7 +270,16 @@ def check(sc: Scenario, dep: Deployment, watch: CrunWatch, a: argparse.Namespace
     by_id = {r["id"]: r for r in recs}
     missing = sorted(s for s in known if s not in by_id)
     not_ended = sorted(r["id"] for r in recs if r["ended_at"] is None and r["state"] not in ("failed",))
+    # the client's view: an attempt that went through held its sandbox running from create's answer to the
+    # kill it sent, so the bill covers at least that; the node's: the container's state dir existed from
+    # `crun run` to `crun delete`, so the bill lies within it (both ± TOLERANCE_S)
+    client = {at.sandbox: at for at in sc.attempts if at.ok and at.sandbox}
+    agent_kills = [k["t"] for k in sc.kills if k["role"] in ("node", "up")]
     diffs_cp, diffs_node, bad = [], [], []
+    inside: list[float] = []          # how far the bill lies inside the node's view at its worse end (< 0: out)
+    covers: list[float] = []          # how far the bill covers the client's view at its worse end (< 0: short)
+    apart = {"create (crun run to the node's start) > 1 s": 0, "teardown after the kill's start > 1 s": 0,
+             "of which the kill was cut by a SIGKILL of the agent": 0}
     for r in recs:
         st, en = parse_time(r["started_at"]), parse_time(r["ended_at"])
         billed = r["vcpu_s"] / r["vcpu"] if r["vcpu"] else 0.0
@@ -270,13 +291,42 @@ def check(sc: Scenario, dep: Deployment, watch: CrunWatch, a: argparse.Namespace
             continue
         d = billed - (en - st)
         diffs_cp.append(d)
-        node_life = watch.lifetime(r["id"])
-        if node_life is not None:
-            diffs_node.append(billed - node_life)
+        end = st + billed
+        node_life, held = watch.lifetime(r["id"]), watch.held(r["id"])
+        at = client.get(r["id"])
+        sc.records.append({"id": r["id"], "billed": billed, "started_at": st, "ended_at": en,
+                           "end_reason": r["end_reason"], "node_before": held[0] if held else None,
+                           "node_first": watch.first.get(r["id"]), "node_last": watch.last.get(r["id"]),
+                           "node_after": held[1] if held else None, "client": at.t if at else None})
         if abs(d) > TOLERANCE_S:
             bad.append(f"{r['id']}: billed {billed:.2f} s, ended_at - started_at {en - st:.2f} s ({r['end_reason']})")
-        elif node_life is not None and abs(billed - node_life) > TOLERANCE_S:
-            bad.append(f"{r['id']}: billed {billed:.2f} s, the node held it {node_life:.2f} s ({r['end_reason']})")
+        if held is None:
+            if billed > TOLERANCE_S:
+                bad.append(f"{r['id']}: billed {billed:.2f} s, the node's crun state never held it ({r['end_reason']})")
+        else:
+            diffs_node.append(billed - node_life)  # type: ignore[operator]
+            margin = min(st - held[0], held[1] - end)
+            inside.append(margin)
+            if margin < -TOLERANCE_S:
+                bad.append(f"{r['id']}: billed [{st:.2f}, {end:.2f}] outside the node's holding "
+                           f"({held[0]:.2f}, {held[1]:.2f}) by {-margin:.2f} s ({r['end_reason']})")
+            if watch.first[r["id"]] < st - TOLERANCE_S:
+                apart["create (crun run to the node's start) > 1 s"] += 1
+            if watch.last[r["id"]] > end + TOLERANCE_S:
+                apart["teardown after the kill's start > 1 s"] += 1
+                if any(end <= t <= watch.last[r["id"]] for t in agent_kills):
+                    apart["of which the kill was cut by a SIGKILL of the agent"] += 1
+        if at is not None and "created" in at.t and "kill" in at.t:
+            margin = min(at.t["created"] - st, end - at.t["kill"])
+            covers.append(margin)
+            if margin < -TOLERANCE_S:
+                bad.append(f"{r['id']}: billed [{st:.2f}, {end:.2f}] does not cover the client's holding "
+                           f"[{at.t['created']:.2f}, {at.t['kill']:.2f}] by {-margin:.2f} s ({r['end_reason']})")
+    sc.checks["bill inside the node's holding: worst margin, s (< 0: outside)"] = round(min(inside), 3) if inside else None
+    sc.checks["bill covers the client's holding: worst margin, s (< 0: short)"] = round(min(covers), 3) if covers else None
+    sc.checks["records checked against the node / the client"] = [len(inside), len(covers)]
+    sc.checks["node held it more than 1 s longer than billed, by part"] = apart
+    sc.checks["crun watch: longest gap between listings, s"] = round(watch.gap, 3)
     reasons: dict[str, int] = {}
     for r in recs:
         k = f"{r['state']}/{r['end_reason']}"
@@ -287,7 +337,7 @@ def check(sc: Scenario, dep: Deployment, watch: CrunWatch, a: argparse.Namespace
                   "containers the node ran that history does not know": never_billed,
                   "billed - (ended_at - started_at), s: min/p50/max":
                       [round(min(diffs_cp), 3), round(pct(diffs_cp, 50), 3), round(max(diffs_cp), 3)] if diffs_cp else [],
-                  "billed - node lifetime, s: min/p50/max":
+                  "billed - node lifetime (creation and teardown included), s: min/p50/max":
                       [round(min(diffs_node), 3), round(pct(diffs_node, 50), 3), round(max(diffs_node), 3)] if diffs_node else [],
                   f"billing off by more than {TOLERANCE_S:.0f} s": len(bad)}
     sc.findings += bad[:10]
@@ -306,15 +356,16 @@ def report(scs: list[Scenario], a: argparse.Namespace, info: dict[str, str]) -> 
                   f"{info['kernel']}, {info['crun']}, {info['date']}")
     t = Table(box=box.ASCII2, title="per scenario")
     cols = ("scenario", "kills", "restart→ready p50/max", "wall", "rollouts ok", "attempts failed (seen)",
-            "untyped/wrong", "unheld live after", "orphans", "host after kill-all", "billing |Δ| max (cp / node)",
-            "billed off > 1 s", "leaks after stop")
+            "untyped/wrong", "unheld live after", "orphans", "host after kill-all", "bill − (end − start) |Δ| max",
+            "bill in node's view / covers client's (worst margin)", "billed off > 1 s", "leaks after stop")
     for c in cols:
         t.add_column(c, justify="left" if c == "scenario" else "right")
     for sc in scs:
         ch = sc.checks
         rr = [k["restart_to_ready_s"] for k in sc.kills]
-        dcp, dn = ch.get("billed - (ended_at - started_at), s: min/p50/max") or [0, 0, 0], \
-            ch.get("billed - node lifetime, s: min/p50/max") or [0, 0, 0]
+        dcp = ch.get("billed - (ended_at - started_at), s: min/p50/max") or [0, 0, 0]
+        m_node = ch.get("bill inside the node's holding: worst margin, s (< 0: outside)")
+        m_client = ch.get("bill covers the client's holding: worst margin, s (< 0: short)")
         held = ch.get("held on the host after killing those", {})
         t.add_row(sc.name, str(len(sc.kills)), f"{pct(rr, 50):.1f} / {max(rr):.1f} s" if rr else "-",
                   f"{sc.wall:.0f} s",
@@ -323,13 +374,18 @@ def report(scs: list[Scenario], a: argparse.Namespace, info: dict[str, str]) -> 
                   str(ch.get("untyped or wrong", 0)), str(ch.get("of them not held by the client", 0)),
                   str(len(ch.get("containers on the node the control plane does not list (orphans)", []))),  # type: ignore[arg-type]
                   str(sum(held.values())) if held else "-",  # type: ignore[union-attr]
-                  f"{max(abs(dcp[0]), abs(dcp[2])):.2f} / {max(abs(dn[0]), abs(dn[2])):.2f} s",
+                  f"{max(abs(dcp[0]), abs(dcp[2])):.3f} s",  # type: ignore[index]
+                  f"{m_node if m_node is not None else '-'} / {m_client if m_client is not None else '-'} s",
                   str(ch.get(f"billing off by more than {TOLERANCE_S:.0f} s", 0)),
                   str(len(ch.get("leaks after stop", []))))  # type: ignore[arg-type]
     console.print(t)
     for sc in scs:
         console.print(f"[bold]{sc.name}[/]: client-seen failures by step: {sc.checks.get('client-seen failures')}")
         console.print(f"  end reasons: {sc.checks.get('end reasons')}")
+        for k in ("records checked against the node / the client",
+                  "billed - node lifetime (creation and teardown included), s: min/p50/max",
+                  "node held it more than 1 s longer than billed, by part", "crun watch: longest gap between listings, s"):
+            console.print(f"  {k}: {sc.checks.get(k)}")
         for f in sc.findings:
             console.print(f"  [red]finding[/]: {f}")
         if not sc.findings:
@@ -374,8 +430,7 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                                       "machine": info,
-                                      "scenarios": [{**asdict(sc), "attempts": [asdict(x) for x in sc.attempts
-                                                                                if not x.ok]} for sc in scs]},
+                                      "scenarios": [asdict(sc) for sc in scs]},
                                      indent=1, default=str))
     return 1 if any(sc.findings for sc in scs) or len(scs) < len(names) else 0
 

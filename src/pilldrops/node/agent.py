@@ -529,7 +529,9 @@ class NodeAgent:
                                                                     end_reason=reason, ended_at=self.now())
         assert sb.target is not None
         self.sandboxes.move(sb, NodeState.ending)
-        sb.end_reason, sb.ended_mono = reason.value, time.monotonic()
+        # usage ends here, when the teardown begins (how long the runtime takes to remove the sandbox is not
+        # its running time), as it does for a teardown the agent's death interrupts (``Recovery``)
+        sb.end_reason, sb.ended_mono, ended_at = reason.value, time.monotonic(), self.now()
         self.journal.write(sb.journal_entry())     # an agent killed during the teardown bills up to here
         await self._destroy_quietly(sb.target.handle)
         await self.egress.release(sandbox_id)
@@ -539,24 +541,26 @@ class NodeAgent:
         # an agent that dies first reports it again after its restart, final usage included
         self.sandboxes.move(sb, NodeState.gone)
         status = self._record_end(sandbox_id, reason, started_at=sb.started_at, started_mono=sb.started_mono,
-                                  error=error)
+                                  ended_mono=sb.ended_mono, ended_at=ended_at, error=error)
         if report and self._tg is not None:
             self._tg.start_soon(self._report, status)   # never hold up teardown behind the control plane
         return status
 
     def _record_end(self, sandbox_id: str, reason: EndReason, started_at: datetime | None = None,
                     started_mono: float | None = None, run_s: float | None = None,
-                    error: str | None = None) -> NodeSandboxStatus:
-        """The final status, with the final usage point (kept in the outbox until the control plane has it);
-        ``run_s`` instead of ``started_mono`` for a sandbox that ended while paused."""
+                    error: str | None = None, ended_mono: float | None = None,
+                    ended_at: datetime | None = None) -> NodeSandboxStatus:
+        """The final status, with the final usage point (kept in the outbox until the control plane has it):
+        from ``started_mono`` to ``ended_mono`` (its teardown's start; now if None), or ``run_s`` for a
+        sandbox that ended while paused; ``ended_at`` (now if None) is the end on this node's clock."""
         state = SandboxState.failed if reason == EndReason.failed_start else SandboxState.stopped
         seq: int | None
         if started_mono is not None:
-            run_s, seq = usage_point(started_mono)
+            run_s, seq = usage_point(started_mono, ended_mono)
         else:
             seq = int(run_s * 1000) if run_s is not None else None
         status = NodeSandboxStatus(id=sandbox_id, state=state, end_reason=reason, started_at=started_at,
-                                   ended_at=self.now(), run_s=run_s, seq=seq, error=error)
+                                   ended_at=ended_at or self.now(), run_s=run_s, seq=seq, error=error)
         self.outbox[sandbox_id] = status
         self.stats.ended[reason.value] = self.stats.ended.get(reason.value, 0) + 1
         return status

@@ -25,10 +25,11 @@ from pilldrops.schema.api import SandboxState
 from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus
 
 
-def usage_point(started_mono: float) -> tuple[float, int]:
-    """Cumulative running seconds on the monotonic clock, and the report sequence derived from it
-    (milliseconds), which only grows, even across agent restarts."""
-    run_s = max(0.0, time.monotonic() - started_mono)
+def usage_point(started_mono: float, until: float | None = None) -> tuple[float, int]:
+    """Cumulative running seconds on the monotonic clock (up to now, or to ``until``: the start of its
+    teardown), and the report sequence derived from it (milliseconds), which only grows, even across agent
+    restarts."""
+    run_s = max(0.0, (time.monotonic() if until is None else until) - started_mono)
     return run_s, int(run_s * 1000)
 
 
@@ -82,7 +83,10 @@ class Sandbox:
         state = REPORTED[self.state]
         if self.state in HAS_TARGET:
             assert self.target is not None and self.started_mono is not None
-            run_s, seq = usage_point(self.started_mono)
+            # an ending sandbox's usage stopped when its teardown began: a heartbeat during the teardown
+            # must not bill past the end its final report will carry
+            until = self.ended_mono if self.state is NodeState.ending else None
+            run_s, seq = usage_point(self.started_mono, until)
             return NodeSandboxStatus(id=self.id, state=state, pid=self.target.handle.pid,
                                      started_at=self.started_at, end_at=self.end_at, run_s=run_s, seq=seq,
                                      disk_used_bytes=disk_used(self.target.handle))

@@ -4,6 +4,7 @@ half made or is unknown, report what is gone, and do it idempotently."""
 from __future__ import annotations
 
 import shutil
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -111,6 +112,39 @@ async def test_teardown_cut_short_by_a_crash_is_finished_and_billed_up_to_its_st
     assert [e.id for e in second.journal.entries()] == ["sb_k"]     # kept until the control plane has it
     second.journal.remove_ended("sb_k")
     assert second.journal.entries() == []
+    with anyio.fail_after(1):
+        await runtime.close()
+
+
+async def test_a_kill_is_billed_up_to_its_start_not_through_the_runtimes_teardown(tmp_path: Path) -> None:
+    """Found by bench/chaos.py (the bill against the node's crun state dir): a kill's final usage point was
+    taken after the runtime had removed the sandbox (crun delete, cgroups, unmount, rm), so the bill ran
+    up to 0.33 s past the container's end at load 8 and up to 7 s at load ~30, while a kill the agent's
+    death cut short bills up to the kill's start. Both end at the kill's start now; so does a heartbeat
+    sent during the teardown."""
+    runtime = FakeRuntime(tmp_path / "fake")
+    a = cp_agent(tmp_path, runtime)
+    await a.create(spec("sb_t"))
+    await anyio.sleep(0.2)
+    real_destroy = runtime.destroy
+    during: list[float] = []
+
+    async def slow_destroy(handle):  # type: ignore[no-untyped-def]
+        await anyio.sleep(0.3)
+        during.extend(st.run_s for st in a.statuses() if st.id == "sb_t" and st.run_s is not None)  # a heartbeat
+        await anyio.sleep(0.5)
+        await real_destroy(handle)
+
+    runtime.destroy = slow_destroy  # type: ignore[method-assign]
+    started = a.live["sb_t"].started_mono
+    assert started is not None
+    before, ran = datetime.now(UTC), time.monotonic() - started
+    final = await a.kill("sb_t")
+    assert final.end_reason == EndReason.killed and final.run_s is not None and final.ended_at is not None
+    assert ran <= final.run_s < ran + 0.3                 # not the 0.8 s of teardown on top
+    assert final.ended_at - before < timedelta(seconds=0.3)
+    assert during and max(during) <= final.run_s          # a report during the teardown bills no further
+    a.journal.remove_ended("sb_t")
     with anyio.fail_after(1):
         await runtime.close()
 
