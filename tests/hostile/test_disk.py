@@ -147,6 +147,13 @@ async def test_disk_survives_an_agent_restart_and_goes_with_the_sandbox(crun_rt,
     code, _, err, _ = await sh(again, adopted, "dd if=/dev/zero of=/big bs=1M count=100", timeout=60)
     assert code != 0 and "No space left" in err
     assert again.disk_usage(adopted, 64) is not None
+    # its loop device, found from stat + sysfs (not the mount table): the same one the mount table names
+    mnt = Path(h.bundle) / "disk"
+    dev = diskquota.backing_device(mnt)
+    with open("/proc/self/mountinfo") as f:
+        named = [ln.split()[ln.split().index("-") + 2] for ln in f if ln.split()[4] == str(mnt)]
+    assert dev is not None and dev.startswith("/dev/loop") and named == [dev]
+    assert diskquota.backing_device(Path(h.bundle) / "rootfs") is None      # an overlay: no block device
     await again.destroy(adopted)
     assert not Path(h.bundle).exists() and diskquota.backing_device(Path(h.bundle) / "disk") is None
     # (the autouse leak check asserts no loop device or mount of this session is left)

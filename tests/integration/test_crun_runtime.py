@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,19 @@ async def test_create_exec_destroy(runtime, tiny):  # type: ignore[no-untyped-de
     assert (code, out, err) == (0, "hi\n", "")
     st = await runtime.state(h)
     assert st.status == "running" and st.pid == h.pid and not st.oom_killed
+    # the monitor's one-read check agrees; a stopped init (SIGSTOP from the host) or another pid's start
+    # time is not "running by pid": the monitor then asks state() and counts its stopped ticks
+    assert runtime.running_by_pid(h)
+    assert not runtime.running_by_pid(Handle(id=h.id, pid=h.pid, pid_start_time=(h.pid_start_time or 0) + 1))
+    os.kill(h.pid, signal.SIGSTOP)
+    try:
+        for _ in range(100):
+            if procs.stat_fields(h.pid)[0] == "T":
+                break
+            time.sleep(0.01)
+        assert not runtime.running_by_pid(h)
+    finally:
+        os.kill(h.pid, signal.SIGCONT)
     assert await runtime.list_ids() == ["basic"]
     bundle = Path(h.bundle)
     await runtime.destroy(h)
@@ -56,7 +70,7 @@ async def test_create_exec_destroy(runtime, tiny):  # type: ignore[no-untyped-de
     assert (await runtime.state(h)).status == "gone"
     assert await runtime.list_ids() == []
     assert not bundle.exists()
-    assert not procs.alive(h.pid, h.pid_start_time)
+    assert not procs.alive(h.pid, h.pid_start_time) and not runtime.running_by_pid(h)
     await runtime.destroy(h)          # idempotent
 
 

@@ -631,8 +631,12 @@ class NodeAgent:
     async def _monitor_loop(self) -> None:
         while True:
             await anyio.sleep(MONITOR_TICK_S)
+            quick = getattr(self.runtime, "running_by_pid", None)
             for sb in self.sandboxes.in_states(NodeState.running):
                 assert sb.target is not None
+                if quick is not None and quick(sb.target.handle):    # one /proc read (issue 15)
+                    self._stopped_ticks.pop(sb.id, None)
+                    continue
                 try:
                     state = await self.runtime.state(sb.target.handle)
                 except Exception:
@@ -649,8 +653,8 @@ class NodeAgent:
         that reason instead of staying ``running`` (issue 16 item 7)."""
         handle = sb.target.handle if sb.target is not None else None
         pid, start = (handle.pid, handle.pid_start_time) if handle is not None else (None, None)
-        fields = procs.stat_fields(pid) if pid and start is not None else None
-        if not fields or fields[0] != "T" or procs.start_time(pid) != start:     # (a reused pid is not it)
+        fields = procs.stat_fields(pid) if pid and start is not None else None     # one read: state, start
+        if not fields or fields[0] != "T" or int(fields[19]) != start:     # (a reused pid is not it)
             self._stopped_ticks.pop(sb.id, None)
             return False
         self._stopped_ticks[sb.id] = self._stopped_ticks.get(sb.id, 0) + 1

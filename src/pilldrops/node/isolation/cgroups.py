@@ -14,8 +14,10 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def hierarchies() -> list[Path]:
-    """Mounted cgroup hierarchy roots under /sys/fs/cgroup (v1 ones, plus unified)."""
+_cache: tuple[tuple[str, ...], list[Path]] | None = None
+
+
+def _scan() -> list[Path]:
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -25,6 +27,29 @@ def hierarchies() -> list[Path]:
             if fstype in ("cgroup", "cgroup2") and mp.startswith(str(CGROUP_ROOT) + "/"):
                 out.append(Path(mp))
     return sorted(set(out))
+
+
+def hierarchies() -> list[Path]:
+    """Mounted cgroup hierarchy roots under /sys/fs/cgroup (v1 ones, plus unified).
+
+    The mount table is read once and again only when the listing of /sys/fs/cgroup changes (a hierarchy
+    mounted on a new directory) or ``forget`` is called (``host.prepare_host`` after it mounts one): with
+    thousands of sandboxes the table holds 3 mounts each, and parsing it cost ~17 ms of CPU per kill at
+    6,000 lines (bench/RESULTS.md, issue 15)."""
+    global _cache
+    try:
+        names = tuple(sorted(os.listdir(CGROUP_ROOT)))
+    except OSError:
+        names = ()
+    if _cache is None or _cache[0] != names:
+        _cache = (names, _scan())
+    return list(_cache[1])
+
+
+def forget() -> None:
+    """The next ``hierarchies`` reads the mount table again."""
+    global _cache
+    _cache = None
 
 
 def cgroup_dirs(rel: str) -> list[Path]:

@@ -221,16 +221,21 @@ def move_image(src: Path, dst: Path) -> None:
 
 
 def backing_device(mnt: Path) -> str | None:
-    want = str(mnt)
+    """The block device mounted on ``mnt`` (e.g. ``/dev/loop7``), None when nothing is mounted there or it
+    is no block device. From stat(2) and sysfs, not the mount table: that holds 3 lines per sandbox and
+    parsing it cost ~17 ms of CPU per kill at 6,000 lines (bench/RESULTS.md, issue 15)."""
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if parts[4] == want:
-                    return parts[parts.index("-") + 2]
+        st, parent = os.stat(mnt), os.stat(mnt.parent)
     except OSError:
-        pass
-    return None
+        return None
+    if st.st_dev == parent.st_dev:
+        return None                     # not a mount point
+    try:
+        uevent = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/uevent").read_text()
+    except OSError:
+        return None                     # not a block device's file system (tmpfs, overlay, ...)
+    name = next((ln[8:] for ln in uevent.splitlines() if ln.startswith("DEVNAME=")), "")
+    return f"/dev/{name}" if name else None
 
 
 def remove(d: Path) -> None:

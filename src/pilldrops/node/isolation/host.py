@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pilldrops.node.isolation import cgroups
 from pilldrops.node.isolation.mounts import MountError, is_mountpoint, mount
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -47,6 +48,7 @@ def _fix_hybrid_cgroups() -> None:
             mount(b"cgroup", str(target).encode(), b"cgroup", 0, ctrl.encode())
         except MountError as e:
             raise HostNotReady(f"cannot mount v1 cgroup hierarchy {ctrl} at {target}: {e}") from e
+        cgroups.forget()
     left = controllers.read_text().split()
     if left:
         raise HostNotReady(f"cgroup v2 still lists controllers {left}; crun refuses hybrid mode")

@@ -519,6 +519,15 @@ class CrunRuntime:
             return RuntimeState(status="running", pid=pid, oom_killed=oom)
         return RuntimeState(status="stopped", pid=None, oom_killed=oom)
 
+    def running_by_pid(self, handle: Handle) -> bool:
+        """True when ``state`` would answer running from the pid alone and the init is not stopped (``T``):
+        ONE /proc read, for the monitor's tick over every live sandbox (``state`` also reads the OOM
+        counter, which the monitor needs only for one that is not running; issue 15). False: ask ``state``."""
+        if handle.pid is None or handle.pid_start_time is None:
+            return False
+        f = procs.stat_fields(handle.pid)
+        return bool(f) and f[0] not in ("Z", "X", "T", "t") and int(f[19]) == handle.pid_start_time
+
     def oom_kills(self, handle: Handle) -> int | None:
         """Processes the sandbox's memory cgroup has OOM-killed so far (one small cgroup file read)."""
         return cgroups.oom_kill_count(self._cgroup(handle.id))

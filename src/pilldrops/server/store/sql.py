@@ -129,9 +129,19 @@ def _cols(model: Any) -> list[Any]:
     return [a.columns[0] for a in model.__mapper__.column_attrs]
 
 
+@functools.cache
+def _keys(model: Any) -> tuple[str, ...]:
+    return tuple(a.key for a in model.__mapper__.column_attrs)
+
+
 def _record(model: Any, row: Any) -> Any:
-    """A detached ``model`` instance from a Core row of ``_cols(model)``."""
-    return model(**{a.key: v for a, v in zip(model.__mapper__.column_attrs, row, strict=True)})
+    """A detached ``model`` instance from a Core row of ``_cols(model)``: made as the ORM's own loading makes
+    one (a new instance, its values put in its ``__dict__``), not through the constructor's attribute
+    events, which cost ~80 us a row against ~4 us (a node's heartbeat reads every live sandbox row: at
+    1,500 live that was a fifth of the control plane's CPU during creates; bench/RESULTS.md, issue 15)."""
+    obj = model.__mapper__.class_manager.new_instance()
+    obj.__dict__.update(zip(_keys(model), row, strict=True))
+    return obj
 
 
 _SB = Sandbox.__table__
