@@ -1,7 +1,10 @@
 """What the per-command shepherd (issue 16 part 3) costs per run, measured in one run against the pd-init
 from before it (built from git ``main``'s source, or ``--old-init PATH``).
 
-    .venv/bin/python bench/detach.py [--n 300] [--old-rev main] [--json out.json]
+    .venv/bin/python bench/detach.py [--n 300] [--old-rev main] [--runtime crun|gvisor] [--json out.json]
+
+With ``--runtime gvisor`` (runsc installed) the two sandboxes are gVisor's, the new one with pd-init's cgroup
+per command (``--cgroups``, its config from ``GvisorRuntime``), the baseline without it.
 
 Needs root, crun and gcc. Two sandboxes of the tiny template on one CrunRuntime, one per init; ``--n``
 interleaved rounds of ``exec(["true"])`` through pd-init's socket (the fast path ``run("true")`` uses,
@@ -30,6 +33,7 @@ from rich.table import Table
 from pilldrops.node.isolation.host import prepare_host
 from pilldrops.node.runtime.base import SandboxSpec
 from pilldrops.node.runtime.crun import CrunRuntime
+from pilldrops.node.runtime.gvisor import GvisorRuntime
 from pilldrops.node.runtime.init import CFLAGS, SOURCE, build_init
 from pilldrops.node.templates import TemplateStore
 
@@ -45,8 +49,20 @@ def old_init(tmp: Path, rev: str) -> Path:
     return out
 
 
-async def bench(tmp: Path, layers: tuple[Path, ...], inits: dict[str, Path], n: int) -> dict[str, dict[str, list[float]]]:
-    rts = {k: CrunRuntime(tmp / f"state-{k}", name=f"{MATCH}-{k}", init_path=p) for k, p in inits.items()}
+def runtimes(tmp: Path, inits: dict[str, Path], runtime: str) -> dict[str, CrunRuntime]:
+    if runtime == "crun":
+        return {k: CrunRuntime(tmp / f"state-{k}", name=f"{MATCH}-{k}", init_path=p) for k, p in inits.items()}
+    rts: dict[str, CrunRuntime] = {}
+    for k, p in inits.items():
+        rt = GvisorRuntime(tmp / f"state-{k}", name=f"{MATCH}-{k}", init_path=p)
+        rt.COMMAND_CGROUPS = k != "before"
+        rts[k] = rt
+    return rts
+
+
+async def bench(tmp: Path, layers: tuple[Path, ...], inits: dict[str, Path], n: int,
+                runtime: str = "crun") -> dict[str, dict[str, list[float]]]:
+    rts = runtimes(tmp, inits, runtime)
     hs = {k: await rt.create(SandboxSpec(id=f"det-{k}", layers=layers)) for k, rt in rts.items()}
     out: dict[str, dict[str, list[float]]] = {k: {"run": [], "kill": []} for k in inits}
     try:
@@ -79,6 +95,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--old-rev", default="main", help="git revision whose pd-init.c is the baseline")
     ap.add_argument("--old-init", type=Path, help="a pd-init binary to compare against instead")
+    ap.add_argument("--runtime", choices=("crun", "gvisor"), default="crun")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -92,8 +109,8 @@ def main() -> int:
         layers = TemplateStore(tmp).get("tiny").layers
         inits = {"before": args.old_init or old_init(tmp, args.old_rev), "shepherd": build_init(tmp)}
         info = machine()
-        res = anyio.run(bench, tmp, layers, inits, args.n)
-        console.print(f"[bold]pd-init shepherd cost[/] — {args.n} runs of `true` per init; {info['cores']} cores, "
+        res = anyio.run(bench, tmp, layers, inits, args.n, args.runtime)
+        console.print(f"[bold]pd-init shepherd cost[/] ({args.runtime}) — {args.n} runs of `true` per init; {info['cores']} cores, "
                       f"kernel {info['kernel']}, {info['date']}")
         t = Table(box=box.ASCII)
         for c in ("operation", "before p50", "p99", "shepherd p50", "p99", "difference p50"):
@@ -106,7 +123,8 @@ def main() -> int:
         console.print(t)
         if args.json:
             args.json.write_text(json.dumps({"machine": info, **res}, indent=1))
-        left = check_leaks(tmp, [tmp / "state-before" / "crun", tmp / "state-shepherd" / "crun"])
+        sub = "crun" if args.runtime == "crun" else "runsc"
+        left = check_leaks(tmp, [tmp / "state-before" / sub, tmp / "state-shepherd" / sub])
         if left:
             print("LEFT BEHIND:", *left, sep="\n  ", file=sys.stderr)
             return 1

@@ -2,7 +2,9 @@
 command does to itself: setsid, a double fork, ignoring SIGTERM, stopping itself, closing its pipes.
 
 pd-init runs each command under a shepherd (a child subreaper) and kills every descendant of it, found
-through /proc, on a kill; the real crun runtime (and gVisor, where runsc is installed) are driven here.
+through /proc, on a kill; under gVisor, where the subreaper does not hold, each command also has a cgroup
+of its own and the kill ends everything in it. The real crun runtime (and gVisor, where runsc is
+installed) are driven here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ ESCAPES = {
     "stops_itself": "setsid sleep 1000 & kill -STOP $$; sleep 1001",
     "closes_pipes": "exec >&- 2>&- <&-; setsid sleep 1000 & sleep 1001",
     "many": "for i in 1 2 3 4 5 6 7 8 9 10; do setsid sh -c 'sleep 1000 & sleep 1001' & done; sleep 1002",
+    # gVisor's /proc lets a process follow pd-init's fd links: its cgroupfs must not be among them
+    "moves_out_of_its_cgroup": "setsid sh -c 'for f in /proc/1/fd/*; do echo $$ > $f/cgroup.procs; "
+                               "echo $$ > $f/tasks; done 2>/dev/null; exec sleep 1000' & sleep 1001",
 }
 
 
@@ -97,25 +102,60 @@ async def test_signals_reach_the_commands_group_not_the_shepherd(crun_rt, box): 
     assert await p.wait() == 3 and b"got" in b"".join(chunks)
 
 
-@pytest.mark.parametrize("case", ["setsid", "ignores_sigterm", "closes_pipes", "many"])
+async def gvisor_sleeps(rt, h, timeout: float = 5.0) -> str:  # type: ignore[no-untyped-def]
+    """The sandbox's ``sleep`` processes once none is left or ``timeout`` passed (inside gVisor the host sees
+    only the Sentry: the sandbox itself is asked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, out, _, _ = await sh(rt, h, "ps -o pid,ppid,comm | grep sleep || true", timeout=10)
+        if "sleep" not in out or time.monotonic() > deadline:
+            return out
+        await anyio.sleep(0.1)
+
+
+@pytest.mark.parametrize("case", sorted(ESCAPES))
 async def test_gvisor_timeout_kills_detached(gvisor_rt, tiny, case):  # type: ignore[no-untyped-def]
-    """gVisor: everything still below the command is killed (setsid, ignoring SIGTERM, closed pipes, and
-    ten trees whose middle processes die first (``many``): pd-init stops the whole tree before it kills any
-    of it, since runsc re-parents an orphan to PID 1 in spite of the shepherd's
-    PR_SET_CHILD_SUBREAPER). NOT covered there: a process that leaves the session AND whose parent has
-    already exited before the timeout (``setsid_double_fork``): nothing links it to the command any more
-    (README, "Things worth knowing")."""
+    """gVisor: the timeout ends everything the command started, also a process that left the command's
+    session AND lost its parent before the timeout (``setsid_double_fork``, ``double_fork``, ``many``).
+    runsc re-parents such an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so no /proc
+    walk finds it; pd-init (``--cgroups``) runs each command in a cgroup of its own on gVisor's cgroupfs,
+    which every descendant is born in whatever becomes of its parents, and kills what is listed there."""
     h = await gvisor_rt.create(spec(tiny, f"detach-gv-{case.replace('_', '-')}"))
     try:
         code, _, _, p = await sh(gvisor_rt, h, ESCAPES[case], timeout=2)
         assert p.timed_out and code == 137
-        # inside gVisor the host sees only the sentry: ask the sandbox itself
-        deadline = time.monotonic() + 5
-        while True:
-            _, out, _, _ = await sh(gvisor_rt, h, "ps -eo pid,comm 2>/dev/null || ls /proc", timeout=10)
-            if "sleep" not in out or time.monotonic() > deadline:
-                break
+        assert await gvisor_sleeps(gvisor_rt, h) == "", f"{case}: left running after the timeout"
+        # the command saw no cgroupfs, and has no capability to mount one (pd-init dropped CAP_SYS_ADMIN)
+        code, out, _, _ = await sh(gvisor_rt, h, "grep -c cgroup /proc/mounts; grep CapEff /proc/1/status; "
+                                   "mount -t cgroup -o cpu pd /tmp 2>/dev/null || echo denied", timeout=10)
+        lines = out.split()
+        assert lines[0] == "0" and int(lines[2], 16) & (1 << 21) == 0 and lines[-1] == "denied", out
+    finally:
+        await gvisor_rt.destroy(h)
+
+
+async def test_gvisor_kill_kills_detached_and_background_survives_a_normal_exit(gvisor_rt, tiny):  # type: ignore[no-untyped-def]
+    """gVisor twins of test_kill_kills_detached_children and test_background_survives_a_normal_exit...: a
+    kill (not only a timeout) ends the detached orphans; a command that exits normally leaves its daemons
+    running, and $$ / the reported pid is the command's own (its cgroup changes no pid it sees)."""
+    h = await gvisor_rt.create(spec(tiny, "detach-gv-kill"))
+    try:
+        p = await gvisor_rt.exec(h, ["sh", "-c", ESCAPES["setsid_double_fork"]], env={}, cwd=None, timeout=60)
+        deadline = time.monotonic() + 10
+        while (await sh(gvisor_rt, h, "ps -o comm | grep -c sleep || true", timeout=10))[1].strip() != "3":
+            assert time.monotonic() < deadline, "the three sleeps never started"
             await anyio.sleep(0.1)
-        assert "sleep" not in out, out
+        await p.kill()
+        assert await p.wait() == 137
+        assert await gvisor_sleeps(gvisor_rt, h) == "", "left running after the kill"
+
+        code, out, _, p = await sh(gvisor_rt, h, ESCAPES["setsid_double_fork"].replace("& sleep 1002", "& echo $$"),
+                                   timeout=10)
+        assert code == 0 and int(out) == p.sandbox_pid and not p.timed_out
+        await anyio.sleep(0.3)
+        _, out, _, _ = await sh(gvisor_rt, h, "ps -o comm | grep -c sleep || true", timeout=10)
+        assert out.strip() == "2", out            # both daemons (sleep 1000 and 1001) survive the exit
+        assert (await sh(gvisor_rt, h, "killall sleep; echo done", timeout=10))[:2] == (0, "done\n")
+        assert await gvisor_sleeps(gvisor_rt, h) == ""
     finally:
         await gvisor_rt.destroy(h)

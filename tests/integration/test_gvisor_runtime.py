@@ -126,6 +126,14 @@ async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path, monke
         code, out, _, p = await run(gvisor, h, ["/bin/sh", "-c", "cat /tmp/m /root/d; ps -o comm | grep -c sleep"])
         assert (code, out.split()) == (0, ["mem", "disk", "1"])
         assert isinstance(p, SupervisorExec)            # pd-init listens again after the restore
+        # pd-init's cgroup per command (--cgroups) survives the restore: a timeout still ends a process that
+        # left the session and lost its parent, and the earlier command's background sleep stays
+        escape = "setsid sh -c '( setsid sleep 1001 & ) ; sleep 1002' & sleep 1003"
+        code, _, _, p = await run(gvisor, h, ["/bin/sh", "-c", escape], timeout=2)
+        assert code == 137 and p.timed_out
+        with anyio.fail_after(10):
+            while (await run(gvisor, h, ["/bin/sh", "-c", "ps -o comm | grep -c sleep"]))[1].strip() != "1":
+                await anyio.sleep(0.1)
     finally:
         await gvisor.destroy(h)
 

@@ -102,3 +102,23 @@ def test_env_cwd_hostname_rlimits() -> None:
     spec = SandboxSpec(id="x", layers=())
     c2 = oci_spec.build_spec(spec, rootfs=Path("/r"), init_path=Path("/i"), cgroup_parent="p", nofile=20000)
     assert c2["process"]["rlimits"][0]["hard"] == 20000
+
+
+def test_gvisor_command_cgroups_give_pd_init_alone_cap_sys_admin_and_mount() -> None:
+    """gVisor's config for pd-init's cgroup per command (issue 16 part 3): ``--cgroups``, CAP_SYS_ADMIN in
+    pd-init's effective and permitted sets but never the bounding set (what it execs never gets it), mount
+    and umount2 let through seccomp (gVisor then gates them on that capability), every other rule kept, and
+    the shared profile untouched."""
+    from pilldrops.node.runtime.gvisor import MOUNT_SYSCALLS, with_command_cgroups
+    before = json.dumps(oci_spec.seccomp_profile(), sort_keys=True)
+    c = with_command_cgroups(build())
+    assert c["process"]["args"] == [oci_spec.INIT_PATH_IN_SANDBOX, "--cgroups"]
+    caps = c["process"]["capabilities"]
+    assert "CAP_SYS_ADMIN" in caps["effective"] and "CAP_SYS_ADMIN" in caps["permitted"]
+    assert "CAP_SYS_ADMIN" not in caps["bounding"] + caps["inheritable"] + caps["ambient"]
+    assert caps["bounding"] == oci_spec.CAPABILITIES
+    denied = {n for r in c["linux"]["seccomp"]["syscalls"] for n in r["names"] if r["action"] == "SCMP_ACT_ERRNO"}
+    assert denied == set(oci_spec.DENIED_SYSCALLS) - set(MOUNT_SYSCALLS) | {"clone3", "clone", "personality"}
+    assert {"unshare", "setns", "pivot_root", "fsopen"} <= denied
+    assert json.dumps(oci_spec.seccomp_profile(), sort_keys=True) == before
+    assert all(r["names"] for r in c["linux"]["seccomp"]["syscalls"])

@@ -24,8 +24,13 @@ What differs is in the hooks:
   past ``memory_mb`` the host OOM-kills the Sentry, i.e. the whole sandbox (``oom_killed``);
 - ``handle.pid`` is the Sentry's host pid (the sandbox's processes are not host processes), so pd-init is
   signalled with ``runsc kill``, and an exec's pid is never a host pid;
+- the Sentry re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so pd-init
+  runs with ``--cgroups`` (``with_command_cgroups``): each command in a cgroup of its own on a cgroupfs only
+  pd-init can reach, and a timeout or kill ends every process listed there, also one that left the
+  command's session after its parent exited (tests/hostile/test_detach.py);
 - without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
-  kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``);
+  kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``: an orphan that left the
+  session before is not in that tree);
 - pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket,
   and an image holding any host pipe or socket does not restore, so a pause while the Sentry holds one it
   did not start with is refused with that reason and the sandbox keeps running) and resume ``runsc restore``
@@ -58,6 +63,7 @@ RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=all", "--overl
 RUNTIME_PIDS = 128          # host tasks of gVisor itself (Sentry + gofer threads: 33 idle, 64-66 after a few commands), beyond the workload's
 PROCESS_TASKS = 4           # host tasks per sandbox process on the ptrace platform (measured ~3.9)
 CHANNELS_KEY = "sentry_channels"
+MOUNT_SYSCALLS = ("mount", "umount2")   # allowed by gVisor's seccomp for pd-init's cgroupfs (CAP_SYS_ADMIN gates them)
 
 
 def _channels(pid: int | None) -> set[str]:
@@ -150,6 +156,7 @@ class GvisorRuntime(CrunRuntime):
     HOST_PIDS = False
     SHEPHERD_EXEC = False   # runsc re-parents orphans to PID 1 in spite of a subreaper: no use here
     CTL_WAIT = 10.0    # the Sentry starts pd-init slowly under load; the fast path keeps host pipes out of it
+    COMMAND_CGROUPS = True   # pd-init --cgroups (with_command_cgroups); False only for bench/detach.py's baseline
 
     @staticmethod
     def _binary() -> str:
@@ -173,7 +180,7 @@ class GvisorRuntime(CrunRuntime):
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         config = super()._config(spec, d)
         config["linux"]["resources"]["pids"]["limit"] = PROCESS_TASKS * int(spec.pids_limit) + RUNTIME_PIDS
-        return config
+        return with_command_cgroups(config) if self.COMMAND_CGROUPS else config
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
                   user: str | None = None) -> list[str]:
@@ -238,6 +245,26 @@ class GvisorRuntime(CrunRuntime):
         if r.returncode != 0:
             raise RuntimeFailure(f"runsc restore of {spec.id} failed (exit {r.returncode})", detail=_first_lines(err))
         return _started_init(pid_file, spec.id, "restore", err_file=err)
+
+
+def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
+    """``config`` for pd-init's cgroup per command (``--cgroups``; pd-init.c, ``cg_setup``): the Sentry
+    re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so only a cgroup links
+    a detached process to its command. pd-init mounts gVisor's cgroupfs once at start, detaches it and then
+    drops CAP_SYS_ADMIN; for that it gets CAP_SYS_ADMIN in its permitted and effective sets but NOT in the
+    bounding set (nothing it forks and execs, nor ``runsc exec``, ever has it), and the seccomp profile lets
+    ``mount``/``umount2`` through: without CAP_SYS_ADMIN gVisor answers them EPERM, as the profile did."""
+    process = config["process"]
+    process["args"] = [*process["args"], "--cgroups"]
+    caps = process["capabilities"]
+    for key in ("effective", "permitted"):
+        caps[key] = [*caps[key], "CAP_SYS_ADMIN"]
+    seccomp = dict(config["linux"]["seccomp"])         # the shared profile is never mutated
+    seccomp["syscalls"] = [{**rule, "names": [n for n in rule["names"] if n not in MOUNT_SYSCALLS]}
+                           for rule in seccomp["syscalls"]]
+    seccomp["syscalls"] = [rule for rule in seccomp["syscalls"] if rule["names"]]
+    config["linux"]["seccomp"] = seccomp
+    return config
 
 
 def _first_lines(path: Path, n: int = 6, width: int = 600) -> str:

@@ -41,7 +41,9 @@
  * SIGTERM, SIGSTOP itself, close its pipes, leave its session) it cannot outlive its kill. The shepherd
  * blocks every signal and holds no fd but its pid pipe; it exits with the command's status (128+N when
  * killed by signal N) as soon as the command's own process is reaped, so background processes a command
- * leaves behind when it exits normally go on running (re-parented to PID 1), as from a shell.
+ * leaves behind when it exits normally go on running (re-parented to PID 1), as from a shell. Under gVisor,
+ * which re-parents every orphan to PID 1 in spite of the subreaper, pd-init runs with --cgroups and each
+ * command also gets a cgroup of its own, which a kill empties (see cg_setup).
  * The command's pid reaches pd-init through that pipe, so 'P' and $$ stay the command's own pid.
  *
  * The command does setpgid(0, 0) (so -pid names its process group; with a PTY it becomes the terminal's
@@ -69,9 +71,13 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/syscall.h>
+#include <linux/capability.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -94,6 +100,7 @@ struct slot {
     int state, conn, in_w, out_r, err_r;   /* -1 when closed */
     pid_t pid, pgid;                       /* pid: the shepherd's, 0 once reaped; pgid: the command's
                                             * process group, kept for late kills */
+    unsigned cg;                           /* the command's cgroup (its number in pd-init's cgroupfs), 0: none */
     int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked, pty;
     long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
     char *req;                             /* request payload (malloc'ed once per request) */
@@ -109,6 +116,16 @@ static struct slot slots[NSLOTS];
 static unsigned char inbufs[NSLOTS][INBUF_ROW] __attribute__((aligned(4096)));
 static unsigned char outbufs[NSLOTS][OUTBUF] __attribute__((aligned(4096)));
 extern char **environ;
+
+/* The commands' cgroups (``--cgroups``, gVisor): the root directory of a cgroupfs mount no path leads to.
+ * Its fd is parked in the queue of a socketpair (SCM_RIGHTS) between uses, never left in the fd table:
+ * gVisor's /proc lets any process follow another's /proc/PID/fd links (but opens no socket that way). */
+static int cg_park[2] = {-1, -1};
+static int cg_on;
+static unsigned cg_seq;
+#define CG_PENDING 1024
+static unsigned cg_pending[CG_PENDING];   /* cgroups not yet empty when their command ended */
+static int cg_npending;
 
 static long long now_ms(void) {
     struct timespec ts;
@@ -139,9 +156,12 @@ static void frame(struct slot *s, int type, int32_t v) {
     s->out_len += 9;
 }
 
+static void cg_done(unsigned n);
+
 static void release(struct slot *s) {
     cl(&s->conn); cl(&s->in_w); cl(&s->out_r); cl(&s->err_r);
     free(s->req);
+    cg_done(s->cg);
     unsigned char *in = s->in, *out = s->out;
     memset(s, 0, sizeof *s);
     s->in = in;
@@ -229,9 +249,171 @@ static void kill_tree(pid_t root) {
     free(pid); free(ppid); free(killed);
 }
 
+/* ``--cgroups`` (gVisor): a cgroup per command. runsc ignores PR_SET_CHILD_SUBREAPER (its Sentry re-parents
+ * every orphan to PID 1), so the /proc walk of kill_tree cannot find a process that left the command's
+ * session after its parent exited; but a process is born in its parent's cgroup and stays there whatever
+ * becomes of its parents. So pd-init mounts a cgroupfs hierarchy of its own (gVisor's, inside the Sentry)
+ * over /.pd/run for a moment, takes a directory fd on it and detaches it (MNT_DETACH): no path leads to it.
+ * No process of the sandbox can mount another (pd-init holds CAP_SYS_ADMIN only in its permitted and
+ * effective sets, never in the bounding set, and drops it here, before any command exists), and the fd
+ * waits in cg_park between uses, so a command neither sees its cgroup nor can move out of it; only a
+ * process that catches the fd in pd-init's fd table during the few system calls of a use could (a
+ * deliberate race, which wins nothing a command cannot have by exiting and leaving a daemon behind). Each
+ * shepherd joins a fresh cgroup before it forks the command, and a kill SIGKILLs everything listed in the
+ * cgroup's cgroup.procs. */
+/* Park ``fd`` (closed here) in cg_park's queue; 0 when it is there. */
+static int cg_put(int fd) {
+    char b = 0;
+    struct iovec iov = {.iov_base = &b, .iov_len = 1};
+    union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } u;
+    memset(&u, 0, sizeof u);
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    int ok = sendmsg(cg_park[1], &m, MSG_DONTWAIT | MSG_NOSIGNAL) == 1;
+    close(fd);
+    if (!ok) cg_on = 0;                        /* lost: later commands are tracked by kill_tree alone */
+    return ok ? 0 : -1;
+}
+
+/* Take the cgroupfs root out of cg_park (give it back with cg_put); -1 when there is none. */
+static int cg_take(void) {
+    if (!cg_on) return -1;
+    char b;
+    struct iovec iov = {.iov_base = &b, .iov_len = 1};
+    union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } u;
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    int fd = -1;
+    if (recvmsg(cg_park[0], &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) == 1) {
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)))
+            memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    }
+    if (fd < 0) cg_on = 0;
+    return fd;
+}
+
+static void cg_setup(void) {
+    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, cg_park) == 0 &&
+        mount("pd", RUN_DIR, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "cpu") == 0) {
+        int root = open(RUN_DIR, O_DIRECTORY | O_RDONLY | O_CLOEXEC);
+        if (umount2(RUN_DIR, MNT_DETACH) == 0 && root >= 0) {
+            cg_on = 1;
+            cg_put(root);
+        } else if (root >= 0) {
+            close(root);
+        }
+    }
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d) == 0) {
+        d[0].effective &= ~(1u << CAP_SYS_ADMIN);
+        d[0].permitted &= ~(1u << CAP_SYS_ADMIN);
+        d[0].inheritable &= ~(1u << CAP_SYS_ADMIN);
+        syscall(SYS_capset, &h, d);
+    }
+}
+
+/* A fresh cgroup for a command: its number (0: none, the command is then tracked by kill_tree alone), and
+ * in *procs an fd on its cgroup.procs, which the shepherd writes itself into before it forks the command. */
+static unsigned cg_new(int *procs) {
+    *procs = -1;
+    int root = cg_take();
+    if (root < 0) return 0;
+    char name[32];
+    unsigned n = ++cg_seq ? cg_seq : ++cg_seq;
+    snprintf(name, sizeof name, "%u", n);
+    if (mkdirat(root, name, 0700) == 0) {
+        snprintf(name, sizeof name, "%u/cgroup.procs", n);
+        if ((*procs = openat(root, name, O_WRONLY | O_CLOEXEC)) < 0) {
+            snprintf(name, sizeof name, "%u", n);
+            unlinkat(root, name, AT_REMOVEDIR);
+        }
+    }
+    if (cg_put(root) != 0 && *procs >= 0) { close(*procs); *procs = -1; }
+    return *procs >= 0 ? n : 0;
+}
+
+/* Remove cgroup n once it is empty; while it is not (background processes of a command that exited), it
+ * waits in cg_pending, retried whenever pd-init reaps a process (the last one of a cgroup to exit is
+ * always re-parented to pd-init: a parent in the cgroup would still be in it). */
+static int cg_rmdir(int root, unsigned n) {
+    char name[16];
+    snprintf(name, sizeof name, "%u", n);
+    return unlinkat(root, name, AT_REMOVEDIR) == 0 || errno == ENOENT;
+}
+
+static void cg_done(unsigned n) {
+    int root = n ? cg_take() : -1;
+    if (root < 0) return;
+    if (!cg_rmdir(root, n) && cg_npending < CG_PENDING) cg_pending[cg_npending++] = n;
+    cg_put(root);
+}
+
+static void cg_sweep(void) {
+    int root = cg_take();
+    if (root < 0) return;
+    for (int i = 0; i < cg_npending;)
+        if (cg_rmdir(root, cg_pending[i])) cg_pending[i] = cg_pending[--cg_npending];
+        else i++;
+    cg_put(root);
+}
+
+/* SIGKILL every process in cgroup n, reading its cgroup.procs again until a read lists none not killed yet
+ * (a process forked in the meantime is born in the cgroup). The list is bounded by the pids limit. */
+static int cg_kill(unsigned n) {
+    int root = cg_take();
+    if (root < 0) return -1;
+    char name[32];
+    snprintf(name, sizeof name, "%u/cgroup.procs", n);
+    pid_t *done = NULL;
+    size_t ndone = 0, cap = 0;
+    for (int pass = 0; pass < 64; pass++) {
+        int fd = openat(root, name, O_RDONLY | O_CLOEXEC), fresh = 0;
+        if (fd < 0) break;
+        char buf[4096];
+        long long cur = -1;
+        ssize_t len;
+        do {
+            len = read(fd, buf, sizeof buf);
+            for (ssize_t i = 0; i <= len; i++) {
+                if (i < len && buf[i] >= '0' && buf[i] <= '9') {
+                    cur = (cur < 0 ? 0 : cur) * 10 + (buf[i] - '0');
+                    if (cur > INT32_MAX) cur = INT32_MAX;
+                    continue;
+                }
+                if (i == len && len > 0) break;        /* a number may go on in the next read */
+                if (cur > 1) {
+                    int seen = 0;
+                    for (size_t k = 0; k < ndone && !seen; k++) seen = done[k] == (pid_t)cur;
+                    if (!seen) {
+                        kill((pid_t)cur, SIGKILL);
+                        fresh = 1;
+                        if (ndone == cap) {
+                            size_t nc = cap ? cap * 2 : 64;
+                            pid_t *a = realloc(done, nc * sizeof *a);
+                            if (a) { done = a; cap = nc; }
+                        }
+                        if (ndone < cap) done[ndone++] = (pid_t)cur;
+                    }
+                }
+                cur = -1;
+            }
+        } while (len > 0 || (len < 0 && errno == EINTR));
+        close(fd);
+        if (!fresh) break;
+    }
+    free(done);
+    cg_put(root);
+    return 0;
+}
+
 static void do_kill(struct slot *s) {
     if (!s->killed && s->pgid > 0) {
-        if (s->pid > 0) kill_tree(s->pid);
+        if (s->pid > 0 && !(s->cg && cg_kill(s->cg) == 0)) kill_tree(s->pid);
         kill(-s->pgid, SIGKILL);
         if (s->pid > 0) kill(s->pid, SIGKILL);
     }
@@ -284,13 +466,22 @@ static void child(int in_r, int out_w, int err_w, char *cwd, char **argv, char *
 /* The shepherd (see the top): session leader (with the PTY as controlling terminal), child subreaper,
  * every signal blocked; forks the command, sends its pid on ``pid_w``, and exits with its status. */
 static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char **argv, char **env, int tty,
-                     const uint32_t *ids) {
+                     const uint32_t *ids, int cg_procs) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
     setsid();
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     if (tty >= 0) ioctl(tty, TIOCSCTTY, 0);
+    if (cg_procs >= 0) {                       /* join the command's cgroup (--cgroups) before the fork */
+        char b[16];
+        int n = snprintf(b, sizeof b, "%d", (int)getpid());
+        if (write(cg_procs, b, n) != n) {
+            dprintf(tty >= 0 ? tty : err_w, "pd-init: cannot join the command's cgroup: %s\n", strerror(errno));
+            _exit(126);
+        }
+        close(cg_procs);
+    }
     pid_t c = fork();
     if (c == 0) { close(pid_w); child(in_r, out_w, err_w, cwd, argv, env, tty, ids); }
     if (c > 0) setpgid(c, c);
@@ -310,11 +501,12 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
 
 /* Fork the shepherd; the command's pid (read back from it) goes to *cmd. */
 static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
-                   const uint32_t *ids, pid_t *cmd) {
+                   const uint32_t *ids, int *cg_procs, pid_t *cmd) {
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
-    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids); }
+    if (pid == 0) { close(pp[0]); shepherd(in_r, out_w, err_w, pp[1], cwd, argv, env, tty, ids, *cg_procs); }
+    cl(cg_procs);                                    /* the shepherd's alone from here */
     close(pp[1]);
     int32_t v = -1;
     ssize_t n;
@@ -362,24 +554,26 @@ static int start(struct slot *s) {
         else vec[i] = p;                       /* vec[argc] stays NULL; env is vec + argc + 1 */
         p = z + 1;
     }
-    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1;
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1, cg_procs;
     pid_t pid = -1, cmd = -1;
+    unsigned cg = cg_new(&cg_procs);
     if (pty) {           /* master: out[0] (read) and in[1] (a dup, write); slave: tty, for the child only */
         int unlock = 0;
         out[0] = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
             (tty = ioctl(out[0], TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) >= 0 &&
             (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
-            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cmd);
+            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cg_procs, &cmd);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
-        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cmd);
+        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cg_procs, &cmd);
     }
     free(vec);
     free(s->req);
     s->req = NULL;
-    cl(&in[0]); cl(&out[1]); cl(&err[1]); cl(&tty);
-    if (pid < 0) { cl(&in[1]); cl(&out[0]); cl(&err[0]); return -1; }
+    cl(&in[0]); cl(&out[1]); cl(&err[1]); cl(&tty); cl(&cg_procs);
+    if (pid < 0) { cl(&in[1]); cl(&out[0]); cl(&err[0]); cg_done(cg); return -1; }
+    s->cg = cg;
     s->pty = pty != 0;
     s->in_w = in[1]; s->out_r = out[0]; s->err_r = err[0];
     if (s->in_w >= 0) fcntl(s->in_w, F_SETFL, O_NONBLOCK);
@@ -484,9 +678,10 @@ static void on_pipe(struct slot *s, int *fd, int type) {
 }
 
 static void reap(void) {
-    int st;
+    int st, any = 0;
     pid_t pid;
     while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        any = 1;
         for (int i = 0; i < NSLOTS; i++) {
             struct slot *s = &slots[i];
             if (s->state == RUN && s->pid == pid) {
@@ -497,6 +692,7 @@ static void reap(void) {
             }
         }
     }
+    if (any && cg_npending) cg_sweep();
 }
 
 static int listen_ctl(void) {
@@ -555,6 +751,7 @@ static int shepherd_exec(char **argv) {
 
 int main(int argc, char **argv) {
     if (argc > 2 && strcmp(argv[1], "--shepherd") == 0) return shepherd_exec(argv + 2);
+    if (argc > 1 && strcmp(argv[1], "--cgroups") == 0) cg_setup();
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGCHLD);
