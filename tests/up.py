@@ -50,24 +50,36 @@ def why_not_root(what: str = "these tests run a real `pilldrops up`") -> str | N
     return None
 
 
+# data dirs where this session built the Debian templates from nothing (tests/e2e/test_debian_templates.py
+# adds the shared `up`'s after its build): seeding prefers them to the machine's template cache
+SESSION_BUILDS: list[Path] = []
+
+
 def seed_templates(data: Path, names: Sequence[str]) -> None:
-    """Make the cached built templates ``names`` (and their parents) usable in the data dir ``data``
-    (building them in the machine's template cache first if needed: once per machine, minutes). One
-    already built in ``data`` (the session's own Debian build, tests/e2e/test_debian_templates.py) is
-    kept: it is neither rebuilt in the cache nor replaced."""
+    """Make the built templates ``names`` (and their parents) usable in the data dir ``data``: this
+    session's own build of them (``SESSION_BUILDS``) if there is one, else the machine's template cache
+    (built there first if needed: once per machine, minutes). A manifest is copied; its layers stay where
+    they were built. One already built in ``data`` (the session's own Debian build,
+    tests/e2e/test_debian_templates.py) is kept: it is neither rebuilt in the cache nor replaced."""
     from pilldrops.node.templates import TemplateStore
     store, here = TemplateStore(TEMPLATE_CACHE), TemplateStore(data)
     todo = list(names)
     while todo:
         name = todo.pop()
-        if (data / "templates" / name / here.hash(name) / "manifest.json").exists():
+        h = here.hash(name)
+        if (data / "templates" / name / h / "manifest.json").exists():
             continue                                          # built or seeded here already (parents too)
-        tpl = store.ensure(name)
-        dst = data / "templates" / name / tpl.hash
+        built = [d for d in SESSION_BUILDS if (d / "templates" / name / h / "manifest.json").exists()]
+        if built:
+            src = built[0] / "templates" / name / h / "manifest.json"
+        else:
+            h = store.ensure(name).hash
+            src = TEMPLATE_CACHE / "templates" / name / h / "manifest.json"
+        dst = data / "templates" / name / h
         dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(TEMPLATE_CACHE / "templates" / name / tpl.hash / "manifest.json", dst / "manifest.json")
-        if not store.spec(name).is_builder:
-            todo.append(store.spec(name).base)
+        shutil.copy2(src, dst / "manifest.json")
+        if not here.spec(name).is_builder:
+            todo.append(here.spec(name).base)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 bookworm minbase from this machine's mirror, then Python 3 + pip + numpy as a second layer) into the running
 server's data dir; the node publishes it with its next heartbeat; a sandbox runs Python with its full
 standard library and numpy. About a minute. It runs first in the session (tests/conftest.py), so this is a
-build from nothing every time, and the tiers that need these templates later use this build."""
+build from nothing every time, and the tiers that need these templates later use this build (the shared
+`up`'s directly; other data dirs by ``tests.up.seed_templates``, which it registers with)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from pilldrops import Sandbox
 from tests.e2e.conftest import Server
+from tests.up import SESSION_BUILDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]   # a build from nothing: minutes under load
 
@@ -49,3 +51,4 @@ def test_code_interpreter_template(server: Server, api: httpx.Client) -> None:
         assert tools.exit_code == 0, tools.stderr                    # the tools people reach for
     sizes = {t["name"]: t["size_bytes"] for t in api.get("/v1/templates").json()["items"]}
     assert sizes["code-interpreter"] > sizes["base"] > 0             # full size: every layer counted
+    SESSION_BUILDS.append(server.data_dir)    # the other tiers' seeds (tests.up.seed_templates) use this build

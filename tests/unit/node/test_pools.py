@@ -73,6 +73,16 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
         await _set(c, 1)
         await _until(lambda: len(_pool(s).ready) == 1)
         await s.agent._heartbeat()       # the control plane holds its grant (a reported member is claimed by it)
+        # the claim's refill (a member: id ``pd-...``) waits until the three creates are done: on a loaded
+        # machine the third create could otherwise come after the refilled member is ready and claim it
+        refill_may_finish, real_create = anyio.Event(), s.runtime.create
+
+        async def create_gated(spec: Any) -> Any:
+            if spec.id.startswith("pd-"):
+                await refill_may_finish.wait()
+            return await real_create(spec)
+
+        s.runtime.create = create_gated  # type: ignore[method-assign]
         codes: list[int] = []
 
         async def create() -> None:
@@ -83,6 +93,7 @@ async def test_misses_fall_back_to_cold_creates_and_are_counted(tmp_path) -> Non
             for _ in range(3):
                 tg.start_soon(create)
         assert codes == [201] * 3
+        refill_may_finish.set()
         other = await c.post("/v1/sandboxes", json={"template": "tiny", "vcpu": 2, "memory_mb": 256})
         assert other.status_code == 201                           # another shape: not pooled, not a miss
         pool = _pool(s)
