@@ -150,8 +150,8 @@ async def test_disk_survives_an_agent_restart_and_goes_with_the_sandbox(crun_rt,
     # its loop device, found from stat + sysfs (not the mount table): the same one the mount table names
     mnt = Path(h.bundle) / "disk"
     dev = diskquota.backing_device(mnt)
-    with open("/proc/self/mountinfo") as f:
-        named = [ln.split()[ln.split().index("-") + 2] for ln in f if ln.split()[4] == str(mnt)]
+    mountinfo = Path("/proc/self/mountinfo").read_text().splitlines()
+    named = [ln.split()[ln.split().index("-") + 2] for ln in mountinfo if ln.split()[4] == str(mnt)]
     assert dev is not None and dev.startswith("/dev/loop") and named == [dev]
     assert diskquota.backing_device(Path(h.bundle) / "rootfs") is None      # an overlay: no block device
     await again.destroy(adopted)

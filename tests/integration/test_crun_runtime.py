@@ -58,7 +58,7 @@ async def test_create_exec_destroy(runtime, tiny):  # type: ignore[no-untyped-de
         for _ in range(100):
             if procs.stat_fields(h.pid)[0] == "T":
                 break
-            time.sleep(0.01)
+            await anyio.sleep(0.01)
         assert not runtime.running_by_pid(h)
     finally:
         os.kill(h.pid, signal.SIGCONT)
