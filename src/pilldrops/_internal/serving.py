@@ -87,10 +87,17 @@ def run_served(fn: Callable[..., Awaitable[Any]], *args: Any, uvloop: bool = Tru
     return anyio.run(fn, *args, backend="asyncio", backend_options=opts)
 
 
+KEEP_ALIVE_S = 20      # idle keep-alive connections the server holds (uvicorn's default: 5 s)
+
+
 class Served:
     def __init__(self, app: Any, host: str, port: int) -> None:
+        # an idle kept-alive connection is closed by the client first (httpx after 5 s, Node's fetch after
+        # 4 s, our node client after 2 s): a server that closes at 5 s races a request the client sends on
+        # it at that moment (ECONNRESET on a non-idempotent upload under load)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, backlog=4096)
+                                lifespan="off", timeout_graceful_shutdown=5, backlog=4096,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self.server = uvicorn.Server(config)
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; with
         # proto 0 every keep-alive response stalled ~40 ms on Nagle + the client's delayed ACK

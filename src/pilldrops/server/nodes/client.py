@@ -26,8 +26,8 @@ from pilldrops.schema.node import (
     NodeTemplateRef,
 )
 
-# a pooled connection the node (uvicorn: 5 s keep-alive) is about to close must not be reused: the request
-# then dies with ReadError('') and the create fails; expire idle connections well before the server does
+# a pooled connection the node is about to close must not be reused (a node closes idle ones after 20 s,
+# serving.KEEP_ALIVE_S; an older one after 5 s): the request then dies with ReadError('') and the create fails
 KEEPALIVE_EXPIRY_S = 2.0
 # what a reused connection the server closed meanwhile looks like (the request never reached the node app)
 _STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
