@@ -149,3 +149,41 @@ async def test_a_batch_whose_client_leaves_creates_no_more(tmp_path: Path) -> No
         async with st.client() as c:
             live = (await c.get("/v1/sandboxes", params={"state": ["starting", "running"]})).json()["items"]
         assert live == []
+
+
+async def test_a_signal_the_init_does_not_read_is_not_delivered_and_kills_nothing(tmp_path: Path) -> None:
+    """A sandbox whose init stops reading its control connection (its socket full): a signal (or resize)
+    frame none of which the socket takes is taken back and reported undelivered; the command is NOT killed
+    for it (only a frame sent in part would break the framing and end the command)."""
+    sock = tmp_path / "ctl"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(1)
+    held: list[socket.socket] = []
+
+    def serve() -> None:               # answers the hello, then never reads again
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.sendall(HDR.pack(ord("V"), 4) + struct.pack("<I", PROTO))
+        held.append(conn)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    proc = SupervisorExec(sock, ["/bin/sleep", "100"], env={}, cwd="/", stdin=None, timeout=8)
+    try:
+        t.join(10)
+        await anyio.sleep(0.2)                          # the request went out; the buffer is empty
+        assert not proc._wbuf
+        proc._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with pytest.raises(BlockingIOError):            # fill the socket the init does not read
+            while True:
+                proc._sock.send(b"\0" * 4096)
+        with anyio.fail_after(10):
+            assert await proc.signal(2) is False
+        assert not proc._killed and not proc._wbuf     # taken back, nothing killed, nothing queued
+    finally:
+        for c in held:                                  # the init hangs up: the command ends (137)
+            c.close()
+        srv.close()
+        with anyio.fail_after(20):
+            assert await proc.wait() == 137

@@ -216,6 +216,8 @@ class SupervisorExec(OutputRelay):
         self._wbuf = bytearray(encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user))
         self._drained: list[asyncio.Future[None]] = []
         self._timers: list[asyncio.TimerHandle] = []
+        self._retry: asyncio.TimerHandle | None = None      # the one pending connect retry (backlog full)
+        self._sent = 0                                      # bytes written to the socket so far
         self._sock_path = str(sock_path)
         self._connected = False
         if sock is not None:
@@ -245,7 +247,7 @@ class SupervisorExec(OutputRelay):
         if self._connected:
             self._on_connected()
         else:
-            self._timers.append(self._loop.call_later(0.005, self._retry_connect))
+            self._retry = self._loop.call_later(0.005, self._retry_connect)
         if stdin is not None and not isinstance(stdin, bytes):
             threading.Thread(target=self._feed, args=(stdin.__aiter__(),), daemon=True).start()
 
@@ -265,7 +267,7 @@ class SupervisorExec(OutputRelay):
             self._sock.connect(self._sock_path)
             check_peer(self._sock, self._init_pid)
         except BlockingIOError:
-            self._timers.append(self._loop.call_later(0.005, self._retry_connect))
+            self._retry = self._loop.call_later(0.005, self._retry_connect)
             return
         except OSError:
             self._finish(137)
@@ -297,6 +299,7 @@ class SupervisorExec(OutputRelay):
                 self._wbuf.clear()
                 break
             del self._wbuf[:n]
+            self._sent += n
         if self._wbuf and not self._writing:
             self._loop.add_writer(self._sock.fileno(), self._flush)
             self._writing = True
@@ -445,6 +448,8 @@ class SupervisorExec(OutputRelay):
         for t in self._timers:
             t.cancel()
         self._timers.clear()
+        if self._retry is not None:
+            self._retry.cancel()
         self._pause_reading()
         if self._writing:
             self._loop.remove_writer(self._sock.fileno())
@@ -459,18 +464,27 @@ class SupervisorExec(OutputRelay):
     # -- control ---------------------------------------------------------------------------------
     async def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
         """Send one small control frame, waiting at most ``timeout`` (behind a stuck stdin frame, say); a
-        frame that could only be sent in part ends the command (the framing would be broken)."""
+        frame none of which the socket took is taken back (False: not delivered); one that could only be
+        sent in part ends the command (the framing would be broken)."""
         deadline = time.monotonic() + timeout
         if not await self._wait_drained(timeout=timeout) or self._killed:
             return False
+        sent_before = self._sent            # the buffer is empty here: the frame goes out first
         self._wbuf += frame
         self._flush()
         if not self._wbuf:
             return True
         if await self._wait_drained(timeout=max(0.0, deadline - time.monotonic())):
             return True
-        if not self._finished:
-            self._kill_sync()
+        if self._finished:
+            return False
+        if self._sent == sent_before:       # not a byte of it went out (pd-init is not reading): take it back
+            del self._wbuf[:len(frame)]
+            if not self._wbuf and self._writing:
+                self._loop.remove_writer(self._sock.fileno())
+                self._writing = False
+            return False
+        self._kill_sync()
         return False
 
     async def signal(self, signo: int) -> bool:
