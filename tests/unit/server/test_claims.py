@@ -44,6 +44,7 @@ async def _granted_pool(s: Stack, c: Any, size: int = 2) -> None:
     r = await c.put("/v1/pools", json={**SHAPE, "size": size})
     assert r.status_code == 200, r.text
     await _until(lambda: len(_pool(s).ready) == size)
+    await anyio.sleep(0.3)             # the agent's own (debounced) heartbeat for members just made ready
     await s.agent._heartbeat()
     assert s.cp.services.sandboxes.ctx.grants.size() == size
 
