@@ -233,6 +233,7 @@ class Lifecycle:
         ctx = self.ctx                       # (members are containers with the template's default disk)
         version = str(ref.version) if ref is not None else None       # type: ignore[attr-defined]
         stored_isolation = getattr(ref, "isolation", None)
+
         def disk_of(node: NodeRecord) -> int:        # what a create of this template gets on that node
             return isolation.template_disk_mb([node], req.template) or self.default_disk_mb
 
@@ -240,6 +241,18 @@ class Lifecycle:
             n = ctx.node_cache.get(node_id)
             return grant.disk_mb is None or n is None or grant.disk_mb == disk_of(n)
 
+        skipped: list[tuple[str, NodeGrant]] = []    # of another disk (node not cached): offered again after
+        try:
+            return await self._claim_one(req, new, ref, version, stored_isolation, disk_of, fits, skipped)
+        finally:
+            for node_id, grant in skipped:
+                ctx.grants.give_back(node_id, grant, req.template, req.vcpu, req.memory_mb)
+
+    async def _claim_one(self, req: CreateSandboxRequest, new: NewSandbox, ref: object, version: str | None,
+                         stored_isolation: str | None, disk_of: Callable[[NodeRecord], int],
+                         fits: Callable[[str, NodeGrant], bool],
+                         skipped: list[tuple[str, NodeGrant]]) -> SandboxRecord | None:
+        ctx = self.ctx
         while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
                                      lambda node_id: (n := ctx.node_cache.get(node_id)) is None
                                      or (n.state == "ready" and not n.draining), fits)) is not None:
@@ -248,7 +261,8 @@ class Lifecycle:
             if node is None or node.state != "ready" or node.draining:
                 continue
             if grant.disk_mb is not None and grant.disk_mb != disk_of(node):
-                continue                     # another disk than this create's (the regular path makes it)
+                skipped.append((node_id, grant))    # another disk than this create's: the regular path
+                continue
             nodes = [node]
             now, claimed_mono = ctx.clock.now(), ctx.clock.monotonic()    # the claim: billed from here
             try:           # a create refused here (or replayed) gives the grant back: no member is stranded
