@@ -3,6 +3,7 @@ with bounded concurrency, the circuit breaker, reserved capacity, billing from t
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -219,7 +220,7 @@ async def test_members_becoming_ready_together_wake_debounced_heartbeats(tmp_pat
         with anyio.fail_after(2):                       # still prompt: reported well before the 5 s interval
             while grants.size() < 8:
                 await anyio.sleep(0.01)
-        gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(sent)]
         assert sent and all(g >= agent_mod.HEARTBEAT_DEBOUNCE_S * 0.9 for g in gaps), gaps
 
 
