@@ -415,7 +415,9 @@ class NodeAgent:
             return await self.transfer.end_paused(sb, EndReason.killed)
         if sandbox_id in self.outbox:
             return self.outbox[sandbox_id]
-        if self.pools.retire_grant(sandbox_id):     # a claim ended before its member was handed over
+        # a claim ended before its member was handed over (and no hand-over is on its way: that one's
+        # sandbox is then ended as an orphan, as before)
+        if sandbox_id not in self._creates and self.pools.retire_grant(sandbox_id):
             raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} was never handed over on this node "
                                          "(its pre-issued member is retired)")
         raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
