@@ -63,6 +63,7 @@ from pilldrops.schema.node import (
 log = logging.getLogger("pilldrops.node")
 DEADLINE_TICK_S = 0.25
 MONITOR_TICK_S = 2.0
+HEARTBEAT_DEBOUNCE_S = 0.2  # an early heartbeat (woken by a ready member) waits this long after the last one
 KILL_MANY_PARALLEL = 8      # teardowns of one batch kill at a time (each runs crun delete, umount, rm)
 STOPPED_INIT_ERROR = ("its init was stopped by a signal from outside the sandbox (SIGSTOP on the node) and "
                       "could run nothing more; it was ended")
@@ -257,6 +258,10 @@ class NodeAgent:
         except BaseException as exc:
             first.error = exc if isinstance(exc, Exception) else errors.ServerError(
                 f"the create of {spec.id} this one repeats was cancelled")
+            if isinstance(exc, errors.PillDropsError):
+                # a refused hand-over of a pre-issued member: the control plane ends its record, so the
+                # member is never handed over; retired (not left reported, which nobody else may claim)
+                self.pools.retire_grant(spec.id)
             raise
         finally:
             del self._creates[spec.id]
@@ -292,15 +297,17 @@ class NodeAgent:
             if not same_secret(grant.access_token, spec.access_token):
                 raise errors.InvalidRequest(f"sandbox {spec.id} is a pre-issued member with another access token")
             member = self.pools.claim_grant(spec.id, spec.template, spec.vcpu, spec.memory_mb) if poolable else None
-            if member is None:
+            if member is None:       # refused (the member is retired: ``create``)
                 raise errors.InvalidState(f"pre-issued member {spec.id} does not fit this create (template "
                                           "rebuilt, other shape, isolation or disk)", current="ready",
                                           target="running")
         else:
             member = self.pools.claim(spec.template, spec.vcpu, spec.memory_mb, spec.network) if poolable else None
+        # a claim whose member is gone here (retired between a heartbeat and the hand-over) is made from
+        # another member or cold, still billed from the claim, as its record's started_at says
+        since = _usage_start(spec.claimed_s, member.ready_mono if member is not None else None)
         if member is not None:             # warm: a ready member becomes this sandbox (billing starts now, or
             sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))     # at the claim: ``_usage_start``)
-            since = _usage_start(spec.claimed_s, member.ready_mono) if grant is not None else None
             return await self._adopt_new(sb, member.handle, claimed=True, attached=member.network_attached,
                                          since=since)
         sb = self.sandboxes.add(Sandbox(spec, NodeState.creating))
@@ -318,7 +325,7 @@ class NodeAgent:
             self.journal.remove(spec.id)
             self.stats.failed += 1
             raise errors.ServerError(f"sandbox failed to start: {exc}") from exc
-        return await self._adopt_new(sb, handle, claimed=False)
+        return await self._adopt_new(sb, handle, claimed=False, since=since)
 
     def _check_egress(self, spec: NodeSandboxSpec) -> None:
         if spec.network is None:
@@ -408,6 +415,11 @@ class NodeAgent:
             return await self.transfer.end_paused(sb, EndReason.killed)
         if sandbox_id in self.outbox:
             return self.outbox[sandbox_id]
+        # a claim ended before its member was handed over (and no hand-over is on its way: that one's
+        # sandbox is then ended as an orphan, as before)
+        if sandbox_id not in self._creates and self.pools.retire_grant(sandbox_id):
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} was never handed over on this node "
+                                         "(its pre-issued member is retired)")
         raise errors.SandboxNotFound(f"sandbox {sandbox_id!r} is not on this node")
 
     async def kill_many(self, ids: list[str]) -> list[NodeKilled]:
@@ -681,8 +693,13 @@ class NodeAgent:
                     delay = 0.2
                 else:
                     await self._heartbeat()
+                sent = time.monotonic()
                 with anyio.move_on_after(interval):
                     await self._wake_heartbeat.wait()
+                # woken early (members became ready, a template arrived): at most one heartbeat per
+                # HEARTBEAT_DEBOUNCE_S, so members that become ready together (steady claims refilling)
+                # are reported by one heartbeat, not one each back to back
+                await anyio.sleep(max(0.0, sent + HEARTBEAT_DEBOUNCE_S - time.monotonic()))
                 self._wake_heartbeat = anyio.Event()
             except Exception as exc:  # noqa: BLE001 - the control plane may be down; keep trying
                 log.warning("control plane unreachable: %s", exc)

@@ -22,7 +22,10 @@ shape claims instead of booting one (issue 5).
   plane answers a create of the shape from that grant (one store write) and then tells the node (a create
   with the grant's id): ``claim_grant``. Once a grant was reported it is only ever claimed by its id, never by
   an anonymous ``claim``, so no member is handed out twice; requests for a granted id that arrive before the
-  node was told wait for it (``wait_granted``).
+  node was told wait for it (``wait_granted``). A grant carries the member's ``disk_mb`` (the control plane
+  claims it only for a create of that disk). A member whose hand-over is refused, or whose grant id is
+  killed before it was handed over (its record ended first), is retired (``retire_grant``): it can never
+  be handed to anyone else, so it does not sit in the pool for ever.
 """
 
 from __future__ import annotations
@@ -188,6 +191,20 @@ class WarmPools:
         found = self._granted.get(grant_id)
         return found[1].grant if found is not None else None
 
+    def retire_grant(self, grant_id: str) -> bool:
+        """The member pre-issued as ``grant_id`` will never be handed over (its hand-over was refused, or
+        its record ended before the node was told): destroyed by the refill loop, which makes another one.
+        False when no such member is ready here."""
+        found = self._granted.get(grant_id)
+        if found is None:
+            return False
+        pool, member = found
+        self._drop(pool, member)
+        self._retired.append(member.handle)
+        self.wake()
+        log.info("retired pre-issued member %s (grant %s): it will never be handed over", member.handle.id, grant_id)
+        return True
+
     async def wait_granted(self, grant_id: str, timeout: float) -> None:
         """Until the member of ``grant_id`` was claimed or is gone (at most ``timeout`` seconds)."""
         ev = self._claimed.get(grant_id)
@@ -272,8 +289,11 @@ class WarmPools:
         member_id = f"pd-{uuid.uuid4().hex[:16]}"
         handle: Handle | None = None
         version = self.template_version(pool.spec.template)
+        disk_mb: int | None = None
         try:
-            handle = await self.runtime.create(self.make_spec(pool.spec, member_id))
+            rt_spec = self.make_spec(pool.spec, member_id)
+            disk_mb = rt_spec.disk_mb
+            handle = await self.runtime.create(rt_spec)
             if pool.spec.network is not None:
                 try:
                     if self.attach is None:
@@ -303,7 +323,7 @@ class WarmPools:
             if current is pool and len(pool.ready) < pool.spec.size and not self._closing \
                     and version == self.template_version(pool.spec.template):
                 grant = (NodeGrant(id=new_id("sb"), access_token=secrets.token_urlsafe(24),
-                                   template_version=self.grant_version(pool.spec.template))
+                                   template_version=self.grant_version(pool.spec.template), disk_mb=disk_mb)
                          if pool.spec.network is None else None)       # loopback pools are pre-issued
                 member = Member(handle, version, grant)
                 pool.ready.append(member)

@@ -63,6 +63,9 @@ class NodeGrant(_Model):
     id: str                            # the sandbox id it becomes
     access_token: str                  # its data-plane token (the node checks the create carries it)
     template_version: str | None = None   # a template-store version it was made from (None: node-built)
+    # the member's disk (MiB; its runtime spec's): a control plane claims it only for a create whose disk_mb
+    # is this (None: an older node that did not say; excluded then, for older control planes)
+    disk_mb: int | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class NodePoolStatus(NodePoolSpec):

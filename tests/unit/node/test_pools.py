@@ -3,6 +3,7 @@ with bounded concurrency, the circuit breaker, reserved capacity, billing from t
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -191,3 +192,46 @@ async def test_removing_a_pool_that_does_not_exist_is_404(tmp_path) -> None:
         assert r.status_code == 404 and "tiny 1 vCPU / 256 MiB" in r.json()["error"]["message"]
         await _set(c, 0)
         await _until(lambda: not s.agent.pools.pools)
+
+
+async def test_members_becoming_ready_together_wake_debounced_heartbeats(tmp_path, monkeypatch) -> None:
+    """Each ready member wakes a heartbeat (its grant is reported at once), but at most one per
+    ``HEARTBEAT_DEBOUNCE_S``: a burst of refills is not a burst of full heartbeats back to back."""
+    from pilldrops.node import agent as agent_mod
+    async with stack(tmp_path) as s, s.client() as c:
+        sent: list[float] = []
+        real = s.agent.control_plane.heartbeat
+
+        async def timed() -> None:
+            sent.append(time.monotonic())
+            await real()
+        monkeypatch.setattr(s.agent.control_plane, "heartbeat", timed)
+        real_create, made = s.runtime.create, [0]
+
+        async def staggered(spec: Any) -> Any:           # members become ready one every 50 ms
+            made[0] += 1
+            await anyio.sleep(0.05 * made[0])
+            return await real_create(spec)
+        monkeypatch.setattr(s.runtime, "create", staggered)
+        s.agent.pools.concurrency = 8
+        await _set(c, 8)
+        await _until(lambda: len(_pool(s).ready) == 8)
+        grants = s.cp.services.sandboxes.ctx.grants
+        with anyio.fail_after(2):                       # still prompt: reported well before the 5 s interval
+            while grants.size() < 8:
+                await anyio.sleep(0.01)
+        gaps = [b - a for a, b in itertools.pairwise(sent)]
+        assert sent and all(g >= agent_mod.HEARTBEAT_DEBOUNCE_S * 0.9 for g in gaps), gaps
+
+
+async def test_a_granted_member_is_retired_by_its_grant_id(tmp_path) -> None:
+    async with stack(tmp_path) as s, s.client() as c:
+        await _set(c, 1)
+        await _until(lambda: len(_pool(s).ready) == 1)
+        member = _pool(s).ready[0]
+        assert member.grant is not None and s.agent.pools.retire_grant(member.grant.id)
+        assert s.agent.pools.granted(member.grant.id) is None and not s.agent.pools.retire_grant(member.grant.id)
+        await _until(lambda: len(_pool(s).ready) == 1 and _pool(s).ready[0] is not member)    # refilled
+        await _until(lambda: member.handle.id not in s.runtime._boxes)                       # destroyed
+        with pytest.raises(Exception, match="never handed over|not on this node"):
+            await s.agent.kill(member.grant.id)

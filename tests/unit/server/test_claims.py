@@ -21,6 +21,7 @@ from pilldrops.server.store.interface import NewSandbox
 from tests.stack import Stack, stack, until
 
 pytestmark = pytest.mark.anyio
+TELL = Lifecycle._tell
 SHAPE = {"template": "tiny", "vcpu": 1, "memory_mb": 256}
 
 
@@ -44,6 +45,7 @@ async def _granted_pool(s: Stack, c: Any, size: int = 2) -> None:
     r = await c.put("/v1/pools", json={**SHAPE, "size": size})
     assert r.status_code == 200, r.text
     await _until(lambda: len(_pool(s).ready) == size)
+    await anyio.sleep(0.3)             # the agent's own (debounced) heartbeat for members just made ready
     await s.agent._heartbeat()
     assert s.cp.services.sandboxes.ctx.grants.size() == size
 
@@ -253,3 +255,162 @@ async def test_reported_members_are_never_claimed_anonymously(tmp_path) -> None:
             assert not waiter_done
             assert pools.claim_grant(gid, "tiny", 1, 256) is not None
         assert waiter_done and pools.granted(gid) is None and pools.claim_grant(gid, "tiny", 1, 256) is None
+
+
+# ---- stranded members (review of issue 15): a grant that can never be claimed is dropped for good, and its
+# member retired on the node, never left reported (which only its grant may claim) ---------------------------
+
+async def _state(c: Any, sid: str) -> str:
+    return (await c.get(f"/v1/sandboxes/{sid}")).json()["state"]
+
+
+async def test_a_member_of_another_disk_than_the_create_is_not_claimed(tmp_path) -> None:
+    """``serve --default-disk-mb`` other than ``node --default-disk-mb``: the member's disk is not the
+    create's, so its grant is not popped for it (before: answered running, then ended failed_start, and the
+    member stranded); the regular path creates it, with the disk the control plane gives it."""
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        member = _pool(s).ready[0]
+        assert member.grant is not None and member.grant.disk_mb == s.agent.template_cache.default_disk_mb
+        s.cp.services.sandboxes.lifecycle.default_disk_mb = member.grant.disk_mb // 2
+        r = await c.post("/v1/sandboxes", json={**SHAPE, "timeout": 60})
+        assert r.status_code == 201, r.text
+        sb = r.json()
+        assert sb["id"] != member.grant.id and sb["state"] == "running"
+        await anyio.sleep(0.2)
+        assert await _state(c, sb["id"]) == "running" and sb["id"] in s.agent.live
+        assert s.agent.live[sb["id"]].spec.disk_mb == member.grant.disk_mb // 2
+        assert s.agent.pools.granted(member.grant.id) is not None      # still offered to a create it fits
+        s.cp.services.sandboxes.lifecycle.default_disk_mb = member.grant.disk_mb
+        again = (await c.post("/v1/sandboxes", json={**SHAPE, "timeout": 60})).json()
+        assert again["id"] == member.grant.id
+        await _until(lambda: again["id"] in s.agent.live)
+
+
+async def test_a_refused_hand_over_retires_the_member_and_drops_its_grant_for_good(tmp_path, monkeypatch) -> None:
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        gid = _pool(s).ready[0].grant.id                             # type: ignore[union-attr]
+        real = s.agent.pools.claim_grant
+        monkeypatch.setattr(s.agent.pools, "claim_grant", lambda *a, **k: None)    # refused (other build, say)
+        sb = (await c.post("/v1/sandboxes", json=SHAPE)).json()
+        assert sb["id"] == gid
+        with anyio.fail_after(10):
+            while await _state(c, gid) != "failed":
+                await anyio.sleep(0.05)
+        monkeypatch.setattr(s.agent.pools, "claim_grant", real)
+        assert s.agent.pools.granted(gid) is None                    # retired, not left reported
+        await _until(lambda: len(_pool(s).ready) == 1 and _pool(s).ready[0].grant.id != gid)  # type: ignore[union-attr]
+        idx = s.cp.services.sandboxes.ctx.grants
+        idx.update(s.agent.node_id, [NodePoolStatus(**SHAPE, size=1, grants=[
+            NodeGrant(id=gid, access_token="x")])])                   # a heartbeat composed before it
+        assert idx.pop("tiny", 1, 256, None, lambda n: True) is None    # never offered again
+        other = (await c.post("/v1/sandboxes", json=SHAPE)).json()   # never tried again: the regular path
+        assert other["id"] != gid and other["state"] == "running"
+
+
+async def _claim_never_told(s: Stack, c: Any, monkeypatch: Any) -> str:
+    """A claim answered, its node never told (the tell's outcome unknown): the grant stays listed."""
+    dropped: list[str] = []
+
+    async def lost(self: Lifecycle, node: Any, row: Any, *a: Any, **k: Any) -> None:
+        dropped.append(row.id)
+        self.ctx.creating.discard(row.id)
+
+    monkeypatch.setattr(Lifecycle, "_tell", lost)
+    sb = (await c.post("/v1/sandboxes", json={**SHAPE, "timeout": 120})).json()
+    await _until(lambda: dropped == [sb["id"]])
+    assert s.agent.pools.granted(sb["id"]) is not None
+    return str(sb["id"])
+
+
+async def test_a_claim_killed_before_its_node_was_told_retires_its_member(tmp_path, monkeypatch) -> None:
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        sid = await _claim_never_told(s, c, monkeypatch)
+        r = await c.delete(f"/v1/sandboxes/{sid}")
+        assert r.status_code in (200, 204), r.text
+        assert await _state(c, sid) in ("killed", "stopped")
+        assert s.agent.pools.granted(sid) is None                    # the kill reached it: retired
+        await _until(lambda: len(_pool(s).ready) == 1 and _pool(s).ready[0].grant.id != sid)  # type: ignore[union-attr]
+        monkeypatch.undo()
+        await anyio.sleep(0.3)
+        await s.agent._heartbeat()
+        fresh = _pool(s).ready[0].grant.id                          # type: ignore[union-attr]
+        again = (await c.post("/v1/sandboxes", json=SHAPE)).json()   # the refilled member, claimed at once
+        assert again["id"] == fresh and again["state"] == "running"
+        await _until(lambda: again["id"] in s.agent.live)
+
+
+async def test_a_claim_ended_before_its_node_was_told_is_stopped_there_by_the_next_heartbeat(tmp_path,
+                                                                                             monkeypatch) -> None:
+    """Its record ended (timed out, killed) and the kill did not reach the node: the reconciler stops it
+    there at the next heartbeat that still lists the grant (the node retires the member), and no create
+    tries that grant again (before: one failing insert per create, the member stranded for ever)."""
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        sid = await _claim_never_told(s, c, monkeypatch)
+        store = s.cp.store
+        assert await store.update_sandbox(sid, from_states=["running"], state="stopped", end_reason="killed",
+                                          ended_at=s.cp.services.sandboxes.ctx.clock.now())
+        inserts: list[str] = []
+        real_insert = store.insert_claimed
+
+        async def counted(new: Any, *a: Any, **k: Any) -> Any:
+            inserts.append(new.id)
+            return await real_insert(new, *a, **k)
+        monkeypatch.setattr(store, "insert_claimed", counted)
+        await s.agent._heartbeat()                   # lists the grant: its record has ended
+        await _until(lambda: s.agent.pools.granted(sid) is None)
+        await _until(lambda: len(_pool(s).ready) == 1 and _pool(s).ready[0].grant.id != sid)  # type: ignore[union-attr]
+        monkeypatch.setattr(Lifecycle, "_tell", TELL)
+        await anyio.sleep(0.3)
+        await s.agent._heartbeat()
+        sb = (await c.post("/v1/sandboxes", json=SHAPE)).json()
+        assert sid not in inserts and sb["id"] != sid and sb["state"] == "running"
+        await _until(lambda: sb["id"] in s.agent.live)
+
+
+async def test_a_claim_whose_member_was_retired_before_the_tell_is_billed_from_the_claim(tmp_path,
+                                                                                       monkeypatch) -> None:
+    """The member is really retired (its pool removed) between the heartbeat that offered it and the tell:
+    the node makes the sandbox another way (cold here), and counts its running time from the claim, as
+    the record's started_at says (before: from the late hand-over)."""
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        gid = _pool(s).ready[0].grant.id                             # type: ignore[union-attr]
+        go = anyio.Event()
+
+        async def late(self: Lifecycle, *a: Any, **k: Any) -> None:
+            await go.wait()
+            await TELL(self, *a, **k)
+        monkeypatch.setattr(Lifecycle, "_tell", late)
+        sb = (await c.post("/v1/sandboxes", json={**SHAPE, "timeout": 120})).json()
+        assert sb["id"] == gid
+        s.agent.configure_pools([])                                  # the pool is removed: its member retired
+        await _until(lambda: s.agent.pools.granted(gid) is None)
+        await anyio.sleep(1.0)
+        go.set()
+        await _until(lambda: gid in s.agent.live)
+        live = s.agent.live[gid]
+        started = datetime.fromisoformat(sb["started_at"])
+        assert abs((live.started_at - started).total_seconds()) < 0.5, (live.started_at, started)
+        assert time.monotonic() - live.started_mono >= 1.0           # counted from the claim, not the tell
+        assert await _state(c, gid) == "running"
+
+
+def test_grant_index_discards_a_dead_grant_for_good_while_a_node_lists_it() -> None:
+    idx = GrantIndex(clock=lambda: 0.0)
+    st = NodePoolStatus(template="tiny", vcpu=1, memory_mb=256, size=2, grants=[
+        NodeGrant(id="sb_a", access_token="x", disk_mb=10240), NodeGrant(id="sb_b", access_token="y")])
+    idx.update("n1", [st])
+    assert idx.pop("tiny", 1, 256, None, lambda n: True, lambda n, g: g.disk_mb in (None, 4096))[1].id == "sb_b"  # type: ignore[index]
+    idx.discard("sb_a")
+    idx.update("n1", [st])
+    assert idx.size() == 0 and set(idx.listed_popped("n1")) == {"sb_a", "sb_b"}   # popped, dead
+    idx.stopped("sb_a")
+    assert "sb_a" not in idx.listed_popped("n1")                   # asked to retire it once only
+    idx.update("n1", [])                                           # no longer listed: forgotten
+    assert not idx.popped("sb_a")
+    assert NodeGrant(id="sb_c", access_token="z").model_dump(mode="json").keys() == {
+        "id", "access_token", "template_version"}                  # an older control plane's wire

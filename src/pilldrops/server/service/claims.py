@@ -25,10 +25,31 @@ Failure analysis (what keeps "an answered create is in the store" and exact bill
 - node agent restarted before it was told: its unclaimed members are reaped, the grant is gone; the
   record is then a running sandbox its node no longer has: ``lost`` after the usual grace period, billed
   nothing (no running seconds were reported).
-- the member was retired (template rebuilt, pool shrunk) between a heartbeat and the claim: the node refuses
-  the hand-over; the record is ended ``failed`` at once, billed nothing (the client sees it ended).
+- the member was retired (template rebuilt, pool shrunk) between a heartbeat and the claim: the node no
+  longer holds the grant, so the tell is an ordinary create of that id: another ready member of the shape,
+  or a cold create, billed from the claim all the same (``claimed_s``), as the record's ``started_at`` says.
+- the member does not fit the create (its ``disk_mb``, which the grant carries, is not the create's:
+  ``serve --default-disk-mb`` and ``node --default-disk-mb`` differ, say): it is never popped for it (the
+  regular path creates it). A hand-over the node still refuses (another template build, say) ends the
+  record ``failed`` at once, billed nothing (the client sees it ended); the grant is ``discard``ed here for
+  good and the node retires the member (never left reported, which only its grant may claim).
+- a grant whose id has a record already (``insert_claimed`` returns None: another control plane won it, or
+  an earlier claim of it ended) is ``discard``ed for good, never tried again. A claim whose record ends
+  before its node was told (killed, timed out while the tell's outcome was unknown) has its kill reach the
+  node, which retires the member; should it not, the node's next heartbeat still lists the grant, and the
+  reconciler stops it there (the node retires it) and discards the grant.
 - two control planes (PostgreSQL) pop the same grant: the grant id is the row's primary key, so exactly one
-  insert wins; the other gets None and takes the next grant (or the regular create path).
+  insert wins; the other gets None, discards it and takes the next grant (or the regular create path).
+
+Several control planes: grants live only in the process that receives a node's heartbeats (this index is
+in memory, not in the store). Behind a load balancer a node's heartbeats reach one control plane at a time,
+so a create that reaches another one finds no grant of that node and takes the regular path (placed by the
+store). There the node hands it only a member it has not reported yet, and every ready member is reported
+at once, so such a create is mostly a cold create (a pool miss). With N control planes receiving creates
+evenly, about 1/N of the pooled creates are answered from memory (warm); the rest are cold, and the
+reported members wait for a create that reaches the control plane holding their grants. Until grants are
+shared (in the store) or an anonymous claim may take a reported member, run one control plane per fleet,
+or point the nodes and the pooled creates at the same one, for the full hit rate.
 """
 
 from __future__ import annotations
@@ -57,14 +78,43 @@ class GrantIndex:
         self._by_node: dict[str, dict[Shape, deque[NodeGrant]]] = {}
         self._used: dict[str, float] = {}         # grant id -> when it was popped here
         self._listed: dict[str, set[str]] = {}    # node id -> every grant its last heartbeat listed
+        self._dead: set[str] = set()              # grants never to offer again (kept while a node lists them)
+        self._stopped: set[str] = set()           # dead grants whose node was asked to retire the member
 
     def update(self, node_id: str, pools: list[NodePoolStatus]) -> None:
         now = self._clock()
         self._used = {g: t for g, t in self._used.items() if now - t < USED_TTL_S}
         self._listed[node_id] = {g.id for p in pools for g in p.grants}
+        self._dead = {g for g in self._dead if any(g in ids for ids in self._listed.values())}
+        self._stopped &= self._dead
         self._by_node[node_id] = {
-            shape(p.template, p.vcpu, p.memory_mb): deque(g for g in p.grants if g.id not in self._used)
+            shape(p.template, p.vcpu, p.memory_mb): deque(
+                g for g in p.grants if g.id not in self._used and g.id not in self._dead)
             for p in pools if p.grants}
+
+    def discard(self, grant_id: str) -> None:
+        """A grant that can never be claimed (its id has a record already: another control plane claimed
+        it, or an earlier claim of it ended; or its node refused the hand-over): never offered again."""
+        self._dead.add(grant_id)
+        for shapes in self._by_node.values():
+            for grants in shapes.values():
+                for g in [g for g in grants if g.id == grant_id]:
+                    grants.remove(g)
+
+    def listed_popped(self, node_id: str) -> list[str]:
+        """The grants ``node_id``'s last heartbeat listed that this process popped or discarded: claims its
+        node may not have been told of (or whose record ended first)."""
+        return [g for g in self._listed.get(node_id, ())
+                if (g in self._used or g in self._dead) and g not in self._stopped]
+
+    def stopped(self, grant_id: str) -> None:
+        """``grant_id`` is dead and its node was asked to retire the member (once: an older node ignores it)."""
+        self.discard(grant_id)
+        self._stopped.add(grant_id)
+
+    def popped(self, grant_id: str) -> bool:
+        """Whether this process popped ``grant_id`` (recently) or discarded it."""
+        return grant_id in self._used or grant_id in self._dead
 
     def drop_node(self, node_id: str) -> None:
         self._by_node.pop(node_id, None)
@@ -75,9 +125,10 @@ class GrantIndex:
         return grant_id in self._listed.get(node_id, ())
 
     def pop(self, template: str, vcpu: float, memory_mb: int, version: str | None,
-            usable: Callable[[str], bool]) -> tuple[str, NodeGrant] | None:
-        """A grant of this shape (of template-store ``version``, when not None) on a node ``usable`` accepts;
-        never the same one twice from this process."""
+            usable: Callable[[str], bool],
+            fits: Callable[[str, NodeGrant], bool] = lambda node_id, g: True) -> tuple[str, NodeGrant] | None:
+        """A grant of this shape (of template-store ``version``, when not None) on a node ``usable`` accepts,
+        that ``fits`` the create (its member's disk); never the same one twice from this process."""
         key = shape(template, vcpu, memory_mb)
         for node_id, shapes in self._by_node.items():
             grants = shapes.get(key)
@@ -85,8 +136,8 @@ class GrantIndex:
                 continue
             for _ in range(len(grants)):
                 g = grants.popleft()
-                if version is not None and g.template_version != version:
-                    grants.append(g)            # another build: it may be right for another create
+                if (version is not None and g.template_version != version) or not fits(node_id, g):
+                    grants.append(g)            # another build or disk: it may be right for another create
                     continue
                 self._used[g.id] = self._clock()
                 return node_id, g

@@ -36,7 +36,7 @@ from pilldrops.schema.api import (
     SandboxList,
     SandboxState,
 )
-from pilldrops.schema.node import NodeDeadline, NodeSandboxStatus, network_key
+from pilldrops.schema.node import NodeDeadline, NodeGrant, NodeSandboxStatus, network_key
 from pilldrops.server import scheduler
 from pilldrops.server.domain.states import ENDED, LIVE
 from pilldrops.server.service import egress, isolation, placement
@@ -233,12 +233,35 @@ class Lifecycle:
         ctx = self.ctx                       # (members are containers with the template's default disk)
         version = str(ref.version) if ref is not None else None       # type: ignore[attr-defined]
         stored_isolation = getattr(ref, "isolation", None)
+
+        def disk_of(node: NodeRecord) -> int:        # what a create of this template gets on that node
+            return isolation.template_disk_mb([node], req.template) or self.default_disk_mb
+
+        def fits(node_id: str, grant: NodeGrant) -> bool:   # the member's disk is the create's (None: not said)
+            n = ctx.node_cache.get(node_id)
+            return grant.disk_mb is None or n is None or grant.disk_mb == disk_of(n)
+
+        skipped: list[tuple[str, NodeGrant]] = []    # of another disk (node not cached): offered again after
+        try:
+            return await self._claim_one(req, new, ref, version, stored_isolation, disk_of, fits, skipped)
+        finally:
+            for node_id, grant in skipped:
+                ctx.grants.give_back(node_id, grant, req.template, req.vcpu, req.memory_mb)
+
+    async def _claim_one(self, req: CreateSandboxRequest, new: NewSandbox, ref: object, version: str | None,
+                         stored_isolation: str | None, disk_of: Callable[[NodeRecord], int],
+                         fits: Callable[[str, NodeGrant], bool],
+                         skipped: list[tuple[str, NodeGrant]]) -> SandboxRecord | None:
+        ctx = self.ctx
         while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
                                      lambda node_id: (n := ctx.node_cache.get(node_id)) is None
-                                     or (n.state == "ready" and not n.draining))) is not None:
+                                     or (n.state == "ready" and not n.draining), fits)) is not None:
             node_id, grant = got
             node = await ctx.node(node_id)
             if node is None or node.state != "ready" or node.draining:
+                continue
+            if grant.disk_mb is not None and grant.disk_mb != disk_of(node):
+                skipped.append((node_id, grant))    # another disk than this create's: the regular path
                 continue
             nodes = [node]
             now, claimed_mono = ctx.clock.now(), ctx.clock.monotonic()    # the claim: billed from here
@@ -266,8 +289,9 @@ class Lifecycle:
             except BaseException:
                 ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
                 raise
-            if row is None:
-                continue                     # another control plane claimed this member first
+            if row is None:                  # its id is recorded: another control plane claimed this member
+                ctx.grants.discard(grant.id)     # first, or an earlier claim of it ended; never tried again
+                continue
             ctx.creating.add(row.id)
             if row.network is not None:      # its egress is attached by the node: answered once it is
                 await self._tell(node, row, ref, claimed_mono, raise_=True)
@@ -296,8 +320,9 @@ class Lifecycle:
             spec = ctx.node_spec(row, left, ref).model_copy(update={"claimed_s": max(0.0, since)})  # type: ignore[arg-type]
             await ctx.nodes.create(node.url, spec)
         except Exception as exc:
-            if not outcome_unknown(exc):
+            if not outcome_unknown(exc):     # (the node retires the member; its grant is never offered again)
                 log.warning("node %s refused pre-issued member %s: %s", node.name, row.id, exc)
+                ctx.grants.discard(row.id)
                 with anyio.CancelScope(shield=True):
                     await ctx.store.update_sandbox(
                         row.id, from_states=[S.running.value], state=S.failed.value,

@@ -152,6 +152,22 @@ class Reconciler:
                 await self._fail_start(row)
                 continue
             await self._declare_lost(row, self.ctx.clock.now(), "the node no longer has this sandbox")
+        await self._retire_ended_grants(node_id, live_ids)
+
+    async def _retire_ended_grants(self, node_id: str, live_ids: set[str]) -> None:
+        """A grant the node still lists whose claim's record has ended (killed or timed out before the node
+        was told, and the kill did not reach it): stopped there, so the node retires the member (it would
+        otherwise stay reported for ever, which only its grant may claim), and never offered again."""
+        ctx = self.ctx
+        for gid in ctx.grants.listed_popped(node_id):
+            if gid in live_ids or gid in ctx.creating:
+                continue
+            row = await ctx.store.get_sandbox(gid)
+            if row is None or SandboxState(row.state) not in ENDED:
+                continue
+            ctx.grants.stopped(gid)
+            if (node := await ctx.node(node_id)) is not None:
+                await ctx.quiet_kill(node, gid, "(a claim that ended before its node was told) ")
 
     async def _fail_start(self, row: SandboxRecord) -> None:
         """A create that no control plane is carrying out (its process died between placing the row and the
