@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.gvisor import RunscExec
 from tests.hostile._crun_fixtures import *
 from tests.hostile._crun_fixtures import cgroup_pids, live, sh, wait_only_init
 
@@ -157,5 +158,27 @@ async def test_gvisor_kill_kills_detached_and_background_survives_a_normal_exit(
         assert out.strip() == "2", out            # both daemons (sleep 1000 and 1001) survive the exit
         assert (await sh(gvisor_rt, h, "killall sleep; echo done", timeout=10))[:2] == (0, "done\n")
         assert await gvisor_sleeps(gvisor_rt, h) == ""
+        await _assert_runsc_exec_has_no_sys_admin(gvisor_rt, h)
     finally:
         await gvisor_rt.destroy(h)
+
+
+# the shell's OWN sets (builtins only: a program it execs would have had them recomputed by execve)
+CAPS_OF_SELF = "while read -r k v; do case $k in Cap*) echo $k $v;; esac; done < /proc/self/status"
+
+
+async def _assert_runsc_exec_has_no_sys_admin(rt, h) -> None:  # type: ignore[no-untyped-def]
+    """A command started with ``runsc exec`` (the fallback after pd-init's socket refused connections, which a
+    sandbox can provoke, or PILLDROPS_EXEC=crun) has exactly the capabilities of a command pd-init runs: never
+    the CAP_SYS_ADMIN (bit 21) ``with_command_cgroups`` gives pd-init alone, with which it could mount a
+    cgroupfs and leave its command's cgroup, or mount over anything."""
+    code, via_init, err, _ = await sh(rt, h, CAPS_OF_SELF, timeout=10)
+    assert code == 0, err
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PILLDROPS_EXEC", "crun")
+        code, via_exec, err, p = await sh(rt, h, CAPS_OF_SELF, timeout=20)
+    assert code == 0 and isinstance(p, RunscExec), err
+    caps = dict(line.split() for line in via_exec.splitlines())
+    for key in ("CapEff:", "CapPrm:", "CapBnd:"):
+        assert int(caps[key], 16) & (1 << 21) == 0, f"runsc exec: {key} has CAP_SYS_ADMIN\n{via_exec}"
+    assert via_exec == via_init, (via_init, via_exec)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -146,6 +147,7 @@ class RunscExec(PipeExec):
 
     def _set_done(self) -> None:
         self._ipid_file.unlink(missing_ok=True)
+        self._ipid_file.with_suffix(".json").unlink(missing_ok=True)   # its process.json (GvisorRuntime._exec_cmd)
         super()._set_done()
 
 
@@ -186,8 +188,17 @@ class GvisorRuntime(CrunRuntime):
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
                   user: str | None = None) -> list[str]:
-        args = [f"--env={k}={v}" for k, v in env.items()] + ([f"--user={user}"] if user else [])
-        return self._cmd("exec", *args, f"--cwd={cwd}", f"--internal-pid-file={pid_file}", sandbox_id, *argv)
+        # ``--process``, never argv + ``--env``: without explicit capabilities ``runsc exec`` gives the command
+        # the container's process capabilities, i.e. pd-init's CAP_SYS_ADMIN (with_command_cgroups); and
+        # ``--cap`` would also put every capability in the inheritable set, and give them to a non-root user
+        d = pid_file.parent.parent                                 # <sandbox dir>/exec/<id>.pid
+        try:
+            config = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
+        process_file = pid_file.with_suffix(".json")
+        process_file.write_text(json.dumps(exec_process(config, argv, env, cwd, user)))
+        return self._cmd("exec", f"--process={process_file}", f"--internal-pid-file={pid_file}", sandbox_id)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
         return RunscExec(cmd, cmd=self._cmd(), sandbox_id=self._cid(handle.id), internal_pid_file=pid_file, **kw)
@@ -267,6 +278,23 @@ def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
     seccomp["syscalls"] = [rule for rule in seccomp["syscalls"] if rule["names"]]
     config["linux"]["seccomp"] = seccomp
     return config
+
+
+def exec_process(config: dict, argv: list[str], env: dict[str, str], cwd: str,  # type: ignore[type-arg]
+                 user: str | None = None) -> dict:  # type: ignore[type-arg]
+    """The OCI process (``runsc exec --process``) of a command in the sandbox of ``config``, with the
+    capabilities a command pd-init runs has: as root, the bounding set in every set but the (empty)
+    inheritable and ambient ones, as another user none but the bounding set (pd-init's setuid clears them).
+    Never pd-init's own CAP_SYS_ADMIN (``with_command_cgroups`` adds it to effective and permitted only)."""
+    proc = config["process"]
+    bounding = list(proc["capabilities"]["bounding"])
+    uid, _, gid = (user or "0:0").partition(":")
+    held = bounding if int(uid) == 0 else []
+    return {"terminal": False, "user": {"uid": int(uid), "gid": int(gid or 0)}, "args": list(argv),
+            "env": [f"{k}={v}" for k, v in env.items()], "cwd": cwd,
+            "capabilities": {"bounding": bounding, "effective": held, "permitted": held,
+                             "inheritable": [], "ambient": []},
+            "noNewPrivileges": bool(proc.get("noNewPrivileges", True))}
 
 
 def _first_lines(path: Path, n: int = 6, width: int = 600) -> str:
