@@ -30,7 +30,8 @@ What differs is in the hooks:
   command's session after its parent exited (tests/hostile/test_detach.py);
 - terminals (``exec(pty=...)``) go through pd-init as under crun; this runsc answers TIOCGPTPEER ENOTTY,
   so pd-init opens the terminal side by its number in the sandbox's devpts (pd-init.c, ``pty_peer``);
-- without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
+- without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec --process``
+  (``exec_process``: the capabilities of a command pd-init runs, never pd-init's CAP_SYS_ADMIN); its kill
   kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``: an orphan that left the
   session before is not in that tree);
 - pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket,
@@ -265,7 +266,8 @@ def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
     re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so only a cgroup links
     a detached process to its command. pd-init mounts gVisor's cgroupfs once at start, detaches it and then
     drops CAP_SYS_ADMIN; for that it gets CAP_SYS_ADMIN in its permitted and effective sets but NOT in the
-    bounding set (nothing it forks and execs, nor ``runsc exec``, ever has it), and the seccomp profile lets
+    bounding set (nothing it forks and execs has it; a ``runsc exec`` gets explicit capabilities without it,
+    ``exec_process``, as runsc would otherwise give it the container's), and the seccomp profile lets
     ``mount``/``umount2`` through: without CAP_SYS_ADMIN gVisor answers them EPERM, as the profile did."""
     process = config["process"]
     process["args"] = [*process["args"], "--cgroups"]
