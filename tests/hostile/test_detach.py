@@ -169,16 +169,20 @@ CAPS_OF_SELF = "while read -r k v; do case $k in Cap*) echo $k $v;; esac; done <
 
 async def _assert_runsc_exec_has_no_sys_admin(rt, h) -> None:  # type: ignore[no-untyped-def]
     """A command started with ``runsc exec`` (the fallback after pd-init's socket refused connections, which a
-    sandbox can provoke, or PILLDROPS_EXEC=crun) has exactly the capabilities of a command pd-init runs: never
-    the CAP_SYS_ADMIN (bit 21) ``with_command_cgroups`` gives pd-init alone, with which it could mount a
-    cgroupfs and leave its command's cgroup, or mount over anything."""
-    code, via_init, err, _ = await sh(rt, h, CAPS_OF_SELF, timeout=10)
-    assert code == 0, err
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PILLDROPS_EXEC", "crun")
-        code, via_exec, err, p = await sh(rt, h, CAPS_OF_SELF, timeout=20)
-    assert code == 0 and isinstance(p, RunscExec), err
-    caps = dict(line.split() for line in via_exec.splitlines())
-    for key in ("CapEff:", "CapPrm:", "CapBnd:"):
-        assert int(caps[key], 16) & (1 << 21) == 0, f"runsc exec: {key} has CAP_SYS_ADMIN\n{via_exec}"
-    assert via_exec == via_init, (via_init, via_exec)
+    sandbox can provoke, or PILLDROPS_EXEC=crun) has exactly the capabilities of a command pd-init runs, as
+    root and as another user (none): never the CAP_SYS_ADMIN (bit 21) ``with_command_cgroups`` gives pd-init
+    alone, with which it could mount a cgroupfs and leave its command's cgroup, or mount over anything
+    (runsc gives a ``runsc exec`` without explicit capabilities the container's, whatever the user)."""
+    for user in (None, "1000:1000"):
+        code, via_init, err, _ = await sh(rt, h, CAPS_OF_SELF, timeout=10, user=user, cwd="/")
+        assert code == 0, err
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PILLDROPS_EXEC", "crun")
+            code, via_exec, err, p = await sh(rt, h, CAPS_OF_SELF + "; id -u", timeout=20, user=user, cwd="/")
+        assert code == 0 and isinstance(p, RunscExec), err
+        *lines, uid = via_exec.splitlines()
+        assert uid == (user or "0:").split(":")[0], via_exec
+        caps = dict(line.split() for line in lines)
+        for key in ("CapEff:", "CapPrm:", "CapBnd:"):
+            assert int(caps[key], 16) & (1 << 21) == 0, f"runsc exec as {user}: {key} has CAP_SYS_ADMIN\n{via_exec}"
+        assert lines == via_init.splitlines(), (user, via_init, via_exec)
