@@ -164,6 +164,30 @@ async def test_gvisor_kill_kills_detached_and_background_survives_a_normal_exit(
 
 
 # the shell's OWN sets (builtins only: a program it execs would have had them recomputed by execve)
+async def test_gvisor_cgroups_setup_failure_is_logged_and_drops_nothing_it_lacks(gvisor_rt, tiny, monkeypatch):  # type: ignore[no-untyped-def]
+    """pd-init --cgroups without CAP_SYS_ADMIN (its mount fails): it says so on its stderr (the runtime's
+    crun.err, which the node reports when a start fails), runs commands without per-command cgroups, and holds
+    no CAP_SYS_ADMIN (a failure to drop it would end pd-init instead)."""
+    config = gvisor_rt._config
+
+    def without_sys_admin(spec, d):  # type: ignore[no-untyped-def]
+        c = config(spec, d)
+        caps = c["process"]["capabilities"]
+        for key in ("effective", "permitted"):
+            caps[key] = [x for x in caps[key] if x != "CAP_SYS_ADMIN"]
+        return c
+
+    monkeypatch.setattr(gvisor_rt, "_config", without_sys_admin)
+    h = await gvisor_rt.create(spec(tiny, "detach-gv-nocg"))
+    try:
+        code, out, err, _ = await sh(gvisor_rt, h, "grep CapEff /proc/1/status; echo ok", timeout=10)
+        assert code == 0 and out.split()[-1] == "ok" and int(out.split()[1], 16) & (1 << 21) == 0, (out, err)
+        log = (gvisor_rt._dir(h.id) / "crun.err").read_text(errors="replace")
+        assert "pd-init: --cgroups: mount cgroupfs" in log and "no cgroup per command" in log, log
+    finally:
+        await gvisor_rt.destroy(h)
+
+
 CAPS_OF_SELF = "while read -r k v; do case $k in Cap*) echo $k $v;; esac; done < /proc/self/status"
 
 
