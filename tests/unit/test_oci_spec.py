@@ -139,3 +139,5 @@ def test_gvisor_exec_process_never_has_pd_inits_cap_sys_admin() -> None:
     assert other["user"] == {"uid": 1000, "gid": 1001}
     assert other["capabilities"]["effective"] == other["capabilities"]["permitted"] == []
     assert other["capabilities"]["bounding"] == oci_spec.CAPABILITIES
+    with pytest.raises(ValueError):
+        exec_process(c, ["id"], {}, "/", user="nobody")

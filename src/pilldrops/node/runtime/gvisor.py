@@ -59,6 +59,7 @@ import anyio
 
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import HostNotReady
+from pilldrops.node.isolation.superexec import parse_ids
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, SandboxSpec
 from pilldrops.node.runtime.crun import CrunRuntime, _started_init
 from pilldrops.node.runtime.registry import Probe
@@ -197,8 +198,12 @@ class GvisorRuntime(CrunRuntime):
             config = json.loads((d / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
+        try:
+            process = exec_process(config, argv, env, cwd, user)
+        except ValueError as e:
+            raise RuntimeFailure(str(e)) from e
         process_file = pid_file.with_suffix(".json")
-        process_file.write_text(json.dumps(exec_process(config, argv, env, cwd, user)))
+        process_file.write_text(json.dumps(process))
         return self._cmd("exec", f"--process={process_file}", f"--internal-pid-file={pid_file}", sandbox_id)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
@@ -290,9 +295,9 @@ def exec_process(config: dict, argv: list[str], env: dict[str, str], cwd: str,  
     Never pd-init's own CAP_SYS_ADMIN (``with_command_cgroups`` adds it to effective and permitted only)."""
     proc = config["process"]
     bounding = list(proc["capabilities"]["bounding"])
-    uid, _, gid = (user or "0:0").partition(":")
-    held = bounding if int(uid) == 0 else []
-    return {"terminal": False, "user": {"uid": int(uid), "gid": int(gid or 0)}, "args": list(argv),
+    uid, gid = parse_ids(user) if user else (0, 0)
+    held = bounding if uid == 0 else []
+    return {"terminal": False, "user": {"uid": uid, "gid": gid}, "args": list(argv),
             "env": [f"{k}={v}" for k, v in env.items()], "cwd": cwd,
             "capabilities": {"bounding": bounding, "effective": held, "permitted": held,
                              "inheritable": [], "ambient": []},
