@@ -587,7 +587,8 @@ static int pty_peer(int master) {
     if ((fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW)) < 0) return -1;
     struct stat st;
     struct statfs fs;
-    /* Unix98 ptys: majors 136..143 (UNIX98_PTY_MAJOR_COUNT), 256 minors each */
+    /* Unix98 ptys: Linux numbers pts N major 136 + N / 256, minor N % 256 (majors 136..143); this gVisor
+     * major 136, minor N: both are (major - 136) * 256 + minor == N */
     if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) < 136 || major(st.st_rdev) > 143 ||
         (major(st.st_rdev) - 136) * 256 + minor(st.st_rdev) != n ||
         fstatfs(fd, &fs) != 0 || fs.f_type != 0x1cd1 /* DEVPTS_SUPER_MAGIC */) {
