@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from pilldrops.node.runtime.base import SandboxSpec
+from pilldrops.node.runtime.gvisor import RunscExec
 from tests.hostile._crun_fixtures import *
 from tests.hostile._crun_fixtures import cgroup_pids, live, sh, wait_only_init
 
@@ -157,5 +158,55 @@ async def test_gvisor_kill_kills_detached_and_background_survives_a_normal_exit(
         assert out.strip() == "2", out            # both daemons (sleep 1000 and 1001) survive the exit
         assert (await sh(gvisor_rt, h, "killall sleep; echo done", timeout=10))[:2] == (0, "done\n")
         assert await gvisor_sleeps(gvisor_rt, h) == ""
+        await _assert_runsc_exec_has_no_sys_admin(gvisor_rt, h)
     finally:
         await gvisor_rt.destroy(h)
+
+
+# the shell's OWN sets (builtins only: a program it execs would have had them recomputed by execve)
+async def test_gvisor_cgroups_setup_failure_is_logged_and_drops_nothing_it_lacks(gvisor_rt, tiny, monkeypatch):  # type: ignore[no-untyped-def]
+    """pd-init --cgroups without CAP_SYS_ADMIN (its mount fails): it says so on its stderr (the runtime's
+    crun.err, which the node reports when a start fails), runs commands without per-command cgroups, and holds
+    no CAP_SYS_ADMIN (a failure to drop it would end pd-init instead)."""
+    config = gvisor_rt._config
+
+    def without_sys_admin(spec, d):  # type: ignore[no-untyped-def]
+        c = config(spec, d)
+        caps = c["process"]["capabilities"]
+        for key in ("effective", "permitted"):
+            caps[key] = [x for x in caps[key] if x != "CAP_SYS_ADMIN"]
+        return c
+
+    monkeypatch.setattr(gvisor_rt, "_config", without_sys_admin)
+    h = await gvisor_rt.create(spec(tiny, "detach-gv-nocg"))
+    try:
+        code, out, err, _ = await sh(gvisor_rt, h, "grep CapEff /proc/1/status; echo ok", timeout=10)
+        assert code == 0 and out.split()[-1] == "ok" and int(out.split()[1], 16) & (1 << 21) == 0, (out, err)
+        log = (gvisor_rt._dir(h.id) / "crun.err").read_text(errors="replace")
+        assert "pd-init: --cgroups: mount cgroupfs" in log and "no cgroup per command" in log, log
+    finally:
+        await gvisor_rt.destroy(h)
+
+
+CAPS_OF_SELF = "while read -r k v; do case $k in Cap*) echo $k $v;; esac; done < /proc/self/status"
+
+
+async def _assert_runsc_exec_has_no_sys_admin(rt, h) -> None:  # type: ignore[no-untyped-def]
+    """A command started with ``runsc exec`` (the fallback after pd-init's socket refused connections, which a
+    sandbox can provoke, or PILLDROPS_EXEC=crun) has exactly the capabilities of a command pd-init runs, as
+    root and as another user (none): never the CAP_SYS_ADMIN (bit 21) ``with_command_cgroups`` gives pd-init
+    alone, with which it could mount a cgroupfs and leave its command's cgroup, or mount over anything
+    (runsc gives a ``runsc exec`` without explicit capabilities the container's, whatever the user)."""
+    for user in (None, "1000:1000"):
+        code, via_init, err, _ = await sh(rt, h, CAPS_OF_SELF, timeout=10, user=user, cwd="/")
+        assert code == 0, err
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PILLDROPS_EXEC", "crun")
+            code, via_exec, err, p = await sh(rt, h, CAPS_OF_SELF + "; id -u", timeout=20, user=user, cwd="/")
+        assert code == 0 and isinstance(p, RunscExec), err
+        *lines, uid = via_exec.splitlines()
+        assert uid == (user or "0:").split(":")[0], via_exec
+        caps = dict(line.split() for line in lines)
+        for key in ("CapEff:", "CapPrm:", "CapBnd:"):
+            assert int(caps[key], 16) & (1 << 21) == 0, f"runsc exec as {user}: {key} has CAP_SYS_ADMIN\n{via_exec}"
+        assert lines == via_init.splitlines(), (user, via_init, via_exec)

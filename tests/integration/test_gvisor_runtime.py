@@ -58,6 +58,18 @@ async def test_is_gvisor_with_crun_bundle_limits_and_both_exec_paths(gvisor, tin
         assert (await p.wait(), p.timed_out) == (0, False)
         lines = b"".join(d for _, d in chunks).decode().split("\r\n")
         assert lines[0] == "hi" and lines[1].startswith("/dev/pts/") and lines[2:] == ["33 101", ""], lines
+        # ... also past pts 255 (this gVisor gives those major 136 and minor N, Linux majors 137-143: pty_peer takes both)
+        hold = 'i=10; while [ $i -lt 270 ]; do eval "exec $i<>/dev/pts/ptmx" || exit 9; i=$((i+1)); done; echo held; exec sleep 60'
+        holder = await gvisor.exec(h, ["/bin/sh", "-c", hold], env={}, cwd=None)
+        assert (await holder.read()) == ("stdout", b"held\n")
+        p = await gvisor.exec(h, ["/bin/sh", "-c", "tty"], env={}, cwd=None, pty=(24, 80))
+        chunks = []
+        while (c := await p.read()) is not None:
+            chunks.append(c)
+        out = b"".join(d for _, d in chunks).decode()
+        assert await p.wait() == 0 and int(out.strip().removeprefix("/dev/pts/")) >= 256, out
+        await holder.kill()
+        await holder.wait()
         # same limits as crun; the pids limit leaves room for gVisor's own tasks
         assert cg(h, "cpu", "cpu.cfs_quota_us") == "50000"
         assert cg(h, "memory", "memory.limit_in_bytes") == str(256 << 20)

@@ -122,3 +122,22 @@ def test_gvisor_command_cgroups_give_pd_init_alone_cap_sys_admin_and_mount() -> 
     assert {"unshare", "setns", "pivot_root", "fsopen"} <= denied
     assert json.dumps(oci_spec.seccomp_profile(), sort_keys=True) == before
     assert all(r["names"] for r in c["linux"]["seccomp"]["syscalls"])
+
+
+def test_gvisor_exec_process_never_has_pd_inits_cap_sys_admin() -> None:
+    """``runsc exec``'s process.json (the fallback without pd-init's socket): a root command gets the
+    bounding set, a non-root one no capability, neither pd-init's CAP_SYS_ADMIN, nothing inheritable."""
+    from pilldrops.node.runtime.gvisor import exec_process, with_command_cgroups
+    c = with_command_cgroups(build())
+    root = exec_process(c, ["sh", "-c", "x"], {"A": "1"}, "/w")
+    assert root["args"] == ["sh", "-c", "x"] and root["env"] == ["A=1"] and root["cwd"] == "/w"
+    assert root["user"] == {"uid": 0, "gid": 0} and root["noNewPrivileges"] is True
+    caps = root["capabilities"]
+    assert caps["effective"] == caps["permitted"] == caps["bounding"] == oci_spec.CAPABILITIES
+    assert caps["inheritable"] == caps["ambient"] == []
+    other = exec_process(c, ["id"], {}, "/", user="1000:1001")
+    assert other["user"] == {"uid": 1000, "gid": 1001}
+    assert other["capabilities"]["effective"] == other["capabilities"]["permitted"] == []
+    assert other["capabilities"]["bounding"] == oci_spec.CAPABILITIES
+    with pytest.raises(ValueError):
+        exec_process(c, ["id"], {}, "/", user="nobody")

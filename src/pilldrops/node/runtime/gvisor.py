@@ -30,7 +30,8 @@ What differs is in the hooks:
   command's session after its parent exited (tests/hostile/test_detach.py);
 - terminals (``exec(pty=...)``) go through pd-init as under crun; this runsc answers TIOCGPTPEER ENOTTY,
   so pd-init opens the terminal side by its number in the sandbox's devpts (pd-init.c, ``pty_peer``);
-- without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec``; its kill
+- without pd-init's socket (``PILLDROPS_EXEC=crun``, benchmarks) a command is ``runsc exec --process``
+  (``exec_process``: the capabilities of a command pd-init runs, never pd-init's CAP_SYS_ADMIN); its kill
   kills the command's tree inside the sandbox (``runsc ps`` + ``runsc kill --pid``: an orphan that left the
   session before is not in that tree);
 - pause is ``runsc checkpoint`` (pd-init closes its socket first: gVisor cannot save a bound host socket,
@@ -48,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +59,7 @@ import anyio
 
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import HostNotReady
+from pilldrops.node.isolation.superexec import parse_ids
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, SandboxSpec
 from pilldrops.node.runtime.crun import CrunRuntime, _started_init
 from pilldrops.node.runtime.registry import Probe
@@ -146,6 +149,7 @@ class RunscExec(PipeExec):
 
     def _set_done(self) -> None:
         self._ipid_file.unlink(missing_ok=True)
+        self._ipid_file.with_suffix(".json").unlink(missing_ok=True)   # its process.json (GvisorRuntime._exec_cmd)
         super()._set_done()
 
 
@@ -186,8 +190,21 @@ class GvisorRuntime(CrunRuntime):
 
     def _exec_cmd(self, sandbox_id: str, argv: list[str], env: dict[str, str], cwd: str, pid_file: Path,
                   user: str | None = None) -> list[str]:
-        args = [f"--env={k}={v}" for k, v in env.items()] + ([f"--user={user}"] if user else [])
-        return self._cmd("exec", *args, f"--cwd={cwd}", f"--internal-pid-file={pid_file}", sandbox_id, *argv)
+        # ``--process``, never argv + ``--env``: without explicit capabilities ``runsc exec`` gives the command
+        # the container's process capabilities, i.e. pd-init's CAP_SYS_ADMIN (with_command_cgroups); and
+        # ``--cap`` would also put every capability in the inheritable set, and give them to a non-root user
+        d = pid_file.parent.parent                                 # <sandbox dir>/exec/<id>.pid
+        try:
+            config = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
+        try:
+            process = exec_process(config, argv, env, cwd, user)
+        except ValueError as e:
+            raise RuntimeFailure(str(e)) from e
+        process_file = pid_file.with_suffix(".json")
+        process_file.write_text(json.dumps(process))
+        return self._cmd("exec", f"--process={process_file}", f"--internal-pid-file={pid_file}", sandbox_id)
 
     def _fallback_exec(self, handle: Handle, cmd: list[str], pid_file: Path, **kw: object) -> PipeExec:
         return RunscExec(cmd, cmd=self._cmd(), sandbox_id=self._cid(handle.id), internal_pid_file=pid_file, **kw)
@@ -254,7 +271,8 @@ def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
     re-parents an orphan to PID 1 in spite of the shepherd's PR_SET_CHILD_SUBREAPER, so only a cgroup links
     a detached process to its command. pd-init mounts gVisor's cgroupfs once at start, detaches it and then
     drops CAP_SYS_ADMIN; for that it gets CAP_SYS_ADMIN in its permitted and effective sets but NOT in the
-    bounding set (nothing it forks and execs, nor ``runsc exec``, ever has it), and the seccomp profile lets
+    bounding set (nothing it forks and execs has it; a ``runsc exec`` gets explicit capabilities without it,
+    ``exec_process``, as runsc would otherwise give it the container's), and the seccomp profile lets
     ``mount``/``umount2`` through: without CAP_SYS_ADMIN gVisor answers them EPERM, as the profile did."""
     process = config["process"]
     process["args"] = [*process["args"], "--cgroups"]
@@ -267,6 +285,23 @@ def with_command_cgroups(config: dict) -> dict:  # type: ignore[type-arg]
     seccomp["syscalls"] = [rule for rule in seccomp["syscalls"] if rule["names"]]
     config["linux"]["seccomp"] = seccomp
     return config
+
+
+def exec_process(config: dict, argv: list[str], env: dict[str, str], cwd: str,  # type: ignore[type-arg]
+                 user: str | None = None) -> dict:  # type: ignore[type-arg]
+    """The OCI process (``runsc exec --process``) of a command in the sandbox of ``config``, with the
+    capabilities a command pd-init runs has: as root, the bounding set in every set but the (empty)
+    inheritable and ambient ones, as another user none but the bounding set (pd-init's setuid clears them).
+    Never pd-init's own CAP_SYS_ADMIN (``with_command_cgroups`` adds it to effective and permitted only)."""
+    proc = config["process"]
+    bounding = list(proc["capabilities"]["bounding"])
+    uid, gid = parse_ids(user) if user else (0, 0)
+    held = bounding if uid == 0 else []
+    return {"terminal": False, "user": {"uid": uid, "gid": gid}, "args": list(argv),
+            "env": [f"{k}={v}" for k, v in env.items()], "cwd": cwd,
+            "capabilities": {"bounding": bounding, "effective": held, "permitted": held,
+                             "inheritable": [], "ambient": []},
+            "noNewPrivileges": bool(proc.get("noNewPrivileges", True))}
 
 
 def _first_lines(path: Path, n: int = 6, width: int = 600) -> str:

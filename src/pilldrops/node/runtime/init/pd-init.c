@@ -127,9 +127,15 @@ extern char **environ;
 static int cg_park[2] = {-1, -1};
 static int cg_on;
 static unsigned cg_seq;
-#define CG_PENDING 1024
-static unsigned cg_pending[CG_PENDING];   /* cgroups not yet empty when their command ended */
-static int cg_npending;
+/* cgroups not yet empty when their command ended. Each holds at least one live process, so their number is
+ * bounded by the sandbox's pids limit; the list grows to that (up to CG_PENDING_MAX entries, far above any
+ * pids limit the node sets) instead of forgetting a cgroup. */
+#define CG_PENDING_MAX (1 << 20)
+static unsigned *cg_pending;
+static int cg_npending, cg_pending_cap;
+
+/* a shepherd's report that it could not join its cgroup: -(errno) - CG_JOIN_FAILED on the pid pipe */
+#define CG_JOIN_FAILED 0x10000
 
 static long long now_ms(void) {
     struct timespec ts;
@@ -300,24 +306,44 @@ static int cg_take(void) {
     return fd;
 }
 
+/* Mount and park the cgroupfs root, then drop CAP_SYS_ADMIN. A failure to set up the cgroups is logged on
+ * pd-init's stderr (the runtime's log of the init, before main points stdio at /dev/null) and leaves
+ * commands to kill_tree alone; a failure to drop the capability is fatal: no command may start while
+ * pd-init could hand it on or be made to use it. */
 static void cg_setup(void) {
-    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, cg_park) == 0 &&
-        mount("pd", RUN_DIR, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "cpu") == 0) {
-        int root = open(RUN_DIR, O_DIRECTORY | O_RDONLY | O_CLOEXEC);
-        if (umount2(RUN_DIR, MNT_DETACH) == 0 && root >= 0) {
+    if (socketpair(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0, cg_park) != 0) {
+        dprintf(2, "pd-init: --cgroups: socketpair: %s: no cgroup per command\n", strerror(errno));
+    } else if (mount("pd", RUN_DIR, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "cpu") != 0) {
+        dprintf(2, "pd-init: --cgroups: mount cgroupfs on %s: %s: no cgroup per command\n", RUN_DIR, strerror(errno));
+    } else {
+        int root = open(RUN_DIR, O_DIRECTORY | O_RDONLY | O_CLOEXEC), root_errno = errno;
+        if (umount2(RUN_DIR, MNT_DETACH) != 0) {
+            /* the cgroupfs stays visible at RUN_DIR: use none of it (a command could reach it by path) */
+            dprintf(2, "pd-init: --cgroups: umount %s: %s\n", RUN_DIR, strerror(errno));
+            _exit(111);
+        }
+        if (root >= 0) {
             cg_on = 1;
-            cg_put(root);
-        } else if (root >= 0) {
-            close(root);
+            if (cg_put(root) != 0) dprintf(2, "pd-init: --cgroups: cannot park the cgroupfs: no cgroup per command\n");
+        } else {
+            dprintf(2, "pd-init: --cgroups: open cgroupfs: %s: no cgroup per command\n", strerror(root_errno));
         }
     }
     struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3};
     struct __user_cap_data_struct d[2];
-    if (syscall(SYS_capget, &h, d) == 0) {
+    int ok = syscall(SYS_capget, &h, d) == 0;
+    if (ok) {
         d[0].effective &= ~(1u << CAP_SYS_ADMIN);
         d[0].permitted &= ~(1u << CAP_SYS_ADMIN);
         d[0].inheritable &= ~(1u << CAP_SYS_ADMIN);
-        syscall(SYS_capset, &h, d);
+        ok = syscall(SYS_capset, &h, d) == 0;
+    }
+    /* check that it is really gone (capset answers 0 and drops it, or else this init must not go on) */
+    ok = ok && syscall(SYS_capget, &h, d) == 0 &&
+         !((d[0].effective | d[0].permitted | d[0].inheritable) & (1u << CAP_SYS_ADMIN));
+    if (!ok) {
+        dprintf(2, "pd-init: --cgroups: cannot drop CAP_SYS_ADMIN: %s\n", strerror(errno));
+        _exit(111);
     }
 }
 
@@ -350,19 +376,32 @@ static int cg_rmdir(int root, unsigned n) {
     return unlinkat(root, name, AT_REMOVEDIR) == 0 || errno == ENOENT;
 }
 
+static void cg_sweep_in(int root) {
+    for (int i = 0; i < cg_npending;)
+        if (cg_rmdir(root, cg_pending[i])) cg_pending[i] = cg_pending[--cg_npending];
+        else i++;
+}
+
 static void cg_done(unsigned n) {
     int root = n ? cg_take() : -1;
     if (root < 0) return;
-    if (!cg_rmdir(root, n) && cg_npending < CG_PENDING) cg_pending[cg_npending++] = n;
+    if (!cg_rmdir(root, n)) {
+        if (cg_npending == cg_pending_cap) cg_sweep_in(root);     /* full: first drop those emptied since */
+        if (cg_npending == cg_pending_cap && cg_pending_cap < CG_PENDING_MAX) {
+            int nc = cg_pending_cap ? cg_pending_cap * 2 : 256;
+            unsigned *a = realloc(cg_pending, (size_t)nc * sizeof *a);
+            if (a) { cg_pending = a; cg_pending_cap = nc; }
+        }
+        if (cg_npending < cg_pending_cap) cg_pending[cg_npending++] = n;
+        else dprintf(2, "pd-init: cgroup %u left behind: %d cgroups wait to be emptied\n", n, cg_npending);
+    }
     cg_put(root);
 }
 
 static void cg_sweep(void) {
     int root = cg_take();
     if (root < 0) return;
-    for (int i = 0; i < cg_npending;)
-        if (cg_rmdir(root, cg_pending[i])) cg_pending[i] = cg_pending[--cg_npending];
-        else i++;
+    cg_sweep_in(root);
     cg_put(root);
 }
 
@@ -375,7 +414,8 @@ static int cg_kill(unsigned n) {
     snprintf(name, sizeof name, "%u/cgroup.procs", n);
     pid_t *done = NULL;
     size_t ndone = 0, cap = 0;
-    for (int pass = 0; pass < 64; pass++) {
+    int settled = 0;                           /* a read listed no process not killed yet */
+    for (int pass = 0; pass < 64 && !settled; pass++) {
         int fd = openat(root, name, O_RDONLY | O_CLOEXEC), fresh = 0;
         if (fd < 0) break;
         char buf[4096];
@@ -408,11 +448,11 @@ static int cg_kill(unsigned n) {
             }
         } while (len > 0 || (len < 0 && errno == EINTR));
         close(fd);
-        if (!fresh) break;
+        settled = !fresh;
     }
     free(done);
     cg_put(root);
-    return 0;
+    return settled ? 0 : -1;                   /* not settled: the caller's kill_tree goes after the rest */
 }
 
 static void do_kill(struct slot *s) {
@@ -481,7 +521,9 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
         char b[16];
         int n = snprintf(b, sizeof b, "%d", (int)getpid());
         if (write(cg_procs, b, n) != n) {
-            dprintf(tty >= 0 ? tty : err_w, "pd-init: cannot join the command's cgroup: %s\n", strerror(errno));
+            /* the reason goes back on pid_w (spawn's errno); err_w is closed unread when start() fails */
+            int32_t why = -(errno ? errno : EIO) - CG_JOIN_FAILED;
+            if (write(pid_w, &why, sizeof why) != sizeof why) _exit(127);
             _exit(126);
         }
         close(cg_procs);
@@ -503,9 +545,10 @@ static void shepherd(int in_r, int out_w, int err_w, int pid_w, char *cwd, char 
     }
 }
 
-/* Fork the shepherd; the command's pid (read back from it) goes to *cmd. */
+/* Fork the shepherd; the command's pid (read back from it) goes to *cmd. On failure errno says why, and
+ * *cg_failed whether it was the shepherd's join of the command's cgroup. */
 static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char **env, int tty,
-                   const uint32_t *ids, int *cg_procs, pid_t *cmd) {
+                   const uint32_t *ids, int *cg_procs, pid_t *cmd, int *cg_failed) {
     int pp[2];
     if (pipe2(pp, O_CLOEXEC) != 0) return -1;
     pid_t pid = fork();
@@ -521,6 +564,8 @@ static pid_t spawn(int in_r, int out_w, int err_w, char *cwd, char **argv, char 
     if (n != sizeof v || v <= 0) {                   /* the shepherd could not fork the command */
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        *cg_failed = n == sizeof v && v < -CG_JOIN_FAILED;
+        if (*cg_failed) v += CG_JOIN_FAILED;
         errno = n == sizeof v && v < 0 ? -v : ECHILD;
         return -1;
     }
@@ -542,7 +587,10 @@ static int pty_peer(int master) {
     if ((fd = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC | O_NOFOLLOW)) < 0) return -1;
     struct stat st;
     struct statfs fs;
-    if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) != 136 || minor(st.st_rdev) != n ||
+    /* Unix98 ptys: Linux numbers pts N major 136 + N / 256, minor N % 256 (majors 136..143); this gVisor
+     * major 136, minor N: both are (major - 136) * 256 + minor == N */
+    if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode) || major(st.st_rdev) < 136 || major(st.st_rdev) > 143 ||
+        (major(st.st_rdev) - 136) * 256 + minor(st.st_rdev) != n ||
         fstatfs(fd, &fs) != 0 || fs.f_type != 0x1cd1 /* DEVPTS_SUPER_MAGIC */) {
         close(fd);
         errno = ENXIO;
@@ -606,7 +654,7 @@ static int start(struct slot *s) {
         else vec[i] = p;                       /* vec[argc] stays NULL; env is vec + argc + 1 */
         p = z + 1;
     }
-    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1, cg_procs;
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, tty = -1, cg_procs, cg_failed = 0;
     pid_t pid = -1, cmd = -1;
     unsigned cg = cg_new(&cg_procs);
     const char *failed = "cannot start the command";
@@ -617,12 +665,13 @@ static int start(struct slot *s) {
         if (out[0] >= 0 && ioctl(out[0], TIOCSPTLCK, &unlock) == 0 && ioctl(out[0], TIOCSWINSZ, &ws) == 0 &&
             (tty = pty_peer(out[0])) >= 0 && (in[1] = fcntl(out[0], F_DUPFD_CLOEXEC, 0)) >= 0) {
             failed = "cannot start the command";
-            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cg_procs, &cmd);
+            pid = spawn(-1, -1, -1, cwd, vec, vec + argc + 1, tty, ids, &cg_procs, &cmd, &cg_failed);
         }
     } else if (!(has_stdin && pipe2(in, O_CLOEXEC)) && !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC)) {
-        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cg_procs, &cmd);
+        pid = spawn(in[0], out[1], err[1], cwd, vec, vec + argc + 1, -1, ids, &cg_procs, &cmd, &cg_failed);
     }
     int err_no = errno;
+    if (cg_failed) failed = "cannot join the command's cgroup";
     free(vec);
     free(s->req);
     s->req = NULL;
