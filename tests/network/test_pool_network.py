@@ -51,6 +51,8 @@ def test_policy_pool_member_is_claimed_attached_and_keeps_its_policy(server: Ser
     try:
         _wait(lambda: any(k.startswith("pd-") and _link(server, v) for k, v in _records(server).items()))
         member, slot = next((k, v) for k, v in _records(server).items() if k.startswith("pd-"))   # attached
+        # ready, not only attaching (its link exists before it is): a create before that is a miss, cold
+        _wait(lambda: any(p["ready"] >= 1 for p in api.get("/v1/pools").json()["items"]))
         sb = Sandbox.create("tiny", vcpu=0.5, memory_mb=64, **policy)
         assert _records(server).get(sb.id) == slot and member not in _records(server)   # moved, not re-made
         assert fetch(sb, f"http://{server.outside.ip}:8080/") == f"ok {server.outside.ip}"
