@@ -643,10 +643,9 @@ class NodeAgent:
     async def _monitor_loop(self) -> None:
         while True:
             await anyio.sleep(MONITOR_TICK_S)
-            quick = getattr(self.runtime, "running_by_pid", None)
             for sb in self.sandboxes.in_states(NodeState.running):
                 assert sb.target is not None
-                if quick is not None and quick(sb.target.handle):    # one /proc read (issue 15)
+                if self.runtime.running_by_pid(sb.target.handle):    # one /proc read (issue 15)
                     self._stopped_ticks.pop(sb.id, None)
                     continue
                 try:

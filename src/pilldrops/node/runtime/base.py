@@ -95,6 +95,10 @@ class Runtime(Protocol):
 
     async def state(self, handle: Handle) -> RuntimeState: ...
 
+    def running_by_pid(self, handle: Handle) -> bool:
+        """A cheap check for the monitor's tick over every live sandbox: True when ``state`` would answer
+        running; False means "ask ``state``" (a runtime without a cheaper way always answers False)."""
+
     async def destroy(self, handle: Handle) -> None: ...
 
     async def list_ids(self) -> list[str]:

@@ -174,9 +174,7 @@ class RuntimeRegistry:
         return await self._for(handle).state(handle)
 
     def running_by_pid(self, handle: Handle) -> bool:
-        """The runtime's cheap "it runs" check (``CrunRuntime.running_by_pid``); False when it has none."""
-        check = getattr(self._for(handle), "running_by_pid", None)
-        return bool(check is not None and check(handle))
+        return self._for(handle).running_by_pid(handle)
 
     async def destroy(self, handle: Handle) -> None:
         mode = handle.extra.get(ISOLATION_KEY) or self._owner.get(handle.id)

@@ -265,11 +265,11 @@ class Lifecycle:
                 continue
             nodes = [node]
             now, claimed_mono = ctx.clock.now(), ctx.clock.monotonic()    # the claim: billed from here
+            inserted = False
             try:           # a create refused here (or replayed) gives the grant back: no member is stranded
                 iso = isolation.resolve(req.isolation, nodes, req.template, self.default_isolation,
                                         stored_isolation)
                 if iso != "container":
-                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
                     return None
                 tpl_disk = isolation.template_disk_mb(nodes, req.template)
                 claim = dataclasses.replace(
@@ -283,12 +283,12 @@ class Lifecycle:
                             req.template, req.vcpu, req.memory_mb) for p in await ctx.pools.specs()):
                     # a pool of this very egress policy exists for this shape: the node picks a member made
                     # with it (another policy takes this loopback member, its network attached at the tell)
-                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
                     return None
                 row = await ctx.store.insert_claimed(claim, node.id, now)
-            except BaseException:
-                ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
-                raise
+                inserted = True
+            finally:
+                if not inserted:
+                    ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
             if row is None:                  # its id is recorded: another control plane claimed this member
                 ctx.grants.discard(grant.id)     # first, or an earlier claim of it ended; never tried again
                 continue
