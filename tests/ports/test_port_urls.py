@@ -127,9 +127,9 @@ def test_refused_without_a_valid_token(py: Sandbox, tiny: Sandbox, pd_up: Up) ->
     other_sandbox = tiny.get_url(8080, path="/hello").split("pd_token=")[1]
     r = httpx.get(bare, params={"pd_token": other_sandbox}, timeout=30)
     assert r.status_code == 401 and _code(r) == "url_token_invalid"
-    short = py.get_url(8080, expires_in=1, path="/hello")
+    short = py.get_url(8080, expires_in=3, path="/hello")      # whole seconds: valid for 2 s at least
     assert httpx.get(short, timeout=30).status_code == 200
-    time.sleep(1.1)
+    time.sleep(max(0.0, int(short.split("pd_token=")[1].split(".")[1]) + 0.2 - time.time()))   # past its expiry
     r = httpx.get(short, timeout=30)
     assert r.status_code == 401 and _code(r) == "url_token_expired"
     # the E2B header form (on the API's port) reaches the same gateway: a sandbox made by our API is not

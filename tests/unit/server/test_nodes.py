@@ -365,8 +365,10 @@ async def test_a_create_answer_that_reaches_a_busy_control_plane_late_bills_from
 async def test_a_heartbeat_racing_the_create_answer_never_kills_the_sandbox(tmp_path, store_url) -> None:
     """The node reports the sandbox running (a heartbeat) before its answer to the create reaches the control
     plane: the create still succeeds and the sandbox keeps running (it was once killed as 'killed while
-    starting')."""
-    async with stack(tmp_path, db_url=store_url, **FAST) as st, st.client() as c:
+    starting'). The node's liveness thresholds are not FAST's: a starved heartbeat must not make the node
+    lost here (that is another test's subject), only the race may end the sandbox."""
+    async with stack(tmp_path, db_url=store_url, **{**FAST, "unreachable_after": 10, "lost_after": 20}) as st, \
+            st.client() as c:
         sbx = st.cp.services.sandboxes
         real = sbx.ctx.nodes.create
 
