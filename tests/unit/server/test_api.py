@@ -86,6 +86,21 @@ async def test_idempotent_create(tmp_path, store_url) -> None:
         assert r3.status_code == 409 and error_of(r3)["code"] == "conflict"
 
 
+async def test_idempotent_retry_replays_when_its_own_create_filled_the_node(tmp_path, store_url) -> None:
+    """The key is checked by the insert, not by a read before placement: a retry that placement would now
+    refuse (its own first attempt took the node's last slot) still replays that first sandbox."""
+    async with stack(tmp_path, db_url=store_url, capacity_vcpu=1) as st, st.client() as c:
+        body, h = {"template": "tiny", "vcpu": 1}, {"Idempotency-Key": "episode-1"}
+        r1, r2 = await c.post("/v1/sandboxes", json=body, headers=h), await c.post("/v1/sandboxes", json=body,
+                                                                                   headers=h)
+        assert r1.status_code == 201 and r2.status_code == 200, r2.text
+        assert r1.json()["id"] == r2.json()["id"]
+        full = await c.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "episode-2"})
+        assert full.status_code != 201 and "code" in error_of(full)
+        other = await c.post("/v1/sandboxes", json={**body, "timeout": 61}, headers=h)
+        assert other.status_code == 409 and error_of(other)["code"] == "conflict"
+
+
 async def test_concurrent_idempotent_creates_make_one_sandbox(tmp_path, store_url) -> None:
     async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
         ids: list[str] = []

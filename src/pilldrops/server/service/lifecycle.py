@@ -128,13 +128,23 @@ class Lifecycle:
         """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
         ctx = self.ctx
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
-        # a claimable create checks its key by its insert (the unique index), not by a read before it
-        claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
-        if idempotency_key and not claimable:
-            existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+        try:
+            return await self._create(team_id, req, idempotency_key, req_hash)
+        except errors.PillDropsError:
+            # a create checks its key by its insert (the unique index), not by a read before it (a store
+            # round trip on every create; the SDK sends a key with each): a retry refused before its insert
+            # (no capacity or credits left now, perhaps because of its own first attempt) replays that one, and
+            # one with another body is refused as a conflict, as before
+            existing = (await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
+                        if idempotency_key else None)
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
-            # else its first attempt failed to start and released the key: this retry makes a fresh one
+            raise
+
+    async def _create(self, team_id: str, req: CreateSandboxRequest, idempotency_key: str | None,
+                      req_hash: str) -> tuple[SandboxRecord, bool]:
+        ctx = self.ctx
+        claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
         if req.disk_mb is not None:
             self._check_disk(req.disk_mb, "disk_mb")
         await ctx.billing.check_can_create(team_id)
@@ -184,7 +194,7 @@ class Lifecycle:
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
-            return await self.create(team_id, req, idempotency_key)    # that attempt failed: a fresh one
+            return await self._create(team_id, req, idempotency_key, req_hash)   # that one failed: a fresh one
         spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
