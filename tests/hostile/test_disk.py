@@ -96,6 +96,33 @@ async def test_writes_past_disk_mb_fail_with_enospc_and_nothing_else_notices(cru
 
 
 @pytest.mark.integration
+async def test_a_spare_disk_holds_the_same_limit_and_goes_with_its_sandbox(crun_rt, tiny) -> None:  # type: ignore[no-untyped-def]
+    """Disks made ahead (isolation.diskspares, issue 15): a create takes a ready one by a rename; past its
+    size every write fails with ENOSPC as on a disk made on the create path; the sandbox's kill removes it
+    and the runtime's close the spares still ready (the leak check: no mount or loop device is left)."""
+    import anyio
+    crun_rt.disk_spares.keep = 2
+    first = await crun_rt.create(spec(tiny, "spare-0"))          # a miss: made on the create path
+    assert (crun_rt.disk_spares.hits, crun_rt.disk_spares.misses) == (0, 1)
+    with anyio.fail_after(30):
+        while len(crun_rt.disk_spares._ready.get(64, ())) < 2:
+            await anyio.sleep(0.05)
+    a = await crun_rt.create(spec(tiny, "spare-a"))
+    try:
+        assert crun_rt.disk_spares.hits == 1
+        assert diskquota.backing_device(Path(a.bundle) / diskquota.MOUNT) is not None
+        code, _, err, _ = await sh(crun_rt, a, "dd if=/dev/zero of=/big bs=1M count=200", timeout=60)
+        assert code != 0 and "No space left on device" in err, (code, err)
+        assert crun_rt.disk_usage(a, 64).limit_bytes == 64 * MiB
+        code, out, _, _ = await sh(crun_rt, a, "cat /etc/machine-id; ls -A /", timeout=30)
+        assert code == 0 and len(out.split()[0]) == 32
+    finally:
+        await crun_rt.destroy(a)
+        await crun_rt.destroy(first)
+    assert not Path(a.bundle).exists()
+
+
+@pytest.mark.integration
 async def test_uploads_count_at_their_real_size(crun_rt, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     h = await crun_rt.create(spec(tiny, "disk-up"))
     plane, t = DataPlane(crun_rt), Target(id=h.id, handle=h)

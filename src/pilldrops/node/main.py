@@ -10,10 +10,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI
 
 from pilldrops.node.agent import NodeAgent, Settings, instance_id
 from pilldrops.node.api import create_node_app
+from pilldrops.node.isolation.diskspares import DiskSpares
 from pilldrops.node.isolation.host import prepare_host
 from pilldrops.node.runtime.registry import RuntimeRegistry
 from pilldrops.node.templates import TemplateStore, default_spec_dirs
@@ -25,9 +27,12 @@ class Node:
     app: FastAPI
     runtime: RuntimeRegistry
     templates: TemplateStore
+    spares: DiskSpares | None = None
 
     async def aclose(self) -> None:
         await self.agent.shutdown()
+        if self.spares is not None:        # never outlive the agent, even when its sandboxes do
+            await anyio.to_thread.run_sync(self.spares.close)
         if not self.agent.settings.keep_on_exit:
             await self.runtime.close()
 
@@ -46,4 +51,16 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
     # the crun runtime keeps <data_dir>/node; gVisor and microVM runtimes get <data_dir>/node/runtimes/<mode>
     runtime = RuntimeRegistry.build(data_dir / "node", name=f"{safe}-{instance_id(data_dir / 'node')[:8]}")
     agent = NodeAgent(settings, runtime, templates, data_dir / "node")
-    return Node(agent, create_node_app(agent, settings.node_token), runtime, templates)
+    # ready disks per size for cold creates of containers (isolation.diskspares; 0 turns them off)
+    spares = getattr(runtime.runtimes.get("container"), "disk_spares", None)
+    if spares is not None:
+        spares.keep = spare_disks()
+    return Node(agent, create_node_app(agent, settings.node_token), runtime, templates, spares)
+
+
+def spare_disks() -> int:
+    """``PILLDROPS_DISK_SPARES``: ready disks kept per size (default 2)."""
+    try:
+        return max(0, int(os.environ.get("PILLDROPS_DISK_SPARES", "2")))
+    except ValueError:
+        return 2

@@ -48,6 +48,7 @@ from pathlib import Path
 import anyio
 
 from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
+from pilldrops.node.isolation.diskspares import DiskSpares
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
@@ -199,6 +200,8 @@ class CrunRuntime:
         # no host path (isolation.pdfs)
         self.init_dir = self.state_dir / "pd-init"
         self.init_bind = self._init_copy()
+        # disks made ahead, off the create path (``keep`` set by the agent's builder: node.main)
+        self.disk_spares = DiskSpares(self.state_dir)
         # exec defaults (env, cwd, what /.pd/init is bound from) per live sandbox, so an exec does not
         # re-read config.json
         self._defaults: dict[str, tuple[dict[str, str], str, str]] = {}
@@ -266,17 +269,20 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         ok = False
         try:
+            # a spare disk (diskspares) becomes the sandbox dir, its overlay dirs made: one rename
+            spare = bool(spec.disk_mb) and self.disk_spares.take(spec.disk_mb, d)
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
             self._make_run_dir(d)
-            if spec.disk_mb:
+            if spec.disk_mb and not spare:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
             upper, work = self._layer_dirs(d)
-            upper.mkdir()
-            work.mkdir()
+            if not spare:
+                upper.mkdir()
+                work.mkdir()
+                (upper / "etc").mkdir()
             # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
-            (upper / "etc").mkdir()
             (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
             _write_net_files(upper / "etc", spec.hostname)
             config = self._mount_and_configure(spec, d)
@@ -840,6 +846,7 @@ class CrunRuntime:
         cgroups.remove_tree(self.cgroup_parent, timeout=10.0)
 
     async def close(self) -> None:
+        await anyio.to_thread.run_sync(self.disk_spares.close)
         await anyio.to_thread.run_sync(self.cleanup_parent)
         # the init's tmpfs goes with the last sandbox of this state dir (running ones hold their own bind)
         if not any(p.is_dir() for p in self.sandboxes_dir.iterdir()):
