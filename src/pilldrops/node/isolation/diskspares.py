@@ -4,8 +4,8 @@ A cold create with ``disk_mb`` spent ~4.5 ms of its ~25 ms of our own on its dis
 LOOP_CONFIGURE, the ext4 mount, the overlay's dirs on the fresh file system; bench/RESULTS.md "Cold create").
 With ``keep`` > 0, ``take`` hands over a ready one instead: a directory holding ``disk.img`` (copied from
 the golden image of that size) mounted on ``disk/`` with ``disk/upper/etc`` and ``disk/work`` made, renamed
-to the sandbox dir (the mount moves with its directory: one rename on the create path). A worker thread
-then makes the next one, so that ``keep`` per size asked for are ready. A spare is exactly what a create
+to the sandbox dir (the mount moves with its directory: one rename on the create path). Once that
+sandbox runs, a worker thread makes the next one, so that ``keep`` per size asked for are ready. A spare is exactly what a create
 would have made itself (the same golden image, the same attach and mount), so quotas are unchanged; a
 miss (none ready yet: the first create of a size, or a burst) makes the disk on the create path as before.
 
@@ -56,6 +56,7 @@ class DiskSpares:
         self._ready: dict[int, list[Path]] = {}
         self._wanted: set[int] = set()        # sizes asked for (a failed make drops its size)
         self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._worker: threading.Thread | None = None
         self._reaped = False
         self._closed = False
@@ -63,14 +64,13 @@ class DiskSpares:
 
     def take(self, disk_mb: int, d: Path) -> bool:
         """Make the (absent) sandbox dir ``d`` a ready disk of ``disk_mb`` with its overlay dirs; False: none
-        is ready (the caller makes it; the worker makes spares of that size from now on)."""
+        is ready (the caller makes it; ``refill`` makes spares of that size from now on)."""
         if self.keep <= 0 or self._closed:
             return False
         with self._lock:
             self._wanted.add(disk_mb)
             ready = self._ready.get(disk_mb)
             spare = ready.pop() if ready else None
-            self._kick()
         if spare is not None:
             try:
                 os.rename(spare, d)
@@ -82,11 +82,24 @@ class DiskSpares:
         self.misses += 1
         return False
 
-    def _kick(self) -> None:
-        """(lock held) start the worker unless it runs."""
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._fill, name="pilldrops-disk-spares", daemon=True)
-            self._worker.start()
+    def refill(self) -> None:
+        """Make spares of the sizes asked for (a create calls it once its sandbox runs, so that the worker's
+        mounts do not slow that create's own ``crun run``)."""
+        if self.keep <= 0 or self._closed or not self._wanted:
+            return
+        self._wake.set()
+        if self._worker is None:
+            with self._lock:
+                if self._worker is None and not self._closed:
+                    self._worker = threading.Thread(target=self._run, name="pilldrops-disk-spares", daemon=True)
+                    self._worker.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            if not self._closed:
+                self._fill()
 
     def _next_size(self) -> int | None:
         with self._lock:
@@ -134,6 +147,7 @@ class DiskSpares:
         with self._lock:
             self._closed = True
             worker = self._worker
+        self._wake.set()
         if worker is not None:
             worker.join(timeout)
         self._remove_all(known=True)
