@@ -77,12 +77,9 @@ def pd_cycle(up: Up, template: str, runs: int, rec: Callable[[str, float], None]
     to the same server, the sandbox's data plane, on the same kept-alive client: the floor of one request),
     ``pd_kill``."""
     from pilldrops import Sandbox
-    from pilldrops._internal.steptrace import mark as _mark
-    _mark('sdk_start')
     t = time.perf_counter()
     sb = Sandbox.create(template=template, memory_mb=memory_mb, api_url=up.url, api_key=up.key, **create)  # type: ignore[arg-type]
     rec("pd_create", time.perf_counter() - t)
-    _mark('sdk_done')
     http, health = sb._client._http, f"{(sb.info.envd_url or up.url).rstrip('/')}/healthz"
     try:
         for _ in range(runs):
@@ -196,8 +193,6 @@ class Raw:
         return d
 
     def run(self, cid: str, d: Path) -> float:
-        from pilldrops._internal.steptrace import mark as _mark
-        _mark('raw_start')
         with open(d / "crun.err", "wb") as err:                  # never a pipe for a detached crun
             dt, r = timed(self.cmd("run", "--detach", "--bundle", str(d), cid), stdout=subprocess.DEVNULL,
                           stderr=err)

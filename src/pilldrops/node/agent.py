@@ -17,7 +17,6 @@ otherwise). Every end is recorded for the control plane (``control_plane`` deliv
 """
 
 from __future__ import annotations
-from pilldrops._internal.steptrace import mark as _mark
 
 import functools
 import logging
@@ -269,10 +268,8 @@ class NodeAgent:
             first.done.set()
 
     async def _create(self, spec: NodeSandboxSpec, existing: Sandbox | None) -> NodeSandboxStatus:
-        _mark('n_create')
         await self._ensure_template(spec)
         rt_spec = self._runtime_spec(spec)
-        _mark('n_spec')
         self._check_egress(spec)
         if existing is not None:
             raise errors.InvalidState(f"sandbox {spec.id} is already {existing.state.value} on this node",
@@ -321,7 +318,6 @@ class NodeAgent:
         try:
             async with self._create_slots:
                 handle = await self.runtime.create(rt_spec)
-            _mark('n_runtime_done')
         except BaseException as exc:
             self.sandboxes.move(sb, NodeState.gone)
             if not isinstance(exc, RuntimeFailure):
@@ -360,7 +356,6 @@ class NodeAgent:
             sb.started_at, sb.started_mono = self.now() - timedelta(seconds=mono - start), start
             self.sandboxes.move(sb, NodeState.running)
             self.journal.write(sb.journal_entry())
-            _mark('n_journal')
         except BaseException:    # what the runtime made goes with its record (never stuck in "creating")
             if self.sandboxes.is_current(sb, NodeState.running):
                 self.sandboxes.move(sb, NodeState.ending)

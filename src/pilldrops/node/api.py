@@ -11,7 +11,6 @@ from starlette.requests import HTTPConnection
 from starlette.types import Send
 
 from pilldrops import errors
-from pilldrops._internal.steptrace import mark as _mark
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
@@ -105,10 +104,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
 
     @node.post("/sandboxes", response_model=NodeSandboxStatus)
     async def create(spec: NodeSandboxSpec) -> NodeSandboxStatus:
-        _mark('n_handler')
-        _r = await agent.create(spec)
-        _mark('n_done')
-        return _r
+        return await agent.create(spec)
 
     @node.get("/sandboxes")
     async def list_() -> dict[str, list[NodeSandboxStatus]]:

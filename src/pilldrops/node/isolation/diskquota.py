@@ -24,7 +24,6 @@ image is that much larger); ``usage`` reads statfs of the mount: the used bytes,
 """
 
 from __future__ import annotations
-from pilldrops._internal.steptrace import mark as _mark
 
 import ctypes
 import errno
@@ -192,9 +191,7 @@ def make(state_dir: Path, d: Path, disk_mb: int) -> Path:
     """The writable-layer file system of the sandbox dir ``d``, mounted on ``d/disk`` (returned)."""
     if disk_mb < MIN_DISK_MB:
         raise DiskQuotaError(errno.EINVAL, f"disk_mb must be at least {MIN_DISK_MB}")
-    _mark('d_thread')
     _sparse_copy(_golden(state_dir, disk_mb), d / IMAGE)
-    _mark('d_copy')
     return mount_image(d)
 
 
@@ -203,10 +200,8 @@ def mount_image(d: Path) -> Path:
     image, mnt = d / IMAGE, d / MOUNT
     mnt.mkdir(exist_ok=True)
     dev, lfd = _attach_loop(image)
-    _mark('d_attach')
     try:
         mount(dev, mnt, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable")
-        _mark('d_mount')
     except MountError as e:
         raise DiskQuotaError(e.errno, str(e)) from e
     finally:

@@ -31,7 +31,6 @@ that needs a session/group-leader helper, which any background command that outl
 """
 
 from __future__ import annotations
-from pilldrops._internal.steptrace import mark as _mark
 
 import json
 import os
@@ -270,49 +269,40 @@ class CrunRuntime:
             raise RuntimeFailure(f"sandbox {spec.id} already exists", detail=str(d))
         ok = False
         try:
-            _mark('r_start')
             # a spare disk (diskspares) becomes the sandbox dir, its overlay dirs made: one rename
             spare = bool(spec.disk_mb) and self.disk_spares.take(spec.disk_mb, d)
             for p in (d / "rootfs", d / "exec"):
                 p.mkdir(parents=True)
             self._make_run_dir(d)
-            _mark('r_rundir')
             if spec.disk_mb and not spare:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
-            _mark('r_disk')
             upper, work = self._layer_dirs(d)
             if not spare:
                 upper.mkdir()
                 work.mkdir()
                 (upper / "etc").mkdir()
-            _mark('r_upperwork')
             # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
             (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
             _write_net_files(upper / "etc", spec.hostname)
-            _mark('r_upper')
             config = self._mount_and_configure(spec, d)
-            _mark('r_overlay_config')
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
                 r = await anyio.run_process(
                     self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
-            _mark('r_crun_run')
             if r.returncode != 0:
                 raise RuntimeFailure(f"{self.name} run {spec.id} failed (exit {r.returncode})",
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
             # The pid file crun writes saves a `crun state` round trip (~6 ms) on the create path;
             # the start time read from /proc proves the init is alive and guards against pid reuse.
             pid, start = _started_init(pid_file, spec.id, "start", err_file=d / "crun.err")
-            _mark('r_pid')
             # pd-init binds its control socket right after it starts; give it that moment so that the
             # first command already takes the fast path (if it never shows up, exec uses crun exec)
             deadline = time.monotonic() + self.CTL_WAIT
             while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
                 await anyio.sleep(0.001)
             if (d / "pd" / "ctl").exists():
-                _mark('r_ctl')
                 lock_dir(d / "pd")     # the sandbox cannot replace the socket (else: at the first probe)
             self._defaults[spec.id] = self._defaults_from(config)
             if self._init_current:
@@ -357,7 +347,6 @@ class CrunRuntime:
             mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *self._layer_dirs(d))
         except (MountError, ValueError) as e:
             raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
-        _mark('r_overlay')
         config = self._config(spec, d)
         (d / "config.json").write_text(json.dumps(config))
         return config

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pilldrops._internal.steptrace import mark as _mark
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi import Path as FPath
@@ -135,14 +134,10 @@ def create_app(services: Services) -> FastAPI:
     async def create_sandbox(body: CreateSandboxRequest, p: Caller, response: Response,
                              idempotency_key: Annotated[str | None, Header(max_length=256)] = None
                              ) -> SandboxInfo:
-        _mark('cp_handler')
         row, created = await sbx.create(p.team_id, body, idempotency_key)
-        _mark('cp_created')
         if not created:
             response.status_code = 200
-        _i = await sbx.info(row, with_token=True)
-        _mark('cp_info')
-        return _i
+        return await sbx.info(row, with_token=True)
 
     @api.post("/sandboxes/batch", response_model=BatchCreateResponse)
     async def create_batch(request: Request, body: BatchCreateRequest, p: Caller,

@@ -7,7 +7,6 @@ over-commit a node; the node is called only after that transaction.
 """
 
 from __future__ import annotations
-from pilldrops._internal.steptrace import mark as _mark
 
 import asyncio
 import dataclasses
@@ -148,9 +147,7 @@ class Lifecycle:
         claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
         if req.disk_mb is not None:
             self._check_disk(req.disk_mb, "disk_mb")
-        _mark('cp_enter')
         await ctx.billing.check_can_create(team_id)
-        _mark('cp_billing')
         now = ctx.clock.now()
         new = NewSandbox(
             id=new_id("sb"), team_id=team_id, template=req.template, vcpu=req.vcpu, memory_mb=req.memory_mb,
@@ -161,7 +158,6 @@ class Lifecycle:
         specs = await ctx.pools.specs() if ctx.pools else []
         ref = await ctx.templates.current(req.template) if ctx.templates is not None else None
         new.template_version = ref.version if ref is not None else None
-        _mark('cp_specs_ref')
         if claimable:
             try:
                 if (claimed := await self._claim(req, new, ref)) is not None:
@@ -199,15 +195,12 @@ class Lifecycle:
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             return await self._create(team_id, req, idempotency_key, req_hash)   # that one failed: a fresh one
-        _mark('cp_placed')
         spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
         try:
             async with self._admission:    # bursts queue here (in order) instead of piling onto the nodes
-                _mark('cp_call')
                 status = await ctx.nodes.create(node.url, spec)
-                _mark('cp_answer')
         except BaseException as exc:
             ctx.creating.discard(row.id)
             # the key is released so that a retry makes a fresh attempt instead of replaying a failure; if the
@@ -233,7 +226,6 @@ class Lifecycle:
                 updated = row
         finally:
             ctx.creating.discard(row.id)
-        _mark('cp_cas')
         if updated is None and (now := await ctx.store.get_sandbox(row.id)) is not None \
                 and now.state == S.running.value and now.node_id == node.id:
             updated = now      # a node report recorded its start first (it runs): the create succeeded
