@@ -178,20 +178,23 @@ def _net(prefix: str | None, table: str | None) -> set[str]:
 
 def snapshot(crun_roots: list[Path] | None = None, match: str = "pilldrops",
              runsc_roots: list[Path] | None = None, *, qemu_dirs: list[Path] | None = None,
-             net_prefix: str | None = None, nft_table: str | None = None) -> dict[str, object]:
+             net_prefix: str | None = None, nft_table: str | None = None,
+             ignore: tuple[str, ...] = ()) -> dict[str, object]:
+    """``ignore``: items naming any of these strings are not counted (e.g. a running node's spare disks)."""
     roots = [Path(r) for r in (crun_roots or [])]
     gv = [Path(r) for r in (runsc_roots or [])]
     qdirs = [Path(d) for d in (qemu_dirs or [])]
     items = (_containers(roots) | _runsc(gv) | _mounts(match) | _loops(match) | _cgroups(match) | _procs(match)
              | _qemu(qdirs) | _net(net_prefix, nft_table))
+    items = {i for i in items if not any(x in i for x in ignore)}
     return {"roots": roots, "match": match, "runsc_roots": gv, "qemu_dirs": qdirs, "net_prefix": net_prefix,
-            "nft_table": nft_table, "items": items}
+            "nft_table": nft_table, "ignore": ignore, "items": items}
 
 
 def leaks(before: dict[str, object]) -> set[str]:
     now = snapshot(before["roots"], before["match"], before.get("runsc_roots"),  # type: ignore[arg-type]
                    qemu_dirs=before.get("qemu_dirs"), net_prefix=before.get("net_prefix"),  # type: ignore[arg-type]
-                   nft_table=before.get("nft_table"))  # type: ignore[arg-type]
+                   nft_table=before.get("nft_table"), ignore=before.get("ignore", ()))  # type: ignore[arg-type]
     return now["items"] - before["items"]  # type: ignore[operator]
 
 

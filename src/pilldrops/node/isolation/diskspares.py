@@ -98,8 +98,11 @@ class DiskSpares:
         while not self._closed:
             self._wake.wait()
             self._wake.clear()
-            if not self._closed:
-                self._fill()
+            try:
+                if not self._closed:
+                    self._fill()
+            except Exception:          # never a dead worker: creates would miss from then on, silently
+                log.exception("making spare disks failed")
 
     def _next_size(self) -> int | None:
         with self._lock:
