@@ -1,17 +1,18 @@
 """Spare disks: per-sandbox disks (``diskquota``) made ahead, off the create path (issue 15).
 
-A cold create with ``disk_mb`` spent ~4.5 ms of its ~25 ms of our own on its disk (copy of the golden image,
-LOOP_CONFIGURE, the ext4 mount, the overlay's dirs on the fresh file system; bench/RESULTS.md "Cold create").
-With ``keep`` > 0, ``take`` hands over a ready one instead: a directory holding ``disk.img`` (copied from
-the golden image of that size) mounted on ``disk/`` with ``disk/upper/etc`` and ``disk/work`` made, renamed
-to the sandbox dir (the mount moves with its directory: one rename on the create path). Once that
-sandbox runs, a worker thread makes the next one, so that ``keep`` per size asked for are ready. A spare is exactly what a create
-would have made itself (the same golden image, the same attach and mount), so quotas are unchanged; a
-miss (none ready yet: the first create of a size, or a burst) makes the disk on the create path as before.
+A cold create with ``disk_mb`` spent ~4.8 ms of its ~24 ms of our own on its disk (copy of the golden image,
+LOOP_CONFIGURE, the ext4 mount, a thread hop, the overlay's dirs on the fresh file system; bench/RESULTS.md
+"Cold create (issue 15, session 7)"). With ``keep`` > 0, ``take`` hands over a ready one instead: a
+directory holding ``disk.img`` (copied from the golden image of that size) mounted on ``disk/`` with
+``disk/upper/etc`` and ``disk/work`` made, renamed to the sandbox dir (the mount moves with its directory:
+one rename on the create path). Once that sandbox runs, ``refill`` wakes one worker thread that makes the
+next, so that ``keep`` per size asked for are ready. A spare is what a create would have made itself (the
+same golden image, attach and mount), so quotas are unchanged; a miss (none ready: the first create of a
+size, or a burst) makes the disk on the create path as before.
 
 Layout: ``<state_dir>/disk-spares/<disk_mb>-<token>/{disk.img,disk/}``. Nothing of it is a sandbox: the
-spares of a previous life of the agent (killed) are removed by the first ``take`` (before the worker makes
-new ones) and all of them by ``close`` (the agent's shutdown, whether or not sandboxes outlive it).
+spares of a previous life of the agent (killed) are removed by the worker's first round (before it makes
+new ones), and all of them by ``close`` (the agent's shutdown, whether or not sandboxes outlive it).
 """
 
 from __future__ import annotations
