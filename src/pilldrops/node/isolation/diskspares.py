@@ -5,8 +5,8 @@ LOOP_CONFIGURE, the ext4 mount, a thread hop, the overlay's dirs on the fresh fi
 "Cold create (issue 15, session 7)"). With ``keep`` > 0, ``take`` hands over a ready one instead: a
 directory holding ``disk.img`` (copied from the golden image of that size) mounted on ``disk/`` with
 ``disk/upper/etc`` and ``disk/work`` made, renamed to the sandbox dir (the mount moves with its directory:
-one rename on the create path). Once that sandbox runs, ``refill`` wakes one worker thread that makes the
-next, so that ``keep`` per size asked for are ready. A spare is what a create would have made itself (the
+one rename on the create path). ``take`` also wakes one worker thread that makes the next while that
+create's ``crun run`` runs, so that ``keep`` per size asked for are ready. A spare is what a create would have made itself (the
 same golden image, attach and mount), so quotas are unchanged; a miss (none ready: the first create of a
 size, or a burst) makes the disk on the create path as before.
 
@@ -72,6 +72,7 @@ class DiskSpares:
             self._wanted.add(disk_mb)
             ready = self._ready.get(disk_mb)
             spare = ready.pop() if ready else None
+        self.refill()
         if spare is not None:
             try:
                 os.rename(spare, d)
@@ -84,8 +85,10 @@ class DiskSpares:
         return False
 
     def refill(self) -> None:
-        """Make spares of the sizes asked for (a create calls it once its sandbox runs, so that the worker's
-        mounts do not slow that create's own ``crun run``)."""
+        """Wake the worker to make spares of the sizes asked for. ``take`` does, so that it works while that
+        create's ``crun run`` runs: the agent's event loop waits on crun then, and the worker's Python does
+        not compete with it for the GIL (woken after the create, it delayed the client's next commands and
+        its kill: bench/RESULTS.md)."""
         if self.keep <= 0 or self._closed or not self._wanted:
             return
         self._wake.set()

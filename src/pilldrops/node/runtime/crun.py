@@ -311,8 +311,6 @@ class CrunRuntime:
             return Handle(id=spec.id, pid=pid, pid_start_time=start, bundle=str(d),
                           extra={"cgroup": "/" + self._cgroup(spec.id), "crun_root": str(self.crun_root)})
         finally:
-            if spec.disk_mb:
-                self.disk_spares.refill()
             if not ok:
                 with anyio.CancelScope(shield=True):
                     await self._teardown(spec.id)
