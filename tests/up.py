@@ -133,7 +133,7 @@ class Up:
         return {"E2B_API_URL": self.api_url, "E2B_SANDBOX_URL": self.api_url, "E2B_API_KEY": self.api_key}
 
     def snapshot(self, *, spares: bool = False) -> dict[str, object]:
-        """Without ``spares`` the node's spare disks (``isolation.diskspares``: made ahead, one replaced after
+        """Without ``spares`` the node's spare disks (``isolation.diskspares``: made ahead, one replaced at
         each create) are not counted: they are the running node's, not a test's; ``running``'s end check,
         after the node stopped, counts them (none may be left)."""
         cache = os.environ.get("PILLDROPS_MICROVM_CACHE")
