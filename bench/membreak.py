@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
-import shutil
 import time
 from pathlib import Path
 
