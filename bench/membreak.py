@@ -31,9 +31,10 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _harness import PID, Raw, Up, check_leaks, meminfo, python_tree
+from _harness import PID, RAW_PARENT, Raw, Up, check_leaks, meminfo, python_tree
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -132,7 +133,6 @@ def run_pd(a: argparse.Namespace, up: Up) -> dict:  # type: ignore[type-arg]
     ups = python_tree(up.proc.pid)
     up0 = {p: anon_kib(p) for p in ups}
     s0 = snap(a.shrink)
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(8) as pool:
         live = list(pool.map(lambda i: Sandbox.create(template=a.template, memory_mb=a.memory_mb, timeout=3600,
                                                       **kw), range(a.n)))
@@ -144,7 +144,7 @@ def run_pd(a: argparse.Namespace, up: Up) -> dict:  # type: ignore[type-arg]
     up1 = {p: anon_kib(p) for p in python_tree(up.proc.pid)}
     d["up"] = {str(p): {"rss0": up0.get(p, (0, 0))[0], "anon0": up0.get(p, (0, 0))[1], "rss1": r, "anon1": an}
                for p, (r, an) in up1.items()}
-    sp = [anon_kib(p) for p in procs_in(f"pilldrops-bench{PID}")]
+    sp = [anon_kib(p) for p in procs_in(f"/pilldrops-bench{PID}-")]
     d["sandbox_procs"] = {"count": len(sp), "rss_kib": sum(x[0] for x in sp), "anon_kib": sum(x[1] for x in sp)}
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda sb: sb.kill(), live))
@@ -161,7 +161,6 @@ def run_raw(a: argparse.Namespace, up: Up, pre: str, disk_mb: int) -> dict:  # t
         for i in range(3):
             raw.cleanup(create(-i - 1))
         s0 = snap(a.shrink)
-        from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(8) as pool:
             live = list(pool.map(create, range(a.n)))
         if a.use:
@@ -169,8 +168,7 @@ def run_raw(a: argparse.Namespace, up: Up, pre: str, disk_mb: int) -> dict:  # t
                 list(pool.map(raw.exec_true, live))
         s1 = snap()
         d = delta(s0, s1, len(live))
-        from _harness import RAW_PARENT
-        sp = [anon_kib(p) for p in procs_in(RAW_PARENT)]
+        sp = [anon_kib(p) for p in procs_in(f"/{RAW_PARENT}/")]
         d["sandbox_procs"] = {"count": len(sp), "rss_kib": sum(x[0] for x in sp), "anon_kib": sum(x[1] for x in sp)}
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(raw.cleanup, live))
