@@ -5,9 +5,9 @@ copy of a pre-formatted "golden" image of that size: 230 KiB of real blocks for 
 size with mkfs.ext4 and kept in ``<state_dir>/disk-golden/``), attached to a free loop device with
 LOOP_CONFIGURE (autoclear, direct I/O: no second copy in the page cache) and mounted (mount(2),
 ``nosuid,nodev`` + ``MOUNT_OPTS``) on ``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work``
-dirs. No process on the create path once the golden image of a size exists. Past the size every write in the sandbox fails with ENOSPC;
-uploads are unpacked by the sandbox's own ``tar`` into the same layer, so they are charged at the blocks
-they write and fail the same way (the data plane refuses an archive whose members add up to more than
+dirs. No process on the create path once the golden image of a size exists. Past the size every write in
+the sandbox fails with ENOSPC; uploads are unpacked by the sandbox's own ``tar`` into the same layer, so
+they are charged at the blocks they write and fail the same way (the data plane refuses an archive whose members add up to more than
 ``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
 node shares the file system: other sandboxes and the host's disk are untouched (the image is sparse, so
 the host's disk holds at most the high-water mark of what the sandbox wrote, never more than its size;
