@@ -7,8 +7,8 @@ LOOP_CONFIGURE (autoclear, direct I/O: no second copy in the page cache) and mou
 ``nosuid,nodev`` + ``MOUNT_OPTS``) on ``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work``
 dirs. No process on the create path once the golden image of a size exists. Past the size every write in
 the sandbox fails with ENOSPC; uploads are unpacked by the sandbox's own ``tar`` into the same layer, so
-they are charged at the blocks they write and fail the same way (the data plane refuses an archive whose members add up to more than
-``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
+they are charged at the blocks they write and fail the same way (the data plane refuses an archive whose
+members add up to more than ``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
 node shares the file system: other sandboxes and the host's disk are untouched (the image is sparse, so
 the host's disk holds at most the high-water mark of what the sandbox wrote, never more than its size;
 no ``discard``: it made every unmount 20-40 ms slower, and the whole image goes with the sandbox).
