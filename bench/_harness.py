@@ -315,6 +315,32 @@ def python_tree(pid: int) -> list[int]:
     return out
 
 
+def anon_bytes(pid: int) -> int:
+    """Anonymous memory of one process (smaps_rollup), bytes; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Anonymous:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def own_anon(up_pid: int, cgroup: str) -> int:
+    """Anonymous memory of `up` and its Python children plus of every process in a cgroup whose path holds
+    ``cgroup`` (the sandboxes' or the raw containers'), bytes: the part of AnonPages that is ours, whatever
+    other processes on a shared machine allocate or free meanwhile."""
+    total = sum(anon_bytes(p) for p in python_tree(up_pid))
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cgroup") as f:
+                    if cgroup not in f.read():
+                        continue
+            except OSError:
+                continue
+            total += anon_bytes(int(name))
+    return total
+
+
 def rss(pid: int) -> int:
     """Resident set size of a process and its Python descendants (`up` and its node agent), bytes."""
     return sum(_rss1(p) for p in python_tree(pid))

@@ -64,6 +64,10 @@ def test_image_holds_at_least_disk_mb_and_little_more(hd_data_dir: Path, tmp_pat
         usable = st.f_bavail * st.f_frsize
         assert disk_mb * MiB <= usable <= disk_mb * MiB * 1.01 + 4 * MiB, usable / MiB
         assert real_bytes(d / diskquota.IMAGE) < 2 * MiB          # sparse: the host holds what is written
+        # the per-mount kernel memory the node does without (bench/RESULTS.md, issue 15 session 7)
+        line = next(ln.split() for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+                    if ln.split()[4] == str(d / diskquota.MOUNT))
+        assert "nombcache" in line[line.index("-") + 3].split(","), line
     finally:
         diskquota.remove(d)
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from pilldrops import errors
 from pilldrops.node.dataplane import Target
 from pilldrops.node.layers import LayerCache
-from pilldrops.node.runtime.base import Handle, SandboxSpec
+from pilldrops.node.runtime.base import Handle, SandboxSpec, shared_env
 from pilldrops.schema.api import DEFAULT_DISK_MB, TemplateInfo
 from pilldrops.schema.node import NodeSandboxSpec, NodeTemplateRef
 
@@ -230,7 +230,7 @@ class TemplateCache:
 
     def target(self, spec: NodeSandboxSpec, handle: Handle) -> Target:
         tpl = self._for(spec)
-        return Target(id=spec.id, handle=handle, env={**_home(tpl), **dict(tpl.env), **spec.envs},
+        return Target(id=spec.id, handle=handle, env=shared_env({**_home(tpl), **dict(tpl.env), **spec.envs}),
                       workdir=tpl.workdir or "/", user=getattr(tpl, "user", None))
 
 

@@ -4,11 +4,11 @@ Per sandbox (``make``): ``<sandbox dir>/disk.img``, a sparse file of about ``dis
 copy of a pre-formatted "golden" image of that size: 230 KiB of real blocks for 10 GiB, made once per
 size with mkfs.ext4 and kept in ``<state_dir>/disk-golden/``), attached to a free loop device with
 LOOP_CONFIGURE (autoclear, direct I/O: no second copy in the page cache) and mounted (mount(2),
-``nosuid,nodev,noinit_itable``) on ``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work`` dirs. No process on the create
-path once the golden image of a size exists. Past the size every write in the sandbox fails with ENOSPC;
-uploads are unpacked by the sandbox's own ``tar`` into the same layer, so they are charged at the blocks
-they write and fail the same way (the data plane refuses an archive whose members add up to more than
-``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
+``nosuid,nodev`` + ``MOUNT_OPTS``) on ``<sandbox dir>/disk``, which holds the overlay's ``upper`` and ``work``
+dirs. No process on the create path once the golden image of a size exists. Past the size every write in
+the sandbox fails with ENOSPC; uploads are unpacked by the sandbox's own ``tar`` into the same layer, so
+they are charged at the blocks they write and fail the same way (the data plane refuses an archive whose
+members add up to more than ``free_bytes`` before unpacking it: ``archive.sanitize``). Nothing else on the
 node shares the file system: other sandboxes and the host's disk are untouched (the image is sparse, so
 the host's disk holds at most the high-water mark of what the sandbox wrote, never more than its size;
 no ``discard``: it made every unmount 20-40 ms slower, and the whole image goes with the sandbox).
@@ -45,6 +45,11 @@ IMAGE = "disk.img"
 MOUNT = "disk"
 GOLDEN_DIR = "disk-golden"
 MIN_DISK_MB = 16
+# noinit_itable: no zeroing of inode tables behind the mount (lazy_itable_init left them unzeroed).
+# no_mbcache: no xattr-block dedup cache per mount (an 8 KiB hash table and a shrinker each, ~9 KiB of
+# unreclaimable slab a sandbox: bench/RESULTS.md, issue 15 session 7); xattrs (overlay's trusted.* ones)
+# still work, identical external xattr blocks are just not shared between inodes of one sandbox's disk.
+MOUNT_OPTS = "noinit_itable,no_mbcache"
 MKFS = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-I", "256", "-i", "16384", "-m", "0",
         "-O", "^has_journal,^resize_inode", "-E", "lazy_itable_init=1,nodiscard,root_owner=0:0"]
 
@@ -202,7 +207,7 @@ def mount_image(d: Path) -> Path:
     mnt.mkdir(exist_ok=True)
     dev, lfd = _attach_loop(image)
     try:
-        mount(dev, mnt, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable")
+        mount(dev, mnt, "ext4", MS_NOSUID | MS_NODEV, MOUNT_OPTS)
     except MountError as e:
         raise DiskQuotaError(e.errno, str(e)) from e
     finally:

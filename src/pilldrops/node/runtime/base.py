@@ -150,3 +150,20 @@ async def abort_restore(runtime: Runtime, handle: Handle, image_dir: Path) -> No
         await runtime.destroy(handle)
     else:
         await fn(handle, image_dir)
+
+
+_ENVS: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+
+
+def shared_env(env: dict[str, str]) -> dict[str, str]:
+    """One dict for every live sandbox with the same environment (most of a template's sandboxes): the
+    node keeps a sandbox's env for each command it runs, ~0.4 KiB a copy (bench/RESULTS.md, issue 15
+    session 7). Callers only read it (a command's env is a new ``{**env, **extra}``). Bounded: past 256
+    distinct environments the table starts again."""
+    key = tuple(env.items())
+    got = _ENVS.get(key)
+    if got is None:
+        if len(_ENVS) >= 256:
+            _ENVS.clear()
+        got = _ENVS[key] = env
+    return got

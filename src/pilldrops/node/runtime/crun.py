@@ -55,7 +55,7 @@ from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
 from pilldrops.node.isolation.rmtree import remove_tree
 from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
-from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec
+from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec, shared_env
 from pilldrops.node.runtime.init import build_init, source_hash
 from pilldrops.node.runtime.oci_spec import INIT_PATH_IN_SANDBOX, NOFILE, build_spec
 from pilldrops.node.runtime.registry import Probe
@@ -501,7 +501,8 @@ class CrunRuntime:
         proc = config["process"]
         init_src = next((m.get("source", "") for m in config.get("mounts", [])
                          if m.get("destination") == INIT_PATH_IN_SANDBOX), "")
-        return dict(item.split("=", 1) for item in proc["env"]), proc.get("cwd") or "/", init_src
+        env = shared_env(dict(item.split("=", 1) for item in proc["env"]))
+        return env, proc.get("cwd") or "/", init_src
 
     async def state(self, handle: Handle) -> RuntimeState:
         """running / stopped / gone from crun's state plus a pid + start-time check.
