@@ -35,7 +35,8 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -261,6 +262,9 @@ def _never_abandoned(cls: type) -> type:
 
 
 def _sqlite_pragmas(conn: Any, _rec: Any) -> None:
+    """Every connection: WAL, ``synchronous=NORMAL`` (a commit is written to the WAL file, without an fsync,
+    before it returns: it survives a SIGKILL of this process, not a power loss or kernel crash, which may
+    lose the last commits but never corrupts the database; docs/operations.md "Durability")."""
     cur = conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
@@ -268,9 +272,29 @@ def _sqlite_pragmas(conn: Any, _rec: Any) -> None:
     cur.close()
 
 
+_SQLITE_BUSY = (5, 6)        # SQLITE_BUSY, SQLITE_LOCKED (the primary codes; extended ones are code & 0xff)
+
+
+def _busy(exc: BaseException) -> bool:
+    code = getattr(getattr(exc, "orig", None), "sqlite_errorcode", None)
+    return isinstance(exc, OperationalError) and code is not None and code & 0xFF in _SQLITE_BUSY
+
+
+def _loop_pragmas(conn: Any, rec: Any) -> None:
+    """The on-loop connection (``Store._on_loop``): the same pragmas, no busy wait (a lock held by another
+    connection is an immediate SQLITE_BUSY: the call goes to the worker thread, which waits), transactions
+    begun by us (``BEGIN IMMEDIATE`` for writes), and no checkpoint run by its commits (a checkpoint
+    fsyncs; the other connections' commits run them, as SQLite's default of 1,000 pages says)."""
+    conn.isolation_level = None
+    _sqlite_pragmas(conn, rec)
+    cur = conn.cursor()
+    cur.execute("PRAGMA wal_autocheckpoint=0")
+    cur.close()
+
+
 @_never_abandoned
 class Store:
-    def __init__(self, engine: AsyncEngine, hot: Engine | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, hot: Engine | None = None, on_loop: Engine | None = None) -> None:
         self.engine = engine
         self.session = async_sessionmaker(engine, expire_on_commit=False)
         # SQLite: the hot path's calls (``_hot``) run whole, each in ONE hop to a worker thread, on a plain
@@ -279,6 +303,12 @@ class Store:
         # and commit is a hop of its own (measured: 5 hops and ~1.8 ms of CPU for one read).
         self._hot = hot
         self._hot_lock = anyio.CapacityLimiter(1)
+        # SQLite: the small calls of every request (``quick``: one row read or written by key) run on the
+        # event loop's own thread, on a third connection that never waits for a lock: a hop to a worker
+        # thread cost 1-10 ms whenever the loop was busy (the thread waits for the GIL up to the interpreter's
+        # 5 ms switch interval, twice), against ~0.1-0.3 ms for the statement itself (bench/RESULTS.md,
+        # issue 15 session 7). Busy (another connection or process holds the write lock): the worker thread.
+        self._on_loop = on_loop
 
     @classmethod
     async def open(cls, url: str) -> Store:
@@ -299,25 +329,58 @@ class Store:
             hot = create_engine(url.replace("+aiosqlite", "", 1), pool_size=1, max_overflow=0, pool_timeout=120,
                                 connect_args={"timeout": 60, "check_same_thread": False}, **_JSON)
             event.listen(hot, "connect", _sqlite_pragmas)
+            on_loop = create_engine(url.replace("+aiosqlite", "", 1), pool_size=1, max_overflow=0, pool_timeout=0,
+                                    connect_args={"timeout": 0, "check_same_thread": False}, **_JSON)
+            event.listen(on_loop, "connect", _loop_pragmas)
+            return cls(engine, hot, on_loop)
         return cls(engine, hot)
 
     async def close(self) -> None:
         await self.engine.dispose()
         if self._hot is not None:
             self._hot.dispose()
+        if self._on_loop is not None:
+            self._on_loop.dispose()
 
-    async def _records(self, model: Any, *where: Any, order_by: tuple[Any, ...] = ()) -> list[Any]:
+    async def _records(self, model: Any, *where: Any, order_by: tuple[Any, ...] = (), quick: bool = False
+                       ) -> list[Any]:
         """Detached ``model`` records of the rows matching ``where`` (Core, one ``_run``)."""
         q = select(*_cols(model)).where(*where).order_by(*order_by)
-        return await self._run(lambda c: [_record(model, r) for r in c.execute(q)], write=False)
+        return await self._run(lambda c: [_record(model, r) for r in c.execute(q)], write=False, quick=quick)
 
     async def _first(self, model: Any, *where: Any) -> Any:
-        found = await self._records(model, *where)
+        """The first record matching ``where``: a read by key (``quick``)."""
+        found = await self._records(model, *where, quick=True)
         return found[0] if found else None
 
-    async def _run(self, fn: Callable[..., Any], *args: Any, write: bool) -> Any:
+    def _try_on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...], write: bool) -> tuple[bool, Any]:
+        """``fn`` on the event loop's thread (``__init__``): ``(True, result)``, or ``(False, None)`` when
+        SQLite was busy (then nothing was committed: the caller runs it again in the worker thread)."""
+        assert self._on_loop is not None
+        try:
+            with self._on_loop.connect() as c:
+                if write:
+                    c.exec_driver_sql("BEGIN IMMEDIATE")     # the write lock first, or BUSY before any work
+                    out = fn(c, *args)
+                    c.commit()
+                    return True, out
+                return True, fn(c, *args)
+        except PoolTimeout:             # in use (a call from another thread than the loop's): the thread
+            return False, None
+        except OperationalError as exc:
+            if _busy(exc):
+                return False, None
+            raise
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, write: bool, quick: bool = False) -> Any:
         """``fn(connection, *args)`` in one transaction (``write``) or on one connection: on SQLite in one
-        worker-thread hop (see ``__init__``), else through the async engine's ``run_sync``."""
+        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write by key, whose ``fn`` has no
+        effect outside its transaction: it may run twice), on the event loop's thread; else through the
+        async engine's ``run_sync``."""
+        if quick and self._on_loop is not None:
+            done, out = self._try_on_loop(fn, args, write)
+            if done:
+                return out
         if self._hot is not None:
             hot = self._hot
 
@@ -383,7 +446,7 @@ class Store:
 
     async def touch_key(self, key_id: str, now: datetime) -> None:
         q = update(ApiKey.__table__).where(ApiKey.id == key_id).values(last_used_at=now)
-        await self._run(lambda c: c.execute(q), write=True)
+        await self._run(lambda c: c.execute(q), write=True, quick=True)
 
     async def list_keys(self, team_id: str) -> list[ApiKey]:
         async with self.session() as s:
@@ -511,7 +574,7 @@ class Store:
             return row
 
         try:
-            return await self._run(go, write=True)
+            return await self._run(go, write=True, quick=True)
         except IntegrityError as exc:
             if await self.get_sandbox(new.id) is not None:
                 return None                  # the member was claimed already (another control plane won)
@@ -562,7 +625,7 @@ class Store:
             found = c.execute(select(*_SB_COLS).where(_SB.c.id == sandbox_id)).first()
             return _sandbox(found) if found is not None else None
 
-        row = await self._run(go, write=False)
+        row = await self._run(go, write=False, quick=True)
         if row is None or (team_id is not None and row.team_id != team_id):
             return None
         return row
@@ -604,19 +667,19 @@ class Store:
         """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
         q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key)
              .values(replayed_at=func.coalesce(_SB.c.replayed_at, literal(now, _SB.c.replayed_at.type))))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool:
         """Release ``key`` unless a retry was handed the sandbox (``claim_replay``): one compare-and-set, so
         a replay and a release never both win."""
         q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key, _SB.c.replayed_at.is_(None))
              .values(idempotency_key=None))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
         q = update(_SB).where(_SB.c.id == sandbox_id, _SB.c.state.in_(list(from_states))).values(_columns(values))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              not_paused: bool = False, **values: Any) -> Sandbox | None:
@@ -634,7 +697,7 @@ class Store:
             found = c.execute(q).first()
             return _sandbox(found) if found is not None else None
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=True)
 
     # ---- usage ---------------------------------------------------------------------------------------
 
@@ -717,7 +780,7 @@ class Store:
         q = (q.where(TemplateVersion.version == version) if version is not None
              else q.order_by(TemplateVersion.version.desc()).limit(1))
         return await self._run(lambda c: next((_record(TemplateVersion, r) for r in c.execute(q)), None),
-                               write=False)
+                               write=False, quick=True)
 
     async def template_versions_in_use(self) -> set[tuple[str, int]]:
         """(name, version) of every sandbox not yet ended (running, paused, starting...)."""
