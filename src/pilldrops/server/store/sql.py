@@ -146,6 +146,13 @@ def _record(model: Any, row: Any) -> Any:
     return obj
 
 
+@functools.cache
+def _by_statement(model: Any, columns: tuple[str, ...]) -> Any:
+    """``SELECT <every column> FROM model WHERE col = :col AND ...``, built once per (model, columns)."""
+    table = model.__table__
+    return select(*_cols(model)).where(*(table.c[c] == bindparam(c) for c in columns))
+
+
 _SB = Sandbox.__table__
 _SB_COLS = _cols(Sandbox)
 # the hottest statements built once, their values bound at execution: building a select or insert of the
@@ -153,6 +160,8 @@ _SB_COLS = _cols(Sandbox)
 _GET_SB = select(*_SB_COLS).where(_SB.c.id == bindparam("sandbox_id"))
 _INSERT_SB = insert(_SB).returning(*_SB_COLS)
 _COLUMN_KEY = {a.key: a.columns[0].key for a in Sandbox.__mapper__.column_attrs}   # metadata_ -> metadata
+_LIVE_ON = select(*_SB_COLS).where(_SB.c.node_id == bindparam("node_id"), _SB.c.state.in_([st.value for st in LIVE]))
+_SB_IN = select(*_SB_COLS).where(_SB.c.id.in_(bindparam("ids", expanding=True)))
 
 
 def _sandbox(row: Any) -> Sandbox:
@@ -359,6 +368,11 @@ class Store:
         found = await self._records(model, *where, quick=True)
         return found[0] if found else None
 
+    async def _by(self, model: Any, *columns: str, quick: bool = True, **values: Any) -> list[Any]:
+        """Records of ``model`` whose ``columns`` equal ``values`` (a prebuilt statement: ``_by_statement``)."""
+        q = _by_statement(model, columns)
+        return await self._run(lambda c: [_record(model, r) for r in c.execute(q, values)], write=False, quick=quick)
+
     def _try_on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...], write: bool) -> tuple[bool, Any]:
         """``fn`` on the event loop's thread (``__init__``): ``(True, result)``, or ``(False, None)`` when
         SQLite was busy (then nothing was committed: the caller runs it again in the worker thread)."""
@@ -410,7 +424,8 @@ class Store:
             return list((await s.scalars(select(Team).order_by(Team.created_at))).all())
 
     async def get_team(self, team_id: str) -> Team | None:
-        return await self._first(Team, Team.id == team_id)
+        found = await self._by(Team, "id", id=team_id)
+        return found[0] if found else None
 
     async def team_by_id_or_name(self, ref: str) -> Team | None:
         async with self.session() as s:
@@ -448,7 +463,8 @@ class Store:
         return key
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        return await self._first(ApiKey, ApiKey.key_hash == key_hash)
+        found = await self._by(ApiKey, "key_hash", key_hash=key_hash)
+        return found[0] if found else None
 
     async def touch_key(self, key_id: str, now: datetime) -> None:
         q = update(ApiKey.__table__).where(ApiKey.id == key_id).values(last_used_at=now)
@@ -502,7 +518,8 @@ class Store:
         return await self._run(go, write=True)
 
     async def get_node(self, node_id: str) -> Node | None:
-        return await self._first(Node, Node.id == node_id)
+        found = await self._by(Node, "id", id=node_id)
+        return found[0] if found else None
 
     async def list_nodes(self) -> list[Node]:
         return await self._records(Node, order_by=(Node.name,))
@@ -639,7 +656,8 @@ class Store:
         return row
 
     async def sandbox_by_idempotency_key(self, team_id: str, key: str) -> Sandbox | None:
-        return await self._first(Sandbox, Sandbox.team_id == team_id, Sandbox.idempotency_key == key)
+        found = await self._by(Sandbox, "team_id", "idempotency_key", team_id=team_id, idempotency_key=key)
+        return found[0] if found else None
 
     async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
                              labels: dict[str, str] | None = None, limit: int = 100,
@@ -669,7 +687,8 @@ class Store:
         return Page(rows, _encode_cursor(rows[-1]) if more and rows else None)
 
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
-        return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
+        return await self._run(lambda c: [_sandbox(r) for r in c.execute(_LIVE_ON, {"node_id": node_id})],
+                               write=False)
 
     async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool:
         """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
@@ -758,7 +777,9 @@ class Store:
         wanted = list(dict.fromkeys(ids))
         out: dict[str, Sandbox] = {}
         for i in range(0, len(wanted), 500):
-            for row in await self._records(Sandbox, Sandbox.id.in_(wanted[i:i + 500])):
+            chunk = wanted[i:i + 500]
+            for row in await self._run(lambda c, ids: [_sandbox(r) for r in c.execute(_SB_IN, {"ids": ids})],
+                                       chunk, write=False):
                 out[row.id] = row
         return out
 
