@@ -143,8 +143,13 @@ async def test_an_idempotent_retry_replays_the_claim_and_wastes_no_member(tmp_pa
         again = await c.post("/v1/sandboxes", json=SHAPE, headers={"Idempotency-Key": "ep-1"})
         assert first.status_code == 201 and again.json()["id"] == first.json()["id"]
         idx = s.cp.services.sandboxes.ctx.grants                 # the retry's grant was given back: every
-        offered = {g.id for shapes in idx._by_node.values() for gs in shapes.values() for g in gs}
-        assert {m.grant.id for m in _pool(s).ready if m.grant and m.reported} <= offered   # member still offered
+
+        def offered() -> set[str]:
+            return {g.id for shapes in idx._by_node.values() for gs in shapes.values() for g in gs}
+
+        # member still offered (once the heartbeat that reported the refill, maybe in flight now, arrived; a
+        # grant kept as used would stay out of every later heartbeat's index)
+        await _until(lambda: {m.grant.id for m in _pool(s).ready if m.grant and m.reported} <= offered())
         other = await c.post("/v1/sandboxes", json={**SHAPE, "vcpu": 1}, headers={"Idempotency-Key": "ep-2"})
         assert other.json()["id"] != first.json()["id"]
 

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     and_,
+    bindparam,
     create_engine,
     event,
     func,
@@ -35,7 +36,8 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -144,8 +146,22 @@ def _record(model: Any, row: Any) -> Any:
     return obj
 
 
+@functools.cache
+def _by_statement(model: Any, columns: tuple[str, ...]) -> Any:
+    """``SELECT <every column> FROM model WHERE col = :col AND ...``, built once per (model, columns)."""
+    table = model.__table__
+    return select(*_cols(model)).where(*(table.c[c] == bindparam(c) for c in columns))
+
+
 _SB = Sandbox.__table__
 _SB_COLS = _cols(Sandbox)
+# the hottest statements built once, their values bound at execution: building a select or insert of the
+# sandbox's ~40 columns and its cache key cost ~250 us a statement, a prebuilt one's memoised key ~1 us
+_GET_SB = select(*_SB_COLS).where(_SB.c.id == bindparam("sandbox_id"))
+_INSERT_SB = insert(_SB).returning(*_SB_COLS)
+_COLUMN_KEY = {a.key: a.columns[0].key for a in Sandbox.__mapper__.column_attrs}   # metadata_ -> metadata
+_LIVE_ON = select(*_SB_COLS).where(_SB.c.node_id == bindparam("node_id"), _SB.c.state.in_([st.value for st in LIVE]))
+_SB_IN = select(*_SB_COLS).where(_SB.c.id.in_(bindparam("ids", expanding=True)))
 
 
 def _sandbox(row: Any) -> Sandbox:
@@ -261,6 +277,9 @@ def _never_abandoned(cls: type) -> type:
 
 
 def _sqlite_pragmas(conn: Any, _rec: Any) -> None:
+    """Every connection: WAL, ``synchronous=NORMAL`` (a commit is written to the WAL file, without an fsync,
+    before it returns: it survives a SIGKILL of this process, not a power loss or kernel crash, which may
+    lose the last commits but never corrupts the database; docs/architecture.md "Durability")."""
     cur = conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
@@ -268,9 +287,29 @@ def _sqlite_pragmas(conn: Any, _rec: Any) -> None:
     cur.close()
 
 
+_SQLITE_BUSY = (5, 6)        # SQLITE_BUSY, SQLITE_LOCKED (the primary codes; extended ones are code & 0xff)
+
+
+def _busy(exc: BaseException) -> bool:
+    code = getattr(getattr(exc, "orig", None), "sqlite_errorcode", None)
+    return isinstance(exc, OperationalError) and code is not None and code & 0xFF in _SQLITE_BUSY
+
+
+def _loop_pragmas(conn: Any, rec: Any) -> None:
+    """The on-loop connection (``Store._on_loop``): the same pragmas, no busy wait (a lock held by another
+    connection is an immediate SQLITE_BUSY: the call goes to the worker thread, which waits), transactions
+    begun by us (``BEGIN IMMEDIATE`` for writes), and no checkpoint run by its commits (a checkpoint
+    fsyncs; the other connections' commits run them, as SQLite's default of 1,000 pages says)."""
+    conn.isolation_level = None
+    _sqlite_pragmas(conn, rec)
+    cur = conn.cursor()
+    cur.execute("PRAGMA wal_autocheckpoint=0")
+    cur.close()
+
+
 @_never_abandoned
 class Store:
-    def __init__(self, engine: AsyncEngine, hot: Engine | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, hot: Engine | None = None, on_loop: Engine | None = None) -> None:
         self.engine = engine
         self.session = async_sessionmaker(engine, expire_on_commit=False)
         # SQLite: the hot path's calls (``_hot``) run whole, each in ONE hop to a worker thread, on a plain
@@ -279,6 +318,12 @@ class Store:
         # and commit is a hop of its own (measured: 5 hops and ~1.8 ms of CPU for one read).
         self._hot = hot
         self._hot_lock = anyio.CapacityLimiter(1)
+        # SQLite: the small calls of every request (``quick``: one row read or written by key) run on the
+        # event loop's own thread, on a third connection that never waits for a lock: a hop to a worker
+        # thread cost 1-10 ms whenever the loop was busy (the thread waits for the GIL up to the interpreter's
+        # 5 ms switch interval, twice), against ~0.1-0.3 ms for the statement itself (bench/RESULTS.md,
+        # issue 15 session 7). Busy (another connection or process holds the write lock): the worker thread.
+        self._on_loop = on_loop
 
     @classmethod
     async def open(cls, url: str) -> Store:
@@ -299,25 +344,63 @@ class Store:
             hot = create_engine(url.replace("+aiosqlite", "", 1), pool_size=1, max_overflow=0, pool_timeout=120,
                                 connect_args={"timeout": 60, "check_same_thread": False}, **_JSON)
             event.listen(hot, "connect", _sqlite_pragmas)
+            on_loop = create_engine(url.replace("+aiosqlite", "", 1), pool_size=1, max_overflow=0, pool_timeout=0,
+                                    connect_args={"timeout": 0, "check_same_thread": False}, **_JSON)
+            event.listen(on_loop, "connect", _loop_pragmas)
+            return cls(engine, hot, on_loop)
         return cls(engine, hot)
 
     async def close(self) -> None:
         await self.engine.dispose()
         if self._hot is not None:
             self._hot.dispose()
+        if self._on_loop is not None:
+            self._on_loop.dispose()
 
-    async def _records(self, model: Any, *where: Any, order_by: tuple[Any, ...] = ()) -> list[Any]:
+    async def _records(self, model: Any, *where: Any, order_by: tuple[Any, ...] = (), quick: bool = False
+                       ) -> list[Any]:
         """Detached ``model`` records of the rows matching ``where`` (Core, one ``_run``)."""
         q = select(*_cols(model)).where(*where).order_by(*order_by)
-        return await self._run(lambda c: [_record(model, r) for r in c.execute(q)], write=False)
+        return await self._run(lambda c: [_record(model, r) for r in c.execute(q)], write=False, quick=quick)
 
     async def _first(self, model: Any, *where: Any) -> Any:
-        found = await self._records(model, *where)
+        """The first record matching ``where``: a read by key (``quick``)."""
+        found = await self._records(model, *where, quick=True)
         return found[0] if found else None
 
-    async def _run(self, fn: Callable[..., Any], *args: Any, write: bool) -> Any:
+    async def _by(self, model: Any, *columns: str, quick: bool = True, **values: Any) -> list[Any]:
+        """Records of ``model`` whose ``columns`` equal ``values`` (a prebuilt statement: ``_by_statement``)."""
+        q = _by_statement(model, columns)
+        return await self._run(lambda c: [_record(model, r) for r in c.execute(q, values)], write=False, quick=quick)
+
+    def _try_on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...], write: bool) -> tuple[bool, Any]:
+        """``fn`` on the event loop's thread (``__init__``): ``(True, result)``, or ``(False, None)`` when
+        SQLite was busy (then nothing was committed: the caller runs it again in the worker thread)."""
+        assert self._on_loop is not None
+        try:
+            with self._on_loop.connect() as c:
+                if write:
+                    c.exec_driver_sql("BEGIN IMMEDIATE")     # the write lock first, or BUSY before any work
+                    out = fn(c, *args)
+                    c.commit()
+                    return True, out
+                return True, fn(c, *args)
+        except PoolTimeout:             # in use (a call from another thread than the loop's): the thread
+            return False, None
+        except OperationalError as exc:
+            if _busy(exc):
+                return False, None
+            raise
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, write: bool, quick: bool = False) -> Any:
         """``fn(connection, *args)`` in one transaction (``write``) or on one connection: on SQLite in one
-        worker-thread hop (see ``__init__``), else through the async engine's ``run_sync``."""
+        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write by key, whose ``fn`` has no
+        effect outside its transaction: it may run twice), on the event loop's thread; else through the
+        async engine's ``run_sync``."""
+        if quick and self._on_loop is not None:
+            done, out = self._try_on_loop(fn, args, write)
+            if done:
+                return out
         if self._hot is not None:
             hot = self._hot
 
@@ -341,7 +424,8 @@ class Store:
             return list((await s.scalars(select(Team).order_by(Team.created_at))).all())
 
     async def get_team(self, team_id: str) -> Team | None:
-        return await self._first(Team, Team.id == team_id)
+        found = await self._by(Team, "id", id=team_id)
+        return found[0] if found else None
 
     async def team_by_id_or_name(self, ref: str) -> Team | None:
         async with self.session() as s:
@@ -379,11 +463,12 @@ class Store:
         return key
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        return await self._first(ApiKey, ApiKey.key_hash == key_hash)
+        found = await self._by(ApiKey, "key_hash", key_hash=key_hash)
+        return found[0] if found else None
 
     async def touch_key(self, key_id: str, now: datetime) -> None:
         q = update(ApiKey.__table__).where(ApiKey.id == key_id).values(last_used_at=now)
-        await self._run(lambda c: c.execute(q), write=True)
+        await self._run(lambda c: c.execute(q), write=True, quick=True)
 
     async def list_keys(self, team_id: str) -> list[ApiKey]:
         async with self.session() as s:
@@ -433,7 +518,8 @@ class Store:
         return await self._run(go, write=True)
 
     async def get_node(self, node_id: str) -> Node | None:
-        return await self._first(Node, Node.id == node_id)
+        found = await self._by(Node, "id", id=node_id)
+        return found[0] if found else None
 
     async def list_nodes(self) -> list[Node]:
         return await self._records(Node, order_by=(Node.name,))
@@ -503,15 +589,17 @@ class Store:
                   "disk_mb": new.disk_mb, "network": new.network,
                   "public_ports": list(new.public_ports) or None, "public": new.public}
 
+        params = {_COLUMN_KEY[k]: v for k, v in values.items()}
+
         def go(c: Connection) -> Sandbox:
-            row = _sandbox(c.execute(insert(_SB).values(_columns(values)).returning(*_SB_COLS)).one())
+            row = _sandbox(c.execute(_INSERT_SB, params).one())
             if row.metadata_:
                 c.execute(insert(SandboxLabel.__table__),
                           [{"sandbox_id": row.id, "key": k, "value": v} for k, v in row.metadata_.items()])
             return row
 
         try:
-            return await self._run(go, write=True)
+            return await self._run(go, write=True, quick=True)
         except IntegrityError as exc:
             if await self.get_sandbox(new.id) is not None:
                 return None                  # the member was claimed already (another control plane won)
@@ -559,16 +647,17 @@ class Store:
 
     async def get_sandbox(self, sandbox_id: str, team_id: str | None = None) -> Sandbox | None:
         def go(c: Connection) -> Sandbox | None:
-            found = c.execute(select(*_SB_COLS).where(_SB.c.id == sandbox_id)).first()
+            found = c.execute(_GET_SB, {"sandbox_id": sandbox_id}).first()
             return _sandbox(found) if found is not None else None
 
-        row = await self._run(go, write=False)
+        row = await self._run(go, write=False, quick=True)
         if row is None or (team_id is not None and row.team_id != team_id):
             return None
         return row
 
     async def sandbox_by_idempotency_key(self, team_id: str, key: str) -> Sandbox | None:
-        return await self._first(Sandbox, Sandbox.team_id == team_id, Sandbox.idempotency_key == key)
+        found = await self._by(Sandbox, "team_id", "idempotency_key", team_id=team_id, idempotency_key=key)
+        return found[0] if found else None
 
     async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
                              labels: dict[str, str] | None = None, limit: int = 100,
@@ -598,25 +687,26 @@ class Store:
         return Page(rows, _encode_cursor(rows[-1]) if more and rows else None)
 
     async def live_sandboxes_on(self, node_id: str) -> list[Sandbox]:
-        return await self._records(Sandbox, Sandbox.node_id == node_id, Sandbox.state.in_([st.value for st in LIVE]))
+        return await self._run(lambda c: [_sandbox(r) for r in c.execute(_LIVE_ON, {"node_id": node_id})],
+                               write=False)
 
     async def claim_replay(self, sandbox_id: str, key: str, now: datetime) -> bool:
         """A retry is handed this sandbox: True while it still holds ``key`` (marks it replayed, once)."""
         q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key)
              .values(replayed_at=func.coalesce(_SB.c.replayed_at, literal(now, _SB.c.replayed_at.type))))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def release_unclaimed_key(self, sandbox_id: str, key: str) -> bool:
         """Release ``key`` unless a retry was handed the sandbox (``claim_replay``): one compare-and-set, so
         a replay and a release never both win."""
         q = (update(_SB).where(_SB.c.id == sandbox_id, _SB.c.idempotency_key == key, _SB.c.replayed_at.is_(None))
              .values(idempotency_key=None))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
         q = update(_SB).where(_SB.c.id == sandbox_id, _SB.c.state.in_(list(from_states))).values(_columns(values))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True))
+        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
 
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              not_paused: bool = False, **values: Any) -> Sandbox | None:
@@ -634,7 +724,7 @@ class Store:
             found = c.execute(q).first()
             return _sandbox(found) if found is not None else None
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=True)
 
     # ---- usage ---------------------------------------------------------------------------------------
 
@@ -687,7 +777,9 @@ class Store:
         wanted = list(dict.fromkeys(ids))
         out: dict[str, Sandbox] = {}
         for i in range(0, len(wanted), 500):
-            for row in await self._records(Sandbox, Sandbox.id.in_(wanted[i:i + 500])):
+            chunk = wanted[i:i + 500]
+            for row in await self._run(lambda c, ids: [_sandbox(r) for r in c.execute(_SB_IN, {"ids": ids})],
+                                       chunk, write=False):
                 out[row.id] = row
         return out
 
@@ -717,7 +809,7 @@ class Store:
         q = (q.where(TemplateVersion.version == version) if version is not None
              else q.order_by(TemplateVersion.version.desc()).limit(1))
         return await self._run(lambda c: next((_record(TemplateVersion, r) for r in c.execute(q)), None),
-                               write=False)
+                               write=False, quick=True)
 
     async def template_versions_in_use(self) -> set[tuple[str, int]]:
         """(name, version) of every sandbox not yet ended (running, paused, starting...)."""

@@ -1,0 +1,83 @@
+"""The SQLite store's small calls on the event loop's thread (issue 15): they never wait for a lock there.
+While another connection (here another process's, a plain sqlite3 one) holds the write lock, a read still
+answers at once, and a write goes to the worker thread, which waits for the lock and then commits; nothing
+is written twice and nothing is lost."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import anyio
+import pytest
+
+from pilldrops.server.store.interface import NewSandbox
+from pilldrops.server.store.sql import Store, sqlite_url
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _new(team_id: str, sid: str, now: datetime, key: str | None = None) -> NewSandbox:
+    return NewSandbox(id=sid, team_id=team_id, template="tiny", vcpu=1, memory_mb=256, timeout=60, state="running",
+                      metadata={"k": "v"}, envs={}, access_token="t" * 32, idempotency_key=key,
+                      request_hash="h" * 64, created_at=now, end_at=now + timedelta(seconds=60))
+
+
+async def test_quick_calls_read_under_a_held_write_lock_and_write_once_it_is_released(tmp_path) -> None:
+    path = tmp_path / "store.sqlite"
+    store = await Store.open(sqlite_url(path))
+    try:
+        now = datetime.now(UTC)
+        team = await store.create_team("t", now)
+        node = await store.upsert_node(name="n", url="http://127.0.0.1:1", capacity_vcpu=4, capacity_memory_mb=4096,
+                                       templates=[], now=now)
+        first = await store.insert_claimed(_new(team.id, "sb_onloop000000000001", now, "k1"), node.id, now)
+        assert first is not None and first.state == "running"
+
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")            # another writer holds the lock (e.g. `pilldrops credits`)
+        release = threading.Timer(0.5, other.execute, ("COMMIT",))
+        try:
+            t = time.monotonic()
+            got = await store.get_sandbox(first.id)    # a read does not wait for it
+            assert got is not None and got.id == first.id and time.monotonic() - t < 0.4
+            release.start()
+            t = time.monotonic()
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await anyio.sleep(0.05)
+                    ticks += 1
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ticker)
+                    second = await store.insert_claimed(_new(team.id, "sb_onloop000000000002", now, "k2"), node.id,
+                                                        now)
+                    tg.cancel_scope.cancel()
+            assert time.monotonic() - t >= 0.3       # it waited for the lock (in the worker thread)...
+            assert ticks >= 3                        # ...while the event loop went on serving
+            assert second is not None and second.node_id == node.id
+            assert await store.set_sandbox(second.id, from_states=["running"], state="killing")
+        finally:
+            release.join()
+            other.close()
+        # written once each, labels included; a duplicate key is still the unique index's to refuse
+        rows = await store.get_sandboxes([first.id, second.id])
+        assert rows[second.id].state == "killing" and rows[second.id].metadata_ == {"k": "v"}
+        check = sqlite3.connect(path)
+        try:
+            assert check.execute("SELECT count(*) FROM sandbox_labels").fetchone()[0] == 2
+        finally:
+            check.close()
+    finally:
+        await store.close()
