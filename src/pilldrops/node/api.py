@@ -2,6 +2,8 @@
 plane for SDKs (per-sandbox access token in ``X-Access-Token``, ``/v1/sandboxes/{id}/...``)."""
 
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -37,17 +39,42 @@ GRANT_WAIT_S = 10.0       # how long a request for a pre-issued member waits for
 
 
 class RunStream(StreamingResponse):
-    """A run's NDJSON stream whose ``Last`` chunk (the exit line) ends the body in the same write as the
-    chunked encoding's terminator (one send for the end of a run instead of two)."""
+    """A run's NDJSON stream sent in as few writes as it can (issue 15): the response head waits (at most
+    ``HEAD_WAIT_S``) for the first line, so head and first line leave together (``serving.OneWrite`` sends
+    the writes of one loop tick as one), and the ``Last`` chunk (the exit line) ends the body in the same
+    write as the chunked encoding's terminator. A silent ``true`` is one write in all."""
+
+    HEAD_WAIT_S = 0.05
 
     async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        head = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        it = self.body_iterator.__aiter__()
+        first = asyncio.ensure_future(it.__anext__())
+        try:
+            await asyncio.wait((first,), timeout=self.HEAD_WAIT_S)
+            if not first.done():       # a command silent for a while: its client sees the head now
+                await send(head)
+                head = None
+            try:
+                chunk = await first
+            except StopAsyncIteration:
+                chunk = None
+        finally:
+            if not first.done():      # cancelled while waiting (the client went away)
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+        if head is not None:
+            await send(head)
         ended = False
-        async for chunk in self.body_iterator:
-            if ended:
-                continue                # nothing follows the exit line; the generator runs to its end
-            ended = isinstance(chunk, Last)
-            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+        while chunk is not None:
+            if not ended:            # nothing follows the exit line; the generator runs to its end
+                ended = isinstance(chunk, Last)
+                await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
+                chunk = None
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

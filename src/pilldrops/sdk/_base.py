@@ -195,17 +195,20 @@ def new_idempotency_key() -> str:
     return f"pd-{uuid.uuid4().hex}"
 
 
-def http_client_kwargs(config: ClientConfig) -> dict[str, Any]:
-    """Keyword arguments for ``httpx.Client`` / ``httpx.AsyncClient`` (no auth: it is set per target)."""
+def http_client_kwargs(config: ClientConfig, *, is_async: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client`` / ``httpx.AsyncClient`` (no auth: it is set per target).
+    Without a ``transport`` of the caller's, one that sends a request's head with its body (``_onewrite``)."""
+    from pilldrops.sdk import _onewrite
+
+    limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS)
     kw: dict[str, Any] = {
         "timeout": httpx.Timeout(config.request_timeout),
-        "limits": httpx.Limits(max_connections=MAX_CONNECTIONS,
-                               max_keepalive_connections=MAX_KEEPALIVE_CONNECTIONS),
+        "limits": limits,
         "headers": {"User-Agent": USER_AGENT},
         "follow_redirects": False,
     }
-    if config.transport is not None:
-        kw["transport"] = config.transport
+    kw["transport"] = (config.transport if config.transport is not None
+                       else (_onewrite.async_transport if is_async else _onewrite.transport)(limits))
     return kw
 
 
@@ -801,12 +804,12 @@ class AsyncClientCache:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            return self._factory(**http_client_kwargs(config))
+            return self._factory(**http_client_kwargs(config, is_async=True))
         with self._lock:
             clients = self._by_loop.setdefault(loop, {})
             client = clients.get(config.pool_key)
             if client is None or client.is_closed:
-                client = clients[config.pool_key] = self._factory(**http_client_kwargs(config))
+                client = clients[config.pool_key] = self._factory(**http_client_kwargs(config, is_async=True))
             return client
 
     def clear(self) -> None:
