@@ -100,7 +100,7 @@ class OneWrite:
     right after it leave together. Nothing waits longer than the current tick; ``close``/``abort``/
     ``write_eof`` send what is held first; everything else is the wrapped transport's."""
 
-    __slots__ = ("_t", "_held", "_loop")
+    __slots__ = ("_held", "_loop", "_t")
 
     def __init__(self, transport: Any) -> None:
         self._t = transport
@@ -148,7 +148,6 @@ def one_write_protocol() -> type:
     """uvicorn's HTTP protocol (httptools' when installed, as ``http="auto"`` picks) on a ``OneWrite``."""
     try:
         import httptools  # noqa: F401
-
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
