@@ -158,14 +158,13 @@ class DataPlane:
         if req.cwd is not None:
             _check_path(req.cwd)
         started = time.monotonic()
+        ooms = self._oom_kills(t)
         # The runtime enforces the timeout and the output cap itself, so neither depends on how fast
         # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
                                 timeout=req.timeout, output_cap=req.max_output_bytes, as_user=True)
-        # The memory cgroup's kill count, read while the init forks the command (its request is out), not
-        # before the request on the run's path: a command cannot have allocated past its limit by then.
-        return self._stream(t, proc, started, self._oom_kills(t))
+        return self._stream(t, proc, started, ooms)
 
     def _oom_kills(self, t: Target) -> int | None:
         fn = getattr(self.runtime, "oom_kills", None)
