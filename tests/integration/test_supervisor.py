@@ -338,8 +338,10 @@ async def test_spare_connection(runtime, box):  # type: ignore[no-untyped-def]
     assert a.fileno() == -1
     await anyio.sleep(0.05)
     # suspended (a checkpoint): none held, none made, until resumed
-    spares.suspend(h.id)
-    assert h.id not in spares._socks
+    held = spares._socks[h.id][1]
+    with anyio.fail_after(3):
+        await spares.suspend(h.id)          # returns once the init has closed its end
+    assert h.id not in spares._socks and held.fileno() == -1
     assert await run(runtime, h, ["true"]) == (0, "", "")
     await anyio.sleep(0.05)
     assert h.id not in spares._socks

@@ -635,9 +635,28 @@ class Spares:
         if held is not None:
             held[1].close()
 
-    def suspend(self, sid: str) -> None:
+    async def suspend(self, sid: str, wait: float = 2.0) -> None:
+        """Make no spare for ``sid`` until ``resume``, and end the one it has: hang up and wait (at most
+        ``wait`` seconds) until the init has closed its end too, so that no connection is left in the
+        sandbox when this returns (a checkpoint follows; gVisor refuses to save an open host socket)."""
         self._off.add(sid)
-        self.close(sid)
+        held = self._socks.pop(sid, None)
+        if held is None:
+            return
+        sock = held[1]
+        try:
+            sock.shutdown(socket.SHUT_WR)            # EOF before a request: the init releases the slot
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    if not sock.recv(64, socket.MSG_DONTWAIT):
+                        break                        # the init's end is closed
+                except (BlockingIOError, InterruptedError):
+                    await anyio.sleep(0.002)
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     def resume(self, sid: str) -> None:
         self._off.discard(sid)

@@ -710,7 +710,7 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):      # half a dump is worse than a late one
             images.mkdir()
             had_ctl = os.path.lexists(d / "pd" / "ctl")
-            self._spares.suspend(handle.id)        # CRIU must find no connection to the socket
+            await self._spares.suspend(handle.id)     # the dump must find no connection to the socket
             if had_ctl:
                 await self._ctl_signal(d, handle.pid, signal.SIGUSR1, want=False, wait=1.0)
             code, detail = await self._dump(handle, d, image_dir, images)
