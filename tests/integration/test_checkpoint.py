@@ -410,3 +410,43 @@ async def test_a_pause_whose_disk_cannot_move_keeps_its_data(runtime: CrunRuntim
     assert (await sh(runtime, h2, "cat /tmp/tok")).strip() == token
     await runtime.destroy(h2)
     assert await runtime.list_ids() == []
+
+
+def _loops_backing(path_part: str) -> list[str]:
+    out = []
+    for dev in Path("/sys/block").glob("loop*"):
+        try:
+            if path_part in (dev / "loop" / "backing_file").read_text():
+                out.append(dev.name)
+        except OSError:
+            continue
+    return out
+
+
+async def test_a_pause_whose_disk_is_busy_waits_until_it_is_closed(  # type: ignore[no-untyped-def]
+        runtime: CrunRuntime, criu_ready: None, tiny, tmp_path: Path) -> None:
+    """Something on the host still inside the sandbox's root when it is checkpointed (a process whose
+    working directory is there) makes its unmounts lazy: the disk's file system stays open, unflushed,
+    after the unmount returns. The checkpoint flushes it first and moves the image on only once it is
+    closed: a resume that mounted it while still open read it stale (a directory made just before gone)."""
+    h = await runtime.create(spec_of(tiny, "ckbusy", disk_mb=64))
+    holder = None
+    try:
+        await sh(runtime, h, "mkdir -p /root/new && echo fresh > /root/new/f")
+        holder = await anyio.open_process(["sh", "-c", 'cd "$0" && exec sleep 3',
+                                           str(Path(h.bundle) / "rootfs" / "root")])
+        await anyio.sleep(0.3)
+        img = tmp_path / "img"
+        img.mkdir()
+        await runtime.checkpoint(h, img)
+        assert (img / "disk.img").is_file()
+        assert _loops_backing("ckbusy") == [] and _loops_backing(str(img)) == []   # closed everywhere
+        h2 = await runtime.restore(spec_of(tiny, "ckbusy", disk_mb=64), img)
+        assert (await sh(runtime, h2, "cat /root/new/f")) == "fresh\n"
+        await runtime.destroy(h2)
+    finally:
+        if holder is not None:
+            with anyio.fail_after(10):
+                await holder.wait()
+        for sid in await runtime.list_ids():
+            await runtime.destroy(Handle(id=sid))

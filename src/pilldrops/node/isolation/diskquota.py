@@ -30,6 +30,7 @@ import errno
 import fcntl
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,13 +239,54 @@ def backing_device(mnt: Path) -> str | None:
     return f"/dev/{name}" if name else None
 
 
-def remove(d: Path) -> None:
-    """Unmount ``d/disk`` (its loop device detaches itself; an attached but unmounted one is cleared)."""
+RELEASE_WAIT_S = 10.0       # how long a checkpoint waits for the last mount of a disk elsewhere to go
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def remove(d: Path, keep_image: bool = False) -> None:
+    """Unmount ``d/disk`` (its loop device detaches itself; an attached but unmounted one is cleared).
+
+    ``keep_image`` (a checkpoint moves the image on, and a resume mounts it again): the file system is
+    flushed to the image first, and this returns only once the file system is closed everywhere. Our
+    unmount does not close it while another mount namespace still holds a copy of the mount (a ``crun
+    run`` starting at that moment copies the host's mounts); a mount of the image made before it closes
+    would read it stale (a directory made seconds ago missing) and race its last writes."""
     mnt = d / MOUNT
     dev = backing_device(mnt)
+    if keep_image and dev is not None:
+        _syncfs(mnt)
     umount(mnt)
     if dev and dev.startswith("/dev/loop"):
+        if keep_image:
+            _wait_released(dev, d / IMAGE)
         _detach_loop(dev)       # no-op after autoclear; clears a device a failed mount left attached
+
+
+def _syncfs(mnt: Path) -> None:
+    fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise MountError(err, f"syncfs {mnt}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _wait_released(dev: str, image: Path) -> None:
+    """Until the loop device ``dev`` no longer backs ``image`` (autoclear detaches it when its file
+    system closes), at most ``RELEASE_WAIT_S``; MountError (EBUSY) after that."""
+    backing = Path("/sys/block") / Path(dev).name / "loop" / "backing_file"
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while True:
+        try:
+            still = backing.read_text().strip().removesuffix(" (deleted)") == str(image)
+        except OSError:
+            still = False       # detached
+        if not still:
+            return
+        if time.monotonic() > deadline:
+            raise MountError(errno.EBUSY, f"the disk {image} is still mounted elsewhere ({dev})")
+        time.sleep(0.02)
 
 
 def _mounted(d: Path) -> bool:

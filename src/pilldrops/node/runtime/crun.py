@@ -602,7 +602,8 @@ class CrunRuntime:
             umount_all_under(d)
         problem = ""
         try:
-            diskquota.remove(d)                # the sandbox's disk (its loop device detaches itself)
+            # the sandbox's disk (its loop device detaches itself); a checkpoint's flushed and closed first
+            diskquota.remove(d, keep_image=save_to is not None)
         except MountError as e:
             problem = f"cannot unmount the disk of {sandbox_id}: {e}"
         if save_to is not None and not problem:
