@@ -154,22 +154,30 @@ class RunRoute:
                                                  request_id=rid), rid, scope, receive, send)
             request_id_var.reset(token)
             return
-        task = asyncio.current_task()
-        watch = asyncio.ensure_future(receive())     # the client going away cancels the stream (and command)
-
-        def gone(f: asyncio.Future[Message]) -> None:
-            if not f.cancelled() and f.exception() is None and f.result()["type"] == "http.disconnect" \
-                    and task is not None:
-                task.cancel()
-
-        watch.add_done_callback(gone)
+        # the stream runs in a task of its own, cancelled if the client goes away first (as Starlette's
+        # disconnect listener does): its generator then kills the command
+        streaming = asyncio.ensure_future(send_stream(send, stream, headers))
+        watch: asyncio.Future[Message] | None = None
         try:
-            await send_stream(send, stream, headers)
-        except (asyncio.CancelledError, OSError):
-            pass                     # the client went away: the stream's generator has killed the command
+            while not streaming.done():
+                watch = asyncio.ensure_future(receive())
+                await asyncio.wait((streaming, watch), return_when=asyncio.FIRST_COMPLETED)
+                if streaming.done():
+                    break
+                if watch.result()["type"] == "http.disconnect":
+                    streaming.cancel()
+                    break
+            await asyncio.wait((streaming,))     # raises only if this request's own task is cancelled
+            if not streaming.cancelled() and (exc := streaming.exception()) is not None \
+                    and not isinstance(exc, OSError):          # OSError: the client went away mid-write
+                raise exc
         finally:
-            watch.remove_done_callback(gone)
-            watch.cancel()
+            if watch is not None and not watch.done():
+                watch.cancel()
+            if not streaming.done():            # this request's own task was cancelled
+                streaming.cancel()
+                with contextlib.suppress(BaseException):
+                    await streaming
             with contextlib.suppress(BaseException):
                 await stream.aclose()    # type: ignore[attr-defined]
             request_id_var.reset(token)

@@ -87,3 +87,39 @@ async def test_run_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch)
             monkeypatch.setattr(type(st.agent), "recovered", property(lambda self: False), raising=False)
             a = await fast.post(url, json={"cmd": "true"}, headers=auth)
             assert a.status_code == 502 and a.json()["error"]["code"] == "node_unavailable"
+
+
+async def test_a_client_that_goes_away_ends_its_command(tmp_path) -> None:
+    """The stream is cancelled when the client disconnects mid-run, and the command is killed."""
+    import anyio
+
+    async with stack(tmp_path) as st, st.client() as c:
+        sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
+        app = create_node_app(st.agent, TOKEN)
+        body = json.dumps({"cmd": "sleep 30"}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": f"/v1/sandboxes/{sb['id']}/run", "raw_path": b"",
+                 "query_string": b"", "root_path": "", "server": ("node", 80), "client": ("c", 1),
+                 "headers": [(b"host", b"node"), (b"x-access-token", sb["access_token"].encode()),
+                             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        sent: list[dict] = []  # type: ignore[type-arg]
+        calls = 0
+
+        async def receive() -> dict:  # type: ignore[type-arg]
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await anyio.sleep(0.3)                 # the command runs; then the client hangs up
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict) -> None:  # type: ignore[type-arg]
+            sent.append(msg)
+
+        target = st.agent.get(sb["id"]).target
+        with anyio.fail_after(10):
+            await app(scope, receive, send)
+            while target.active:
+                await anyio.sleep(0.01)
+        assert sent and sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+        assert not any(m.get("more_body") is False for m in sent)     # no exit line: it was cut
