@@ -97,15 +97,20 @@ class OneWrite:
     uvicorn writes a response's head and its body separately (two ``send`` calls, two TCP segments: with
     TCP_NODELAY the client wakes up for the head and again for the body). Here a write is appended to a
     buffer and the buffer is sent by a callback at the end of the tick, so a head and the body written
-    right after it leave together. Nothing waits longer than the current tick; ``close``/``abort``/
-    ``write_eof`` send what is held first; everything else is the wrapped transport's."""
+    right after it leave together. Nothing waits longer than the current tick, and no more than
+    ``HOLD_MAX`` bytes are ever held (a producer that writes much without yielding meets the transport's
+    own flow control as before); ``close``/``write_eof`` send what is held first; everything else is the
+    wrapped transport's."""
 
-    __slots__ = ("_held", "_loop", "_t")
+    __slots__ = ("_held", "_loop", "_size", "_t")
 
     def __init__(self, transport: Any) -> None:
         self._t = transport
         self._held: list[bytes] = []
+        self._size = 0
         self._loop = asyncio.get_running_loop()
+
+    HOLD_MAX = 64 * 1024      # more than this in one tick goes out at once (the transport's flow control)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -113,6 +118,9 @@ class OneWrite:
         if not self._held:
             self._loop.call_soon(self._send)
         self._held.append(bytes(data))
+        self._size += len(data)
+        if self._size > self.HOLD_MAX:
+            self._send()
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
@@ -122,6 +130,7 @@ class OneWrite:
         if self._held:
             data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
             self._held.clear()
+            self._size = 0
             if not self._t.is_closing():
                 self._t.write(data)
 
@@ -138,6 +147,7 @@ class OneWrite:
 
     def abort(self) -> None:
         self._held.clear()
+        self._size = 0
         self._t.abort()
 
     def __getattr__(self, name: str) -> Any:

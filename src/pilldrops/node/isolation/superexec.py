@@ -193,8 +193,8 @@ class SupervisorExec(OutputRelay):
                  path_fd: int | None = None, sock: socket.socket | None = None,
                  pty: tuple[int, int] | None = None, user: str | None = None,
                  on_finish: Callable[[], None] | None = None) -> None:
-        """``on_finish``: called (soon, on the loop) once the command has ended. ``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
-        once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
+        """``on_finish``: called (soon, on the loop) once the command has ended. ``path_fd``: an fd
+        ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
         here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
         for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input)."""
         super().__init__(output_cap)
