@@ -123,6 +123,9 @@ async def test_readopt_and_pause_resume(gvisor, tiny, data_dir, init_path, monke
         assert await again.list_ids() == [h.id]
         code, out, _, p = await run(again, h, ["cat", "/tmp/m"])
         assert (code, out) == (0, "mem\n") and isinstance(p, SupervisorExec)
+        # ``again`` stands for a restarted agent, whose predecessor's connections would be gone with its
+        # process; here both live on: its spare control connection (issue 15) is ended before the pause
+        await again._spares.suspend(h.id)
 
         image = data_dir / f"gv-image-{SESSION}"
         image.mkdir()

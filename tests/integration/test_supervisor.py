@@ -298,3 +298,54 @@ async def test_readoption_fallback_and_symlink(runtime, box, tiny, data_dir, ini
     moved.rename(sock)
     lock_dir(sock.parent)
     assert await run(runtime, h, ["echo", "back"]) == (0, "back\n", "")
+
+
+async def test_spare_connection(runtime, box):  # type: ignore[no-untyped-def]
+    """After a command, the next one's connection waits ready (issue 15); a stale or closed one is never
+    used, and a checkpoint's suspend leaves none."""
+    import socket as socket_
+
+    h, spares = box, runtime._spares
+    assert await run(runtime, h, ["true"]) == (0, "", "")
+    await anyio.sleep(0.05)                       # the spare is made once the command has ended
+    held = spares._socks[h.id][1]
+    assert await run(runtime, h, ["echo", "on the spare"]) == (0, "on the spare\n", "")
+    await anyio.sleep(0.05)
+    assert h.id in spares._socks and spares._socks[h.id][1] is not held and held.fileno() == -1
+    # concurrent commands: one takes the spare, the others connect
+    results = []
+
+    async def one(i: int) -> None:
+        results.append(await run(runtime, h, ["sh", "-c", f"echo {i}"]))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(5):
+            tg.start_soon(one, i)
+    assert sorted(r[1] for r in results) == [f"{i}\n" for i in range(5)] and {r[0] for r in results} == {0}
+    await anyio.sleep(0.05)
+    # a spare of another init (pid / start time) is closed, not used
+    key, sock = spares._socks[h.id]
+    spares._socks[h.id] = (("other", 1), sock)
+    assert await run(runtime, h, ["echo", "fresh"]) == (0, "fresh\n", "")
+    assert sock.fileno() == -1
+    await anyio.sleep(0.05)
+    # a spare whose other end is gone (EOF) is thrown away and the command connects as before
+    a, b = socket_.socketpair(socket_.AF_UNIX, socket_.SOCK_STREAM)
+    b.close()
+    spares.close(h.id)
+    spares._socks[h.id] = (key, a)
+    assert await run(runtime, h, ["echo", "again"]) == (0, "again\n", "")
+    assert a.fileno() == -1
+    await anyio.sleep(0.05)
+    # suspended (a checkpoint): none held, none made, until resumed
+    held = spares._socks[h.id][1]
+    with anyio.fail_after(3):
+        await spares.suspend(h.id)          # returns once the init has closed its end
+    assert h.id not in spares._socks and held.fileno() == -1
+    assert await run(runtime, h, ["true"]) == (0, "", "")
+    await anyio.sleep(0.05)
+    assert h.id not in spares._socks
+    spares.resume(h.id)
+    assert await run(runtime, h, ["true"]) == (0, "", "")
+    await anyio.sleep(0.05)
+    assert h.id in spares._socks

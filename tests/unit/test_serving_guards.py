@@ -74,3 +74,46 @@ def test_up_and_serve_refuse_a_busy_or_shared_ports_port(tmp_path: Path) -> None
                              timeout=60, check=False)
         assert res.returncode == 1 and "--ports-port" in res.stderr and "same port as --port" in res.stderr
     assert not (tmp_path / "up" / "templates").exists()
+
+
+def test_one_write_sends_a_ticks_writes_together_and_holds_little() -> None:
+    """``OneWrite`` (issue 15): a head and its body written in one loop tick leave as one ``send``;
+    more than ``HOLD_MAX`` held goes out at once; ``close`` sends what is held first."""
+    import asyncio
+
+    from pilldrops._internal.serving import OneWrite
+
+    class Transport:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.sent.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    async def main() -> None:
+        t = Transport()
+        w = OneWrite(t)
+        w.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        w.write(b"body")
+        assert t.sent == [] and w.get_write_buffer_size() == 23
+        await asyncio.sleep(0)
+        assert t.sent == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+        w.write(b"x" * (OneWrite.HOLD_MAX + 1))
+        assert len(t.sent) == 2                      # not held: the transport's flow control applies
+        w.write(b"last")
+        w.close()
+        assert t.sent[-1] == b"last" and t.closed
+        await asyncio.sleep(0)
+        assert len(t.sent) == 3                      # nothing sent twice, nothing after the close
+
+    asyncio.run(main())

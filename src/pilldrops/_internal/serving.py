@@ -3,6 +3,7 @@ servers (control plane + node agent in ``pilldrops up``) stop together and clean
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import logging
@@ -90,6 +91,84 @@ def run_served(fn: Callable[..., Awaitable[Any]], *args: Any, uvloop: bool = Tru
 KEEP_ALIVE_S = 20      # idle keep-alive connections the server holds (uvicorn's default: 5 s)
 
 
+class OneWrite:
+    """An asyncio transport whose writes of one event-loop tick go out as ONE ``send`` (issue 15).
+
+    uvicorn writes a response's head and its body separately (two ``send`` calls, two TCP segments: with
+    TCP_NODELAY the client wakes up for the head and again for the body). Here a write is appended to a
+    buffer and the buffer is sent by a callback at the end of the tick, so a head and the body written
+    right after it leave together. Nothing waits longer than the current tick, and no more than
+    ``HOLD_MAX`` bytes are ever held (a producer that writes much without yielding meets the transport's
+    own flow control as before); ``close``/``write_eof`` send what is held first; everything else is the
+    wrapped transport's."""
+
+    __slots__ = ("_held", "_loop", "_size", "_t")
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+        self._held: list[bytes] = []
+        self._size = 0
+        self._loop = asyncio.get_running_loop()
+
+    HOLD_MAX = 64 * 1024      # more than this in one tick goes out at once (the transport's flow control)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._held:
+            self._loop.call_soon(self._send)
+        self._held.append(bytes(data))
+        self._size += len(data)
+        if self._size > self.HOLD_MAX:
+            self._send()
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def _send(self) -> None:
+        if self._held:
+            data = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+            self._held.clear()
+            self._size = 0
+            if not self._t.is_closing():
+                self._t.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._t.get_write_buffer_size() + sum(map(len, self._held))
+
+    def close(self) -> None:
+        self._send()
+        self._t.close()
+
+    def write_eof(self) -> None:
+        self._send()
+        self._t.write_eof()
+
+    def abort(self) -> None:
+        self._held.clear()
+        self._size = 0
+        self._t.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+def one_write_protocol() -> type:
+    """uvicorn's HTTP protocol (httptools' when installed, as ``http="auto"`` picks) on a ``OneWrite``."""
+    try:
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class OneWriteProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(OneWrite(transport))
+
+    return OneWriteProtocol
+
+
 class Served:
     def __init__(self, app: Any, host: str, port: int) -> None:
         # an idle kept-alive connection is closed by the client first (httpx after 5 s, Node's fetch after
@@ -97,7 +176,7 @@ class Served:
         # it at that moment (ECONNRESET on a non-idempotent upload under load)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5, backlog=4096,
-                                timeout_keep_alive=KEEP_ALIVE_S)
+                                timeout_keep_alive=KEEP_ALIVE_S, http=one_write_protocol())
         self.server = uvicorn.Server(config)
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; with
         # proto 0 every keep-alive response stalled ~40 ms on Nagle + the client's delayed ACK

@@ -16,9 +16,10 @@ from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
 from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
-from pilldrops.node.dataplane import DataPlane, Last, Target
+from pilldrops.node.dataplane import DataPlane, Target
 from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
+from pilldrops.node.runroute import RunRoute, send_stream
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
     NodeBuildRequest,
@@ -37,23 +38,15 @@ GRANT_WAIT_S = 10.0       # how long a request for a pre-issued member waits for
 
 
 class RunStream(StreamingResponse):
-    """A run's NDJSON stream whose ``Last`` chunk (the exit line) ends the body in the same write as the
-    chunked encoding's terminator (one send for the end of a run instead of two)."""
+    """A run's NDJSON stream, sent as ``runroute.send_stream`` sends it (the FastAPI route's answer, for an
+    app without the ``RunRoute`` in front)."""
 
     async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        ended = False
-        async for chunk in self.body_iterator:
-            if ended:
-                continue                # nothing follows the exit line; the generator runs to its end
-            ended = isinstance(chunk, Last)
-            await send({"type": "http.response.body", "body": bytes(chunk), "more_body": not ended})
-        if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send_stream(send, self.body_iterator, self.raw_headers, self.status_code)  # type: ignore[arg-type]
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
-    async def recovered(conn: HTTPConnection) -> None:
+    async def admit(sid: str | None, token: str, node_bearer: str) -> None:
         # a restarted agent serves only once it has re-adopted its sandboxes: until then it would answer
         # 404 for live ones (a kill then recorded as ended and unbilled while the sandbox ran on)
         if not agent.recovered:
@@ -62,12 +55,15 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
         # a create answered from a pre-issued warm member reaches the client before this node is told of it:
         # a request for it (data plane or kill) waits for that (milliseconds; a control plane that died in
         # between has its heartbeat handler tell us)
-        sid = conn.path_params.get("sandbox_id")
         if sid and agent.sandboxes.get(sid) is None and (grant := agent.pools.granted(sid)) is not None:
-            token = conn.headers.get("x-access-token") or conn.query_params.get("access_token") or ""
-            node_call = same(bearer(conn) or "", node_token)  # type: ignore[arg-type]
+            node_call = same(node_bearer, node_token)
             if same(token, grant.access_token) or node_call:      # only its holder waits: no oracle of ids
                 await agent.pools.wait_granted(sid, GRANT_WAIT_S)
+
+    async def recovered(conn: HTTPConnection) -> None:
+        await admit(conn.path_params.get("sandbox_id"),
+                    conn.headers.get("x-access-token") or conn.query_params.get("access_token") or "",
+                    bearer(conn) or "")  # type: ignore[arg-type]
 
     app = FastAPI(title="PillDrops node agent", version=__version__, dependencies=[Depends(recovered)])
     app.add_middleware(RequestIdMiddleware)
@@ -221,4 +217,7 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     app.include_router(data)
     app.include_router(process_routes(agent.processes, target))
     app.include_router(fs_routes(FileOps(plane), target))
+    # the run route's hot path, in front of everything (the FastAPI route above documents it and answers
+    # the same way)
+    app.add_middleware(RunRoute, plane=plane, target=target, admit=admit)
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
     if os.geteuid() != 0:
         raise PermissionError("the node agent needs root (cgroups, mounts, namespaces): run it as root")
     prepare_host()
+    raise_nofile()
     templates = TemplateStore(data_dir, spec_dirs=default_spec_dirs(templates_dirs))
     safe = re.sub(r"[^a-zA-Z0-9_-]", "-", settings.name)[:40]
     # the cgroup parent is this agent's own (name + instance), never shared with another agent on the host
@@ -59,8 +61,27 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
 
 
 def spare_disks() -> int:
-    """``PILLDROPS_DISK_SPARES``: ready disks kept per size (default 2)."""
+    """``PILLDROPS_DISK_SPARES``: ready disks kept per size (default 2; 0 turns them off)."""
+    raw = os.environ.get("PILLDROPS_DISK_SPARES", "2")
     try:
-        return max(0, int(os.environ.get("PILLDROPS_DISK_SPARES", "2")))
+        n = int(raw)
     except ValueError:
-        return 2
+        n = -1
+    if n < 0:
+        raise ValueError(f"PILLDROPS_DISK_SPARES must be a whole number >= 0 (0 turns spare disks off), not {raw!r}")
+    return n
+
+
+def raise_nofile() -> int:
+    """The agent's soft RLIMIT_NOFILE raised to its hard limit: it holds descriptors per live sandbox (an idle
+    control connection to each one's init, pipes of running commands), and a service manager's default soft
+    limit (1,024) would run out before a thousand sandboxes. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass                # kept as it is (a container's limit): the spares then stop at EMFILE
+    return soft

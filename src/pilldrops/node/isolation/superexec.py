@@ -37,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 from typing import Self
 
@@ -191,9 +191,10 @@ class SupervisorExec(OutputRelay):
                  stdin: AsyncIterable[bytes] | bytes | None, init_pid: int | None = None,
                  timeout: float | None = None, output_cap: int | None = None,
                  path_fd: int | None = None, sock: socket.socket | None = None,
-                 pty: tuple[int, int] | None = None, user: str | None = None) -> None:
-        """``path_fd``: an fd ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed
-        once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
+                 pty: tuple[int, int] | None = None, user: str | None = None,
+                 on_finish: Callable[[], None] | None = None) -> None:
+        """``on_finish``: called (soon, on the loop) once the command has ended. ``path_fd``: an fd
+        ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
         here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
         for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input)."""
         super().__init__(output_cap)
@@ -219,6 +220,7 @@ class SupervisorExec(OutputRelay):
         self._retry: asyncio.TimerHandle | None = None      # the one pending connect retry (backlog full)
         self._sent = 0                                      # bytes written to the socket so far
         self._sock_path = str(sock_path)
+        self._on_finish = on_finish
         self._connected = False
         if sock is not None:
             self._sock = sock
@@ -460,6 +462,8 @@ class SupervisorExec(OutputRelay):
         self._wake_drained()
         self._send.close()
         self._done.set()
+        if self._on_finish is not None:
+            self._loop.call_soon(self._on_finish)
 
     # -- control ---------------------------------------------------------------------------------
     async def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:
@@ -574,6 +578,92 @@ class SupervisorExec(OutputRelay):
     async def __aexit__(self, *exc: object) -> None:
         if not self._finished:
             await self.kill()
+
+
+class Spares:
+    """One idle connection per sandbox to its init's control socket, made after a command ended, so the
+    next command's request goes out on it at once: no connect, no accept and no wake-up of the init for
+    them on that command's path (issue 15). pd-init holds it as any connection waiting for its request
+    (one of its slots). Each is keyed by the init it was made to (pid and start time: a restarted or
+    restored init never gets one of its predecessor's) and checked before use (a connection the init
+    closed, or one with anything to read, is thrown away and the command connects as before). ``suspend``
+    closes a sandbox's spare and makes none until ``resume`` (a checkpoint: CRIU must find no connection).
+    """
+
+    def __init__(self) -> None:
+        self._socks: dict[str, tuple[object, socket.socket]] = {}
+        self._off: set[str] = set()
+
+    def take(self, sid: str, key: object) -> socket.socket | None:
+        held = self._socks.pop(sid, None)
+        if held is None:
+            return None
+        if held[0] != key:
+            held[1].close()
+            return None
+        sock = held[1]
+        try:
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return sock          # idle and open: the init is waiting for a request on it
+        except OSError:
+            pass
+        sock.close()             # EOF (the init let it go) or bytes nobody asked for: not usable
+        return None
+
+    def make(self, sid: str, key: object, path_fd: int | None, init_pid: int | None) -> None:
+        """Connect a spare through ``path_fd`` (an O_PATH fd of the socket; closed here), unless the sandbox
+        has one, is suspended, or the init does not take it at once."""
+        try:
+            if path_fd is None or sid in self._socks or sid in self._off:
+                return
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.connect(f"/proc/self/fd/{path_fd}")
+                check_peer(sock, init_pid)
+            except OSError:          # incl. BlockingIOError: backlog full, the init is busy; no spare now
+                sock.close()
+                return
+            self._socks[sid] = (key, sock)
+        finally:
+            if path_fd is not None:
+                os.close(path_fd)
+
+    def close(self, sid: str) -> None:
+        held = self._socks.pop(sid, None)
+        if held is not None:
+            held[1].close()
+
+    async def suspend(self, sid: str, wait: float = 2.0) -> None:
+        """Make no spare for ``sid`` until ``resume``, and end the one it has: hang up and wait (at most
+        ``wait`` seconds) until the init has closed its end too, so that no connection is left in the
+        sandbox when this returns (a checkpoint follows; gVisor refuses to save an open host socket)."""
+        self._off.add(sid)
+        held = self._socks.pop(sid, None)
+        if held is None:
+            return
+        sock = held[1]
+        try:
+            sock.shutdown(socket.SHUT_WR)            # EOF before a request: the init releases the slot
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    if not sock.recv(64, socket.MSG_DONTWAIT):
+                        break                        # the init's end is closed
+                except (BlockingIOError, InterruptedError):
+                    await anyio.sleep(0.002)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def resume(self, sid: str) -> None:
+        self._off.discard(sid)
+
+    def forget(self, sid: str) -> None:
+        self._off.discard(sid)
+        self.close(sid)
 
 
 def sock_path_for(bundle: Path) -> Path:

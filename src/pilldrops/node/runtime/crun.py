@@ -54,7 +54,7 @@ from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
 from pilldrops.node.isolation.host import HostNotReady, require_crun
 from pilldrops.node.isolation.mounts import MountError, mount_overlay, umount, umount_all_under
 from pilldrops.node.isolation.rmtree import remove_tree
-from pilldrops.node.isolation.superexec import PROTO, SupervisorExec, probe_version
+from pilldrops.node.isolation.superexec import PROTO, Spares, SupervisorExec, probe_version, sock_path_for
 from pilldrops.node.runtime.base import Handle, RuntimeFailure, RuntimeState, SandboxSpec, shared_env
 from pilldrops.node.runtime.init import build_init, source_hash
 from pilldrops.node.runtime.oci_spec import INIT_PATH_IN_SANDBOX, NOFILE, build_spec
@@ -208,6 +208,7 @@ class CrunRuntime:
         # control-protocol version of each sandbox's init, keyed by its (pid, start time): a sandbox this
         # instance started runs our init; an adopted or restored one may run an older build (asked once)
         self._proto: dict[str, tuple[int, int | None, int]] = {}
+        self._spares = Spares()        # an idle control connection per sandbox, for its next command
         stamp = self.init_path.with_name(self.init_path.name + ".hash")
         try:
             self._init_current = stamp.read_text().strip() == source_hash()
@@ -472,13 +473,26 @@ class CrunRuntime:
         connected through /proc/self/fd: a symlink planted there never makes the agent connect to a
         host socket.
         """
+        key = (handle.pid, handle.pid_start_time)
+        init_pid = handle.pid if self.HOST_PIDS else None
+
+        def spare() -> None:       # the next command's connection, made once this one ended
+            known = self._proto.get(handle.id)
+            if known is not None and known[:2] == key:       # not destroyed (nor replaced) meanwhile
+                self._spares.make(handle.id, key, self._open_ctl(d), init_pid)
+
+        sock = self._spares.take(handle.id, key)
+        if sock is not None:
+            return SupervisorExec(sock_path_for(d), argv, env=env, cwd=cwd, stdin=stdin, init_pid=init_pid,
+                                  timeout=timeout, output_cap=output_cap, sock=sock, pty=pty, user=user,
+                                  on_finish=spare)
         fd = self._open_ctl(d)
         if fd is None:
             return None
         try:      # SupervisorExec owns fd from here on
             return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
-                                  init_pid=handle.pid if self.HOST_PIDS else None, timeout=timeout,
-                                  output_cap=output_cap, path_fd=fd, pty=pty, user=user)
+                                  init_pid=init_pid, timeout=timeout,
+                                  output_cap=output_cap, path_fd=fd, pty=pty, user=user, on_finish=spare)
         except ConnectionRefusedError:
             raise                       # listening, but not accepting right now: the caller retries
         except OSError:
@@ -568,6 +582,7 @@ class CrunRuntime:
         """Remove every process, cgroup, mount and file of the sandbox. With ``save_to`` (a checkpoint
         image dir), its writable layer is first moved there (``disk.img``, or ``upper/`` for a sandbox
         without a disk quota; rename, a copy across file systems) once nothing uses it."""
+        self._spares.forget(sandbox_id)
         d = self._dir(sandbox_id)
         r = await self._crun("delete", "--force", self._cid(sandbox_id))
         err = r.stderr.decode(errors="replace").strip()
@@ -703,6 +718,7 @@ class CrunRuntime:
         with anyio.CancelScope(shield=True):      # half a dump is worse than a late one
             images.mkdir()
             had_ctl = os.path.lexists(d / "pd" / "ctl")
+            await self._spares.suspend(handle.id)     # the dump must find no connection to the socket
             if had_ctl:
                 await self._ctl_signal(d, handle.pid, signal.SIGUSR1, want=False, wait=1.0)
             code, detail = await self._dump(handle, d, image_dir, images)
@@ -710,6 +726,7 @@ class CrunRuntime:
                 alive = procs.alive(handle.pid, handle.pid_start_time)
                 if alive and had_ctl:
                     await self._ctl_signal(d, handle.pid, signal.SIGUSR2, want=True, wait=1.0)
+                self._spares.resume(handle.id)
                 shutil.rmtree(images, ignore_errors=True)
                 if not alive:      # the dump went through but crun failed after it: the sandbox is gone
                     self._defaults.pop(handle.id, None)
