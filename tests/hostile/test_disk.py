@@ -127,6 +127,37 @@ async def test_a_spare_disk_holds_the_same_limit_and_goes_with_its_sandbox(crun_
 
 
 @pytest.mark.integration
+async def test_spares_are_kept_for_the_last_few_sizes_only(crun_rt) -> None:  # type: ignore[no-untyped-def]
+    """A client asking for ever new ``disk_mb`` makes no more than MAX_SIZES x keep spare disks (each one a
+    mount and a loop device of the host's): a size that falls off the last few asked has its spares removed;
+    a killed agent's spares go at the next start (``reap``)."""
+    import anyio
+
+    from pilldrops.node.isolation.diskspares import MAX_SIZES
+
+    sp = crun_rt.disk_spares
+    stale = sp.root / "16-previouslife"
+    stale.mkdir(parents=True)
+    diskquota.make(sp.state_dir, stale, 16)          # what a killed agent left: mounted, a loop device
+    sp.reap()
+    assert not stale.exists()
+    sp.keep = 1
+    sizes = [16 + i for i in range(MAX_SIZES + 3)]
+    for mb in sizes:
+        assert not sp.take(mb, crun_rt.state_dir / f"never-{mb}")    # a first ask of a size is a miss
+        with anyio.fail_after(30):
+            while len(sp._ready.get(mb, ())) < 1:
+                await anyio.sleep(0.02)
+    kept = sizes[-MAX_SIZES:]
+    sp.refill()
+    with anyio.fail_after(30):
+        while sorted(int(p.name.split("-")[0]) for p in sp.root.iterdir()) != kept:
+            await anyio.sleep(0.05)
+    assert sorted(sp._ready) == kept
+    # the crun_rt fixture's close removes the rest; the leak check: no mount or loop device is left
+
+
+@pytest.mark.integration
 async def test_uploads_count_at_their_real_size(crun_rt, tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     h = await crun_rt.create(spec(tiny, "disk-up"))
     plane, t = DataPlane(crun_rt), Target(id=h.id, handle=h)

@@ -56,6 +56,7 @@ def build_node(settings: Settings, data_dir: Path, templates_dirs: tuple[Path, .
     # ready disks per size for cold creates of containers (isolation.diskspares; 0 turns them off)
     spares = getattr(runtime.runtimes.get("container"), "disk_spares", None)
     if spares is not None:
+        spares.reap()                       # a killed agent's, before anything else uses the host's loop devices
         spares.keep = spare_disks()
     return Node(agent, create_node_app(agent, settings.node_token), runtime, templates, spares)
 
@@ -72,13 +73,19 @@ def spare_disks() -> int:
     return n
 
 
+NOFILE_MAX = 65536
+
+
 def raise_nofile() -> int:
-    """The agent's soft RLIMIT_NOFILE raised to its hard limit: it holds descriptors per live sandbox (an idle
-    control connection to each one's init, pipes of running commands), and a service manager's default soft
-    limit (1,024) would run out before a thousand sandboxes. Returns the soft limit now in force."""
+    """The agent's soft RLIMIT_NOFILE raised towards its hard limit (at most ``NOFILE_MAX``): it holds
+    descriptors per live sandbox (an idle control connection to each one's init, pipes of running
+    commands), and a service manager's default soft limit (1,024) would run out before a thousand
+    sandboxes. Returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    # at most NOFILE_MAX: what the agent starts (crun, CRIU, runsc) inherits it, and CRIU sizes its own
+    # descriptor table by it
+    target = NOFILE_MAX if hard == resource.RLIM_INFINITY else min(hard, NOFILE_MAX)
+    if target > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             return target

@@ -156,7 +156,14 @@ class RunRoute:
             return
         # the stream runs in a task of its own, cancelled if the client goes away first (as Starlette's
         # disconnect listener does): its generator then kills the command
-        streaming = asyncio.ensure_future(send_stream(send, stream, headers))
+        started = False
+
+        async def send_tracked(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        streaming = asyncio.ensure_future(send_stream(send_tracked, stream, headers))
         watch: asyncio.Future[Message] | None = None
         try:
             while not streaming.done():
@@ -170,7 +177,10 @@ class RunRoute:
             await asyncio.wait((streaming,))     # raises only if this request's own task is cancelled
             if not streaming.cancelled() and (exc := streaming.exception()) is not None \
                     and not isinstance(exc, OSError):          # OSError: the client went away mid-write
-                raise exc
+                if isinstance(exc, errors.PillDropsError) and not started:
+                    await self._error(exc, rid, scope, receive, send)      # its own code, as the app's
+                else:
+                    raise exc
         finally:
             if watch is not None and not watch.done():
                 watch.cancel()
@@ -198,9 +208,10 @@ class RunRoute:
         if gate_token is None and scope.get("query_string"):
             gate_token = (parse_qs(scope["query_string"].decode("latin-1")).get("access_token") or [None])[0]
         await self.admit(sid, gate_token or "", bearer or "")
+        where = self.target(sid, token)      # the token first: nothing of an unauthorised body is buffered
         raw = await _read_body(receive, declared)
         req = parse(raw)
-        return await self.plane.run(self.target(sid, token), req)
+        return await self.plane.run(where, req)
 
     @staticmethod
     async def _error(exc: errors.PillDropsError, rid: str, scope: Scope, receive: Receive, send: Send) -> None:

@@ -19,10 +19,14 @@ def test_sandboxes_with_one_environment_share_one_dict() -> None:
     assert shared_env({"HOME": "/root", "PATH": "/bin"}) == a       # order kept, content equal
 
 
-def test_the_shared_table_is_bounded() -> None:
-    for i in range(600):
-        shared_env({"X": str(i)})
-    assert len(base._ENVS) <= 256
+def test_an_environment_goes_with_the_last_sandbox_that_had_it() -> None:
+    import gc
+
+    held = [shared_env({"X": str(i), "SECRET": "s3cret"}) for i in range(300)]
+    assert all(("X", str(i)) in base._ENVS.get(tuple(h.items()), {}).items() for i, h in enumerate(held))
+    del held
+    gc.collect()
+    assert not any(k for k in base._ENVS if ("SECRET", "s3cret") in k)   # nothing kept once unused
 
 
 @pytest.mark.anyio

@@ -82,6 +82,9 @@ async def test_run_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch)
 
             a = await fast.post(url, content=chunks(), headers=auth)
             assert a.status_code == 413 and a.json()["error"]["code"] == "payload_too_large"
+            # the token is checked before the body is read: a stranger's oversized body is never buffered
+            a = await fast.post(url, json={"cmd": "true", "stdin": "x" * 2048}, headers={"x-access-token": "wrong"})
+            assert a.status_code == 404 and a.json()["error"]["code"] == "sandbox_not_found", a.text
             monkeypatch.setattr(runroute, "MAX_BODY", 64 * 1024 * 1024)
             # a restarted agent that has not re-adopted yet: the same gate as every route
             monkeypatch.setattr(type(st.agent), "recovered", property(lambda self: False), raising=False)

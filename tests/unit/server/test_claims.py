@@ -419,3 +419,30 @@ def test_grant_index_discards_a_dead_grant_for_good_while_a_node_lists_it() -> N
     assert not idx.popped("sb_a")
     assert NodeGrant(id="sb_c", access_token="z").model_dump(mode="json").keys() == {
         "id", "access_token", "template_version"}                  # an older control plane's wire
+
+
+async def test_a_claim_whose_egress_tell_is_unanswered_is_that_error_not_a_replay_of_itself(tmp_path,
+                                                                                           monkeypatch) -> None:
+    """A claim with egress is answered once its node attached it; when the node's answer is lost (the outcome
+    unknown: the record stays, with its key, for the heartbeat to settle) the request gets that error. The
+    key is checked by the insert, and an error after this very request's insert is never answered as a
+    replay of the row it made itself (that would hand out, as created, a sandbox its node may not have)."""
+    import httpx
+
+    from pilldrops import errors
+
+    async with stack(tmp_path) as s, s.client() as c:
+        await _granted_pool(s, c, size=1)
+        nodes = s.cp.node_client
+
+        async def unanswered(*a: Any, **k: Any) -> Any:
+            try:
+                raise httpx.ReadTimeout("no answer")
+            except httpx.ReadTimeout as exc:
+                raise errors.NodeUnavailable("node did not answer") from exc
+
+        monkeypatch.setattr(nodes, "create", unanswered)
+        r = await c.post("/v1/sandboxes", json={**SHAPE, "allow_internet_access": True},
+                         headers={"Idempotency-Key": "episode-egress"})
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "node_unavailable"

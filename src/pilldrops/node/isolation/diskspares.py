@@ -28,6 +28,7 @@ from pilldrops.node.isolation.mounts import MountError, umount_all_under
 from pilldrops.node.isolation.rmtree import remove_tree
 
 SPARES_DIR = "disk-spares"
+MAX_SIZES = 4          # spares are kept for the few sizes asked for last, never for every size ever asked
 log = logging.getLogger("pilldrops.node")
 
 
@@ -39,12 +40,18 @@ def layer_dirs(d: Path) -> None:
     (d / diskquota.MOUNT / "work").mkdir()
 
 
-def _remove(d: Path) -> None:
+def _remove(d: Path) -> bool:
+    """Best effort (a spare is nobody's sandbox): False, logged, when something of it is left."""
     try:
-        diskquota.remove(d)
-    except MountError:
-        umount_all_under(d)
-    remove_tree(d)
+        try:
+            diskquota.remove(d)
+        except MountError:
+            umount_all_under(d)
+        remove_tree(d)
+        return True
+    except OSError as e:
+        log.warning("spare disk %s not removed: %s", d, e)
+        return False
 
 
 class DiskSpares:
@@ -55,7 +62,9 @@ class DiskSpares:
         self.root = state_dir / SPARES_DIR
         self.keep = keep
         self._ready: dict[int, list[Path]] = {}
-        self._wanted: set[int] = set()        # sizes asked for (a failed make drops its size)
+        self._doomed: list[Path] = []         # spares to remove (a size no longer kept; a failed take)
+        self._wanted: list[int] = []          # sizes asked for, the last asked last (at most MAX_SIZES; a
+                                              # failed make drops its size)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
@@ -69,9 +78,12 @@ class DiskSpares:
         if self.keep <= 0 or self._closed:
             return False
         with self._lock:
-            self._wanted.add(disk_mb)
+            dropped = self._want(disk_mb)
             ready = self._ready.get(disk_mb)
             spare = ready.pop() if ready else None
+        if dropped:
+            with self._lock:
+                self._doomed += dropped      # removed by the worker, off the create path
         self.refill()
         if spare is not None:
             try:
@@ -80,16 +92,29 @@ class DiskSpares:
                 return True
             except OSError as e:
                 log.warning("spare disk %s could not become %s: %s", spare, d, e)
-                _remove(spare)
+                with self._lock:
+                    self._doomed.append(spare)
         self.misses += 1
         return False
+
+    def _want(self, disk_mb: int) -> list[Path]:
+        """(Under the lock.) ``disk_mb`` is the size asked for last; a size that falls off the last
+        ``MAX_SIZES`` has its ready spares returned, to be removed (a client asking for ever new sizes makes
+        no more than ``MAX_SIZES`` × ``keep`` spares)."""
+        if disk_mb in self._wanted:
+            self._wanted.remove(disk_mb)
+        self._wanted.append(disk_mb)
+        dropped: list[Path] = []
+        while len(self._wanted) > MAX_SIZES:
+            dropped += self._ready.pop(self._wanted.pop(0), [])
+        return dropped
 
     def refill(self) -> None:
         """Wake the worker to make spares of the sizes asked for. ``take`` does, so that it works while that
         create's ``crun run`` runs: the agent's event loop waits on crun then, and the worker's Python does
         not compete with it for the GIL (woken after the create, it delayed the client's next commands and
         its kill: bench/RESULTS.md)."""
-        if self.keep <= 0 or self._closed or not self._wanted:
+        if self.keep <= 0 or self._closed or not (self._wanted or self._doomed):
             return
         self._wake.set()
         if self._worker is None:
@@ -112,12 +137,14 @@ class DiskSpares:
         with self._lock:
             if self._closed:
                 return None
-            return next((mb for mb in sorted(self._wanted) if len(self._ready.get(mb, ())) < self.keep), None)
+            return next((mb for mb in reversed(self._wanted) if len(self._ready.get(mb, ())) < self.keep), None)
 
     def _fill(self) -> None:
-        if not self._reaped:
-            self._reaped = True
-            self._remove_all(known=False)     # a previous life's spares (the agent was killed)
+        self.reap()                 # a previous life's spares (the agent was killed), if not done at start
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        for p in doomed:
+            _remove(p)
         while (mb := self._next_size()) is not None:
             d = self.root / f"{mb}-{uuid.uuid4().hex[:12]}"
             try:
@@ -127,15 +154,23 @@ class DiskSpares:
             except OSError as e:
                 log.warning("cannot make a spare %d MiB disk (creates make theirs): %s", mb, e)
                 with self._lock:
-                    self._wanted.discard(mb)
+                    if mb in self._wanted:
+                        self._wanted.remove(mb)
                 _remove(d)
                 continue
             with self._lock:
-                keep = not self._closed
+                keep = not self._closed and mb in self._wanted
                 if keep:
                     self._ready.setdefault(mb, []).append(d)
             if not keep:
                 _remove(d)
+
+    def reap(self) -> None:
+        """The spares a previous life of the agent left (killed): removed at the agent's start, whether or
+        not it keeps spares itself."""
+        if not self._reaped:
+            self._reaped = True
+            self._remove_all(known=False)
 
     def _remove_all(self, *, known: bool) -> None:
         """Every spare under the root (``known``: also the ready ones of this instance)."""
@@ -143,6 +178,7 @@ class DiskSpares:
             mine = set() if known else {p for ps in self._ready.values() for p in ps}
             if known:
                 self._ready.clear()
+                self._doomed.clear()
         if not self.root.is_dir():
             return
         for p in self.root.iterdir():

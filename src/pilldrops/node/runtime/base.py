@@ -15,6 +15,7 @@ Contract every driver keeps (``tests/contract/`` runs it on each runtime in its 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,18 +153,21 @@ async def abort_restore(runtime: Runtime, handle: Handle, image_dir: Path) -> No
         await fn(handle, image_dir)
 
 
-_ENVS: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+class _Env(dict):   # type: ignore[type-arg]
+    """A shared environment (a dict that a weak table can hold)."""
+    __slots__ = ("__weakref__",)
+
+
+_ENVS: weakref.WeakValueDictionary[tuple[tuple[str, str], ...], _Env] = weakref.WeakValueDictionary()
 
 
 def shared_env(env: dict[str, str]) -> dict[str, str]:
     """One dict for every live sandbox with the same environment (most of a template's sandboxes): the
     node keeps a sandbox's env for each command it runs, ~0.4 KiB a copy (bench/RESULTS.md, issue 15
-    session 7). Callers only read it (a command's env is a new ``{**env, **extra}``). Bounded: past 256
-    distinct environments the table starts again."""
+    session 7). Callers only read it (a command's env is a new ``{**env, **extra}``). The table holds them
+    weakly: an environment (its secrets included) is gone with the last sandbox that had it."""
     key = tuple(env.items())
     got = _ENVS.get(key)
     if got is None:
-        if len(_ENVS) >= 256:
-            _ENVS.clear()
-        got = _ENVS[key] = env
+        got = _ENVS[key] = _Env(env)
     return got

@@ -483,9 +483,13 @@ class CrunRuntime:
 
         sock = self._spares.take(handle.id, key)
         if sock is not None:
-            return SupervisorExec(sock_path_for(d), argv, env=env, cwd=cwd, stdin=stdin, init_pid=init_pid,
-                                  timeout=timeout, output_cap=output_cap, sock=sock, pty=pty, user=user,
-                                  on_finish=spare)
+            try:
+                return SupervisorExec(sock_path_for(d), argv, env=env, cwd=cwd, stdin=stdin, init_pid=init_pid,
+                                      timeout=timeout, output_cap=output_cap, sock=sock, pty=pty, user=user,
+                                      on_finish=spare)
+            except BaseException:
+                sock.close()            # a request it refused (a NUL in argv, say): the init's slot back now
+                raise
         fd = self._open_ctl(d)
         if fd is None:
             return None
@@ -736,6 +740,7 @@ class CrunRuntime:
             # the dump killed the process tree (crun also deleted the container, cgroup included); what is
             # left is the overlay and the sandbox dir: the writable layer moves into the image
             self._defaults.pop(handle.id, None)
+            self._proto.pop(handle.id, None)     # no spare connection is made to the dumped init
             failure = None
             try:
                 await self._teardown(handle.id, save_to=image_dir)

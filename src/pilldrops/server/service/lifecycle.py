@@ -128,21 +128,24 @@ class Lifecycle:
         """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
         ctx = self.ctx
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+        made: list[str] = []         # the rows this call inserted (an error after its insert is its own)
         try:
-            return await self._create(team_id, req, idempotency_key, req_hash)
+            return await self._create(team_id, req, idempotency_key, req_hash, made)
         except errors.PillDropsError:
             # a create checks its key by its insert (the unique index), not by a read before it (a store
             # round trip on every create; the SDK sends a key with each): a retry refused before its insert
             # (no capacity or credits left now, perhaps because of its own first attempt) replays that one, and
-            # one with another body is refused as a conflict, as before
+            # one with another body is refused as a conflict, as before. An error after this call's own
+            # insert (its node failed or timed out) is answered as such: the row is this call's, not an
+            # earlier attempt's to replay
             existing = (await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
                         if idempotency_key else None)
-            if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+            if existing is not None and existing.id not in made and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
             raise
 
     async def _create(self, team_id: str, req: CreateSandboxRequest, idempotency_key: str | None,
-                      req_hash: str) -> tuple[SandboxRecord, bool]:
+                      req_hash: str, made: list[str]) -> tuple[SandboxRecord, bool]:
         ctx = self.ctx
         claimable = req.isolation in (None, "container") and req.disk_mb is None and ctx.grants.size() > 0
         if req.disk_mb is not None:
@@ -160,7 +163,7 @@ class Lifecycle:
         new.template_version = ref.version if ref is not None else None
         if claimable:
             try:
-                if (claimed := await self._claim(req, new, ref)) is not None:
+                if (claimed := await self._claim(req, new, ref, made)) is not None:
                     return claimed, True
             except DuplicateIdempotencyKey:
                 pass        # an earlier attempt holds the key: replayed below
@@ -187,6 +190,7 @@ class Lifecycle:
         async with self._place_lock:       # fewer lock waits in the database; correctness is its job
             try:
                 node, row = await ctx.store.place_and_insert(new, choose)
+                made.append(row.id)
                 duplicate = False
             except DuplicateIdempotencyKey:
                 duplicate = True
@@ -194,7 +198,7 @@ class Lifecycle:
             existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
             if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
                 return replayed, False
-            return await self._create(team_id, req, idempotency_key, req_hash)   # that one failed: a fresh one
+            return await self._create(team_id, req, idempotency_key, req_hash, made)   # that one failed: a fresh one
         spec = ctx.node_spec(row, float(req.timeout), ref)
         ctx.node_cache.put(node.id, node)
         ctx.creating.add(row.id)           # heartbeats do not fail it as abandoned while it queues or boots
@@ -237,7 +241,8 @@ class Lifecycle:
 
     # ---- warm claims from pre-issued grants (issue 15; failure analysis in ``service.claims``) ---------
 
-    async def _claim(self, req: CreateSandboxRequest, new: NewSandbox, ref: object) -> SandboxRecord | None:
+    async def _claim(self, req: CreateSandboxRequest, new: NewSandbox, ref: object,
+                     made: list[str]) -> SandboxRecord | None:
         """The create answered from a ready warm member a node pre-issued, with ONE store write; None when no
         grant fits (the regular path then places it, and may still claim an unreported member there)."""
         ctx = self.ctx                       # (members are containers with the template's default disk)
@@ -253,7 +258,7 @@ class Lifecycle:
 
         skipped: list[tuple[str, NodeGrant]] = []    # of another disk (node not cached): offered again after
         try:
-            return await self._claim_one(req, new, ref, version, stored_isolation, disk_of, fits, skipped)
+            return await self._claim_one(req, new, ref, version, stored_isolation, disk_of, fits, skipped, made)
         finally:
             for node_id, grant in skipped:
                 ctx.grants.give_back(node_id, grant, req.template, req.vcpu, req.memory_mb)
@@ -261,7 +266,7 @@ class Lifecycle:
     async def _claim_one(self, req: CreateSandboxRequest, new: NewSandbox, ref: object, version: str | None,
                          stored_isolation: str | None, disk_of: Callable[[NodeRecord], int],
                          fits: Callable[[str, NodeGrant], bool],
-                         skipped: list[tuple[str, NodeGrant]]) -> SandboxRecord | None:
+                         skipped: list[tuple[str, NodeGrant]], made: list[str]) -> SandboxRecord | None:
         ctx = self.ctx
         while (got := ctx.grants.pop(req.template, req.vcpu, req.memory_mb, version,
                                      lambda node_id: (n := ctx.node_cache.get(node_id)) is None
@@ -296,6 +301,8 @@ class Lifecycle:
                     return None
                 row = await ctx.store.insert_claimed(claim, node.id, now)
                 inserted = True
+                if row is not None:
+                    made.append(row.id)
             finally:
                 if not inserted:
                     ctx.grants.give_back(node.id, grant, req.template, req.vcpu, req.memory_mb)
