@@ -64,6 +64,7 @@ def test_empty_batch() -> None:
 
 def test_histogram_and_quantiles() -> None:
     assert histogram([1, 1, 1], 5) == [(1, 1, 3)]
+    assert histogram([0.0, 5e-324], 20) == [(0.0, 5e-324, 2)]      # a spread that underflows a bin width
     bins = histogram([0, 1, 2, 3, 4, 10], 5)
     assert [c for *_, c in bins] == [2, 2, 1, 0, 1] and bins[0][0] == 0 and bins[-1][1] == 10
     vals = sorted(float(i) for i in range(1, 101))

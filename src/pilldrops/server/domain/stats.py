@@ -110,9 +110,9 @@ def histogram(values: Sequence[float], bins: int) -> list[tuple[float, float, in
     if not values:
         return []
     lo, hi = min(values), max(values)
-    if hi <= lo:
-        return [(lo, hi, len(values))]
     width = (hi - lo) / bins
+    if width <= 0:          # all equal, or a spread too small to split (it underflows: 5e-324 / 20 == 0)
+        return [(lo, hi, len(values))]
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, int((v - lo) / width))] += 1
