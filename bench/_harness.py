@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -523,3 +524,27 @@ def summarize_profile(path: Path, top: int = 10, lineno: bool = False) -> dict[s
     by_total = sorted(total_c.items(), key=lambda x: -x[1])[:top]
     return {"samples": n, "self": by_self, "total": by_total,
             "categories": sorted(cats.items(), key=lambda x: -x[1])}
+
+
+@contextmanager
+def two_ups(base_src: Path, template: str) -> Iterator[dict[str, Up]]:
+    """Two ``pilldrops up`` side by side for an A/B in the same minutes: ``"base"`` runs the tree at
+    ``base_src`` (its ``src/``, through PYTHONPATH), ``"this tree"`` this checkout's; both stopped and their
+    data dirs removed at the end."""
+    here = Path(__file__).resolve().parent.parent / "src"
+    ups: dict[str, Up] = {}
+    tmps: list[Path] = []
+    try:
+        for name, src in (("base", base_src.resolve()), ("this tree", here)):
+            tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
+            tmps.append(tmp)
+            os.environ["PYTHONPATH"] = str(src)
+            ups[name] = Up(tmp, template)
+        os.environ.pop("PYTHONPATH", None)
+        yield ups
+    finally:
+        os.environ.pop("PYTHONPATH", None)
+        for u in ups.values():
+            u.stop()
+        for t in tmps:
+            shutil.rmtree(t, ignore_errors=True)

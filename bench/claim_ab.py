@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from _harness import PID, Up, pct
+from _harness import Up, pct, two_ups
 
 from pilldrops import Sandbox
 
-HERE = Path(__file__).resolve().parent.parent / "src"
 MEMORY_MB = 256
 FIGURES = ("claim", "healthz", "rates", "get")
 
@@ -69,15 +66,7 @@ def main() -> int:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/claim_ab.py needs root (crun, mounts, cgroups)")
-    ups: dict[str, Up] = {}
-    tmps: list[Path] = []
-    try:
-        for name, src in (("base", a.base_src.resolve()), ("this tree", HERE)):
-            tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
-            tmps.append(tmp)
-            os.environ["PYTHONPATH"] = str(src)
-            ups[name] = Up(tmp, a.template)
-        os.environ.pop("PYTHONPATH", None)
+    with two_ups(a.base_src, a.template) as ups:
         for u in ups.values():
             httpx.put(f"{u.url}/v1/pools", headers={"Authorization": f"Bearer {u.key}"}, timeout=30,
                       json={"template": a.template, "vcpu": 1, "memory_mb": MEMORY_MB, "size": a.pool}
@@ -114,12 +103,6 @@ def main() -> int:
         print(f"{'control-plane CPU / iter':<28}{cpu['base'] / n * 1000:>8.2f}ms{'':>9}"
               f"{cpu['this tree'] / n * 1000:>8.2f}ms{'':>9}{cpu['this tree'] / max(cpu['base'], 1e-9):>10.2f}×")
         return 0
-    finally:
-        os.environ.pop("PYTHONPATH", None)
-        for u in ups.values():
-            u.stop()
-        for t in tmps:
-            shutil.rmtree(t, ignore_errors=True)
 
 
 if __name__ == "__main__":

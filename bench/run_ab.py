@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _harness import PID, Up, pct
+from _harness import pct, two_ups
 
 from pilldrops import Sandbox
-
-HERE = Path(__file__).resolve().parent.parent / "src"
 
 
 def cpu_s(pid: int) -> float:
@@ -43,15 +39,7 @@ def main() -> int:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/run_ab.py needs root (crun, mounts, cgroups)")
-    ups: dict[str, Up] = {}
-    tmps: list[Path] = []
-    try:
-        for name, src in (("base", a.base_src.resolve()), ("this tree", HERE)):
-            tmp = Path(tempfile.mkdtemp(prefix=f"pilldrops-bench{PID}-"))
-            tmps.append(tmp)
-            os.environ["PYTHONPATH"] = str(src)
-            ups[name] = Up(tmp, a.template)
-        os.environ.pop("PYTHONPATH", None)
+    with two_ups(a.base_src, a.template) as ups:
         sbs = {k: Sandbox.create(template=a.template, memory_mb=256, api_url=u.url, api_key=u.key)
                for k, u in ups.items()}
         node = {k: int(subprocess.run(["pgrep", "-P", str(u.proc.pid)], capture_output=True, text=True,
@@ -80,11 +68,6 @@ def main() -> int:
         load.append(Path("/proc/loadavg").read_text().split()[:3])
         for sb in sbs.values():
             sb.kill()
-    finally:
-        for u in ups.values():
-            u.stop()
-        for t in tmps:
-            shutil.rmtree(t, ignore_errors=True)
     print(f"loadavg before {' '.join(load[0])}, after {' '.join(load[1])}; N={len(res['base']['run'])} a side")
     print(f"{'tree':<10} {'run p50':>8} {'run p90':>8} {'GET p50':>8} {'run÷GET':>8} {'duration':>9} {'node CPU/run+GET':>17}")
     for k, r in res.items():
