@@ -199,6 +199,16 @@ class Raw:
                           stderr=err)
         return ok(dt, r, (d / "crun.err").read_text())
 
+    def start(self, cid: str) -> str:
+        """``prepare`` and ``run``: the container made and started; its id."""
+        self.run(cid, self.prepare(cid))
+        return cid
+
+    def warm_up(self, prefix: str, n: int = 3) -> None:
+        """``n`` containers started and removed (``<prefix><pid>--1`` …) before anything is timed."""
+        for i in range(n):
+            self.cleanup(self.start(f"{prefix}{PID}-{-i - 1}"))
+
     def exec_true(self, cid: str) -> float:
         dt, r = timed(self.cmd("exec", cid, "true"), capture_output=True)
         return ok(dt, r, r.stderr)

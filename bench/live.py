@@ -149,12 +149,9 @@ def raw_phases(a: argparse.Namespace, up: Up, st, res: dict, disk_mb: int = 0) -
     raw = Raw(up.data, a.template, a.memory_mb, sub=f"bench{pre}", disk_mb=disk_mb)
     try:
         def create(i: int) -> str:
-            cid = f"{pre}{PID}-{i}"
-            raw.run(cid, raw.prepare(cid))
-            return cid
+            return raw.start(f"{pre}{PID}-{i}")
 
-        for i in range(3):
-            raw.cleanup(create(-i - 1))
+        raw.warm_up(pre)
         mem0 = settle_mem()
         anon0 = own_anon(up.proc.pid, f"/{RAW_PARENT}/")
         ph, cids = run_phase(f"{pre} create", list(range(a.n)), create, a.threads, up.proc.pid, st)

@@ -155,11 +155,8 @@ def run_raw(a: argparse.Namespace, up: Up, pre: str, disk_mb: int) -> dict:  # t
     raw = Raw(up.data, a.template, a.memory_mb, sub=f"bench{pre}", disk_mb=disk_mb)
     try:
         def create(i: int) -> str:
-            cid = f"{pre}{PID}-{i}"
-            raw.run(cid, raw.prepare(cid))
-            return cid
-        for i in range(3):
-            raw.cleanup(create(-i - 1))
+            return raw.start(f"{pre}{PID}-{i}")
+        raw.warm_up(pre)
         s0 = snap(a.shrink)
         with ThreadPoolExecutor(8) as pool:
             live = list(pool.map(create, range(a.n)))

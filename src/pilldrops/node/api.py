@@ -46,7 +46,7 @@ class RunStream(StreamingResponse):
 
 
 def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
-    async def admit(sid: str | None, token: str, node_bearer: str) -> None:
+    async def recovered(conn: HTTPConnection) -> None:
         # a restarted agent serves only once it has re-adopted its sandboxes: until then it would answer
         # 404 for live ones (a kill then recorded as ended and unbilled while the sandbox ran on)
         if not agent.recovered:
@@ -55,15 +55,12 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
         # a create answered from a pre-issued warm member reaches the client before this node is told of it:
         # a request for it (data plane or kill) waits for that (milliseconds; a control plane that died in
         # between has its heartbeat handler tell us)
+        sid = conn.path_params.get("sandbox_id")
         if sid and agent.sandboxes.get(sid) is None and (grant := agent.pools.granted(sid)) is not None:
-            node_call = same(node_bearer, node_token)
+            token = conn.headers.get("x-access-token") or conn.query_params.get("access_token") or ""
+            node_call = same(bearer(conn) or "", node_token)  # type: ignore[arg-type]
             if same(token, grant.access_token) or node_call:      # only its holder waits: no oracle of ids
                 await agent.pools.wait_granted(sid, GRANT_WAIT_S)
-
-    async def recovered(conn: HTTPConnection) -> None:
-        await admit(conn.path_params.get("sandbox_id"),
-                    conn.headers.get("x-access-token") or conn.query_params.get("access_token") or "",
-                    bearer(conn) or "")  # type: ignore[arg-type]
 
     app = FastAPI(title="PillDrops node agent", version=__version__, dependencies=[Depends(recovered)])
     app.add_middleware(RequestIdMiddleware)
@@ -219,5 +216,5 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     app.include_router(fs_routes(FileOps(plane), target))
     # the run route's hot path, in front of everything (the FastAPI route above documents it and answers
     # the same way)
-    app.add_middleware(RunRoute, plane=plane, target=target, admit=admit)
+    app.add_middleware(RunRoute, plane=plane, target=target, admit=recovered)
     return app

@@ -32,10 +32,10 @@ class Node:
 
     async def aclose(self) -> None:
         await self.agent.shutdown()
-        if self.spares is not None:        # never outlive the agent, even when its sandboxes do
-            await anyio.to_thread.run_sync(self.spares.close)
         if not self.agent.settings.keep_on_exit:
-            await self.runtime.close()
+            await self.runtime.close()      # its spare disks too
+        elif self.spares is not None:       # the sandboxes outlive the agent; its spare disks never do
+            await anyio.to_thread.run_sync(self.spares.close)
 
 
 def default_node_name() -> str:

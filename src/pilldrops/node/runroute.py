@@ -4,8 +4,9 @@ The run route is the data plane's hot path: one request per command. Through Fas
 of middlewares, the route table, dependency injection, pydantic's request parsing and a task group per
 streamed answer. Here the same request is answered with less: the body is read (bounded:
 ``MAX_BODY``), parsed by orjson and validated by the same ``RunRequest`` model; the sandbox is found by its
-access token exactly as the FastAPI route does (``target``), after the same gate (``admit``: the agent has
-re-adopted its sandboxes; a pre-issued member's holder waits for its claim); the answer is the same NDJSON
+access token exactly as the FastAPI route does (``target``), after the same gate (the app's own
+dependency, ``admit``: the agent has re-adopted its sandboxes; a pre-issued member's holder waits for its
+claim); the answer is the same NDJSON
 stream with the same headers (``x-request-id`` included). Every failure is the same typed error body as
 ``_internal.http``'s handlers make (``invalid_request`` for a malformed or invalid body, with FastAPI's
 ``details`` shape). Every other request goes on to FastAPI untouched.
@@ -24,10 +25,10 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import parse_qs
 
 import orjson
 from pydantic import ValidationError
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pilldrops import errors
@@ -43,7 +44,7 @@ HEAD_WAIT_S = 0.05
 _PATH = re.compile(r"/v1/sandboxes/([^/]+)/run")
 _NDJSON = [(b"content-type", b"application/x-ndjson")]
 
-Admit = Callable[[str, str, str], Awaitable[None]]     # (sandbox id, access token, bearer) -> None or raises
+Admit = Callable[[HTTPConnection], Awaitable[None]]     # the app's gate for a request: None, or it raises
 
 
 async def send_stream(send: Send, body: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]],
@@ -193,23 +194,12 @@ class RunRoute:
             request_id_var.reset(token)
 
     async def _start(self, sid: str, scope: Scope, receive: Receive) -> AsyncIterator[bytes]:
-        token = bearer = None
-        declared = None
-        for k, v in scope["headers"]:
-            if k == b"x-access-token":
-                token = v.decode("latin-1")
-            elif k == b"content-length":
-                declared = int(v) if v.isdigit() else None
-            elif k == b"authorization" and v[:7].lower() == b"bearer ":
-                bearer = v[7:].decode("latin-1").strip() or None
-            elif k == b"x-api-key" and bearer is None:
-                bearer = v.decode("latin-1") or None
-        gate_token = token
-        if gate_token is None and scope.get("query_string"):
-            gate_token = (parse_qs(scope["query_string"].decode("latin-1")).get("access_token") or [None])[0]
-        await self.admit(sid, gate_token or "", bearer or "")
-        where = self.target(sid, token)      # the token first: nothing of an unauthorised body is buffered
-        raw = await _read_body(receive, declared)
+        scope["path_params"] = {"sandbox_id": sid}       # as the router would set them, for the gate
+        conn = HTTPConnection(scope)
+        await self.admit(conn)
+        where = self.target(sid, conn.headers.get("x-access-token"))    # before the body: nothing of an
+        length = conn.headers.get("content-length", "")                  # unauthorised body is buffered
+        raw = await _read_body(receive, int(length) if length.isdigit() else None)
         req = parse(raw)
         return await self.plane.run(where, req)
 

@@ -294,6 +294,21 @@ def _wait_released(dev: str, image: Path) -> None:
         time.sleep(0.02)
 
 
+def layer_dirs(d: Path) -> tuple[Path, Path]:
+    """The overlay's upper and work dirs of the sandbox dir ``d``: on its own disk when it has one."""
+    base = d / MOUNT if (d / MOUNT).is_dir() else d
+    return base / "upper", base / "work"
+
+
+def make_layer_dirs(d: Path) -> tuple[Path, Path]:
+    """``layer_dirs`` made empty, with ``upper/etc`` (a create writes the sandbox's identity files there)."""
+    upper, work = layer_dirs(d)
+    upper.mkdir()
+    (upper / "etc").mkdir()
+    work.mkdir()
+    return upper, work
+
+
 def _mounted(d: Path) -> bool:
     try:
         return os.stat(d / MOUNT).st_dev != os.stat(d).st_dev

@@ -6,13 +6,14 @@ LOOP_CONFIGURE, the ext4 mount, a thread hop, the overlay's dirs on the fresh fi
 directory holding ``disk.img`` (copied from the golden image of that size) mounted on ``disk/`` with
 ``disk/upper/etc`` and ``disk/work`` made, renamed to the sandbox dir (the mount moves with its directory:
 one rename on the create path). ``take`` also wakes one worker thread that makes the next while that
-create's ``crun run`` runs, so that ``keep`` per size asked for are ready. A spare is what a create would have made itself (the
-same golden image, attach and mount), so quotas are unchanged; a miss (none ready: the first create of a
-size, or a burst) makes the disk on the create path as before.
+create's ``crun run`` runs, so that ``keep`` per size asked for are ready (for the last ``MAX_SIZES``
+sizes asked for). A spare is what a create would have made itself (the same golden image, attach and
+mount), so quotas are unchanged; a miss (none ready: the first create of a size, or a burst) makes the
+disk on the create path as before.
 
 Layout: ``<state_dir>/disk-spares/<disk_mb>-<token>/{disk.img,disk/}``. Nothing of it is a sandbox: the
-spares of a previous life of the agent (killed) are removed by the worker's first round (before it makes
-new ones), and all of them by ``close`` (the agent's shutdown, whether or not sandboxes outlive it).
+spares of a previous life of the agent (killed) are removed by ``reap`` at the agent's start, and all of
+them by ``close`` (the agent's shutdown, whether or not sandboxes outlive it).
 """
 
 from __future__ import annotations
@@ -30,14 +31,6 @@ from pilldrops.node.isolation.rmtree import remove_tree
 SPARES_DIR = "disk-spares"
 MAX_SIZES = 4          # spares are kept for the few sizes asked for last, never for every size ever asked
 log = logging.getLogger("pilldrops.node")
-
-
-def layer_dirs(d: Path) -> None:
-    """The overlay's dirs on a just-mounted disk (``d/disk``), as a create makes them."""
-    upper = d / diskquota.MOUNT / "upper"
-    upper.mkdir()
-    (upper / "etc").mkdir()
-    (d / diskquota.MOUNT / "work").mkdir()
 
 
 def _remove(d: Path) -> bool:
@@ -68,7 +61,6 @@ class DiskSpares:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
-        self._reaped = False
         self._closed = False
         self.hits = self.misses = 0
 
@@ -140,7 +132,6 @@ class DiskSpares:
             return next((mb for mb in reversed(self._wanted) if len(self._ready.get(mb, ())) < self.keep), None)
 
     def _fill(self) -> None:
-        self.reap()                 # a previous life's spares (the agent was killed), if not done at start
         with self._lock:
             doomed, self._doomed = self._doomed, []
         for p in doomed:
@@ -150,7 +141,7 @@ class DiskSpares:
             try:
                 d.mkdir(parents=True)
                 diskquota.make(self.state_dir, d, mb)
-                layer_dirs(d)
+                diskquota.make_layer_dirs(d)
             except OSError as e:
                 log.warning("cannot make a spare %d MiB disk (creates make theirs): %s", mb, e)
                 with self._lock:
@@ -168,9 +159,7 @@ class DiskSpares:
     def reap(self) -> None:
         """The spares a previous life of the agent left (killed): removed at the agent's start, whether or
         not it keeps spares itself."""
-        if not self._reaped:
-            self._reaped = True
-            self._remove_all(known=False)
+        self._remove_all(known=False)
 
     def _remove_all(self, *, known: bool) -> None:
         """Every spare under the root (``known``: also the ready ones of this instance)."""

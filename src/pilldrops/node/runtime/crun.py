@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -277,11 +278,7 @@ class CrunRuntime:
             self._make_run_dir(d)
             if spec.disk_mb and not spare:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
-            upper, work = self._layer_dirs(d)
-            if not spare:
-                upper.mkdir()
-                work.mkdir()
-                (upper / "etc").mkdir()
+            upper, _ = diskquota.layer_dirs(d) if spare else diskquota.make_layer_dirs(d)
             # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
             # members included, never share an identity. Written into the empty upper layer: no copy-up.
             (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
@@ -330,12 +327,6 @@ class CrunRuntime:
         except OSError as e:
             raise RuntimeFailure(f"cannot make the {disk_mb} MiB disk of sandbox {d.name}", detail=str(e)) from e
 
-    @staticmethod
-    def _layer_dirs(d: Path) -> tuple[Path, Path]:
-        """The overlay's upper and work dirs: on the sandbox's own disk when it has one."""
-        base = d / diskquota.MOUNT if (d / diskquota.MOUNT).is_dir() else d
-        return base / "upper", base / "work"
-
     def disk_usage(self, handle: Handle, disk_mb: int | None = None) -> diskquota.Usage | None:
         """Bytes used on the sandbox's disk and its limit (None: it has no disk quota)."""
         return diskquota.usage(self._dir(handle.id), disk_mb)
@@ -343,7 +334,7 @@ class CrunRuntime:
     def _mount_and_configure(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
         """Overlay ``d/rootfs`` over the template layers and the writable layer, and write ``d/config.json``."""
         try:
-            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *self._layer_dirs(d))
+            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *diskquota.layer_dirs(d))
         except (MountError, ValueError) as e:
             raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
         config = self._config(spec, d)
@@ -481,12 +472,12 @@ class CrunRuntime:
             if known is not None and known[:2] == key:       # not destroyed (nor replaced) meanwhile
                 self._spares.make(handle.id, key, self._open_ctl(d), init_pid)
 
+        common: dict[str, Any] = {"env": env, "cwd": cwd, "stdin": stdin, "init_pid": init_pid, "timeout": timeout,
+                                  "output_cap": output_cap, "pty": pty, "user": user, "on_finish": spare}
         sock = self._spares.take(handle.id, key)
         if sock is not None:
             try:
-                return SupervisorExec(sock_path_for(d), argv, env=env, cwd=cwd, stdin=stdin, init_pid=init_pid,
-                                      timeout=timeout, output_cap=output_cap, sock=sock, pty=pty, user=user,
-                                      on_finish=spare)
+                return SupervisorExec(sock_path_for(d), argv, sock=sock, **common)
             except BaseException:
                 sock.close()            # a request it refused (a NUL in argv, say): the init's slot back now
                 raise
@@ -494,9 +485,7 @@ class CrunRuntime:
         if fd is None:
             return None
         try:      # SupervisorExec owns fd from here on
-            return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, env=env, cwd=cwd, stdin=stdin,
-                                  init_pid=init_pid, timeout=timeout,
-                                  output_cap=output_cap, path_fd=fd, pty=pty, user=user, on_finish=spare)
+            return SupervisorExec(Path(f"/proc/self/fd/{fd}"), argv, path_fd=fd, **common)
         except ConnectionRefusedError:
             raise                       # listening, but not accepting right now: the caller retries
         except OSError:
@@ -835,7 +824,7 @@ class CrunRuntime:
                 moved = True
             elif spec.disk_mb:      # paused before it had a disk of its own: it gets one now
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
-            upper, work = self._layer_dirs(d)
+            upper, work = diskquota.layer_dirs(d)
             work.mkdir(exist_ok=True)
             if not has_disk and not kept:
                 try:

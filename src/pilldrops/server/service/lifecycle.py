@@ -126,7 +126,6 @@ class Lifecycle:
     async def create(self, team_id: str, req: CreateSandboxRequest,
                      idempotency_key: str | None = None) -> tuple[SandboxRecord, bool]:
         """Returns ``(row, created)``; ``created`` is False when an idempotent retry was replayed."""
-        ctx = self.ctx
         req_hash = hashlib.sha256(req.model_dump_json().encode()).hexdigest()
         made: list[str] = []         # the rows this call inserted (an error after its insert is its own)
         try:
@@ -138,9 +137,7 @@ class Lifecycle:
             # one with another body is refused as a conflict, as before. An error after this call's own
             # insert (its node failed or timed out) is answered as such: the row is this call's, not an
             # earlier attempt's to replay
-            existing = (await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
-                        if idempotency_key else None)
-            if existing is not None and existing.id not in made and (replayed := await self._replay(existing, req_hash)) is not None:
+            if (replayed := await self._earlier(team_id, idempotency_key, req_hash, made)) is not None:
                 return replayed, False
             raise
 
@@ -167,10 +164,8 @@ class Lifecycle:
                     return claimed, True
             except DuplicateIdempotencyKey:
                 pass        # an earlier attempt holds the key: replayed below
-            if idempotency_key:
-                existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key)
-                if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
-                    return replayed, False
+            if (replayed := await self._earlier(team_id, idempotency_key, req_hash)) is not None:
+                return replayed, False
 
         def choose(nodes: list[NodeRecord], allocs: Allocations) -> NodeRecord:
             # the mode: the request's, else the template's default (as the nodes report it), else the deployment's
@@ -195,8 +190,7 @@ class Lifecycle:
             except DuplicateIdempotencyKey:
                 duplicate = True
         if duplicate:   # a concurrent request with the same key won the insert: replay it (outside the lock)
-            existing = await ctx.store.sandbox_by_idempotency_key(team_id, idempotency_key or "")
-            if existing is not None and (replayed := await self._replay(existing, req_hash)) is not None:
+            if (replayed := await self._earlier(team_id, idempotency_key, req_hash)) is not None:
                 return replayed, False
             return await self._create(team_id, req, idempotency_key, req_hash, made)   # that one failed: a fresh one
         spec = ctx.node_spec(row, float(req.timeout), ref)
@@ -473,6 +467,18 @@ class Lifecycle:
                 for it in res.items:
                     if it.error is not None:
                         log.warning("could not kill %s of a left batch: %s", it.id, it.error.message)
+
+    async def _earlier(self, team_id: str, key: str | None, req_hash: str,
+                       made: list[str] | tuple[()] = ()) -> SandboxRecord | None:
+        """The sandbox an earlier attempt with ``key`` made, handed out as its replay (``_replay``); None
+        when there is none to hand out: no key, no row holds it, the row is one this call made itself
+        (``made``), or that attempt failed to start and released the key."""
+        if not key:
+            return None
+        existing = await self.ctx.store.sandbox_by_idempotency_key(team_id, key)
+        if existing is None or existing.id in made:
+            return None
+        return await self._replay(existing, req_hash)
 
     async def _replay(self, row: SandboxRecord, req_hash: str) -> SandboxRecord | None:
         """The sandbox an earlier request with the same key made, once it is past ``starting``; None when that

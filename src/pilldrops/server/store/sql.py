@@ -373,6 +373,11 @@ class Store:
         q = _by_statement(model, columns)
         return await self._run(lambda c: [_record(model, r) for r in c.execute(q, values)], write=False, quick=quick)
 
+    async def _one_by(self, model: Any, *columns: str, **values: Any) -> Any:
+        """The record of ``model`` whose ``columns`` equal ``values`` (a read by key), or None."""
+        found = await self._by(model, *columns, **values)
+        return found[0] if found else None
+
     def _try_on_loop(self, fn: Callable[..., Any], args: tuple[Any, ...], write: bool) -> tuple[bool, Any]:
         """``fn`` on the event loop's thread (``__init__``): ``(True, result)``, or ``(False, None)`` when
         SQLite was busy (then nothing was committed: the caller runs it again in the worker thread)."""
@@ -424,8 +429,7 @@ class Store:
             return list((await s.scalars(select(Team).order_by(Team.created_at))).all())
 
     async def get_team(self, team_id: str) -> Team | None:
-        found = await self._by(Team, "id", id=team_id)
-        return found[0] if found else None
+        return await self._one_by(Team, "id", id=team_id)
 
     async def team_by_id_or_name(self, ref: str) -> Team | None:
         async with self.session() as s:
@@ -463,8 +467,7 @@ class Store:
         return key
 
     async def key_by_hash(self, key_hash: str) -> ApiKey | None:
-        found = await self._by(ApiKey, "key_hash", key_hash=key_hash)
-        return found[0] if found else None
+        return await self._one_by(ApiKey, "key_hash", key_hash=key_hash)
 
     async def touch_key(self, key_id: str, now: datetime) -> None:
         q = update(ApiKey.__table__).where(ApiKey.id == key_id).values(last_used_at=now)
@@ -518,8 +521,7 @@ class Store:
         return await self._run(go, write=True)
 
     async def get_node(self, node_id: str) -> Node | None:
-        found = await self._by(Node, "id", id=node_id)
-        return found[0] if found else None
+        return await self._one_by(Node, "id", id=node_id)
 
     async def list_nodes(self) -> list[Node]:
         return await self._records(Node, order_by=(Node.name,))
@@ -656,8 +658,7 @@ class Store:
         return row
 
     async def sandbox_by_idempotency_key(self, team_id: str, key: str) -> Sandbox | None:
-        found = await self._by(Sandbox, "team_id", "idempotency_key", team_id=team_id, idempotency_key=key)
-        return found[0] if found else None
+        return await self._one_by(Sandbox, "team_id", "idempotency_key", team_id=team_id, idempotency_key=key)
 
     async def list_sandboxes(self, team_id: str, *, states: Iterable[str] = (),
                              labels: dict[str, str] | None = None, limit: int = 100,
