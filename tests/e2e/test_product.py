@@ -358,7 +358,7 @@ def test_run_returns_when_the_command_exits_even_with_a_background_child(sdk_env
         t0 = time.monotonic()
         r = sb.run("sleep 300 & echo launched")
         assert (r.exit_code, r.stdout, r.timed_out) == (0, "launched\n", False)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 120          # not the child's 300 s
         assert "sleep 300" in sb.run("ps -o args").stdout
 
 

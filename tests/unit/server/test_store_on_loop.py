@@ -6,9 +6,8 @@ is written twice and nothing is lost."""
 from __future__ import annotations
 
 import sqlite3
-import threading
-import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import pytest
@@ -43,33 +42,30 @@ async def test_quick_calls_read_under_a_held_write_lock_and_write_once_it_is_rel
 
         other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         other.execute("BEGIN IMMEDIATE")            # another writer holds the lock (e.g. `pilldrops credits`)
-        release = threading.Timer(0.5, other.execute, ("COMMIT",))
         try:
-            t = time.monotonic()
-            got = await store.get_sandbox(first.id)    # a read does not wait for it
-            assert got is not None and got.id == first.id and time.monotonic() - t < 0.4
-            release.start()
-            t = time.monotonic()
-            ticks = 0
+            with anyio.fail_after(30):              # a read does not wait for the lock (it would wait 60 s)
+                got = await store.get_sandbox(first.id)
+            assert got is not None and got.id == first.id
+            made: list[Any] = []
 
-            async def ticker() -> None:
-                nonlocal ticks
-                while True:
-                    await anyio.sleep(0.05)
-                    ticks += 1
+            async def write() -> None:
+                made.append(await store.insert_claimed(_new(team.id, "sb_onloop000000000002", now, "k2"), node.id,
+                                                       now))
 
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(ticker)
-                    second = await store.insert_claimed(_new(team.id, "sb_onloop000000000002", now, "k2"), node.id,
-                                                        now)
-                    tg.cancel_scope.cancel()
-            assert time.monotonic() - t >= 0.3       # it waited for the lock (in the worker thread)...
-            assert ticks >= 3                        # ...while the event loop went on serving
+                    tg.start_soon(write)
+                    while store._hot_lock.borrowed_tokens == 0:   # the write went to the worker thread...
+                        await anyio.sleep(0.01)
+                    for _ in range(3):                           # ...and while it waits, the loop serves
+                        assert (await store.get_sandbox(first.id)) is not None
+                        await anyio.sleep(0.01)
+                    assert not made                              # it is waiting for the lock, not done
+                    await anyio.to_thread.run_sync(other.execute, "COMMIT")
+            second = made[0]
             assert second is not None and second.node_id == node.id
             assert await store.set_sandbox(second.id, from_states=["running"], state="killing")
         finally:
-            release.join()
             other.close()
         # written once each, labels included; a duplicate key is still the unique index's to refuse
         rows = await store.get_sandboxes([first.id, second.id])
