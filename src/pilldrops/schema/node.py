@@ -7,6 +7,8 @@ Times on the wire are UTC datetimes from the control plane's clock; the node kee
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -88,6 +90,15 @@ class NodeRegistered(_Model):
 class NodeHeartbeatReply(_Model):
     ok: bool = True
     pools: list[NodePoolSpec] = Field(default_factory=list)
+    # delta heartbeats (issue 15), only to a node whose heartbeat carried a ``digest`` (an older node's reply
+    # stays as it was: extra="forbid" there). ``epoch``: this control-plane process (a delta beat names the
+    # epoch that acked its baseline); ``full``: send a full beat now (no baseline here, a digest that did not
+    # match, or the periodic safety net); ``usage_every_s``: how much new running time makes a sandbox's
+    # usage due (billing's commit cadence)
+    epoch: str | None = Field(None, exclude_if=lambda v: v is None)
+    full: bool = Field(False, exclude_if=lambda v: not v)
+    usage_every_s: float | None = Field(None, exclude_if=lambda v: v is None)
+    want: list[str] = Field(default_factory=list, exclude_if=lambda v: not v)   # report these in the next delta
 
 
 class NodeHeartbeat(_Model):
@@ -96,6 +107,27 @@ class NodeHeartbeat(_Model):
     used_vcpu: float = 0
     used_memory_mb: int = 0
     pools: list[NodePoolStatus] = Field(default_factory=list)
+    # delta heartbeats (issue 15); all left out by older nodes, whose beats are full. ``count`` and ``digest``
+    # (``live_digest``) are of every id the node reports (its sandboxes and undelivered ends), full beat or
+    # delta. A delta (``delta_of``: the epoch that acked its baseline) carries only the sandboxes whose status
+    # changed since the last acked beat, or whose usage is due, and ``gone``: ids it no longer reports.
+    count: int | None = Field(None, ge=0, exclude_if=lambda v: v is None)
+    digest: str | None = Field(None, exclude_if=lambda v: v is None)
+    delta_of: str | None = Field(None, exclude_if=lambda v: v is None)
+    gone: list[str] = Field(default_factory=list, exclude_if=lambda v: not v)
+
+
+def id_hash(sandbox_id: str) -> int:
+    """One id's part of a ``live_digest`` (64 bits)."""
+    return int.from_bytes(hashlib.blake2b(sandbox_id.encode(), digest_size=8).digest(), "big")
+
+
+def live_digest(ids: Iterable[str] = (), acc: int = 0) -> str:
+    """An order-independent digest of a set of sandbox ids: the XOR of their ``id_hash``es (so either side
+    can keep it incrementally: XOR an id in when it appears, again when it goes), as 16 hex digits."""
+    for i in ids:
+        acc ^= id_hash(i)
+    return f"{acc:016x}"
 
 
 class NodeNetwork(TemplateNetwork):

@@ -23,6 +23,7 @@ from pilldrops.schema.node import NodeSandboxSpec, NodeSandboxStatus, NodeTempla
 from pilldrops.server.domain.states import TRANSITIONS
 from pilldrops.server.nodes.client import NodeClient
 from pilldrops.server.service import egress
+from pilldrops.server.service.beats import RECENT_S, Beats, Recent
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.claims import GrantIndex
 from pilldrops.server.service.pools import PoolService
@@ -69,10 +70,15 @@ class SandboxContext:
     grants: GrantIndex = field(default_factory=GrantIndex)   # pre-issued warm members, per shape (claims)
     # the last usage report of each running sandbox (billed every commit_every_s): what is billed when its
     # node is lost before the next commit
-    last_usage: dict[str, NodeSandboxStatus] = field(default_factory=dict)
+    last_usage: dict[str, tuple[NodeSandboxStatus, datetime]] = field(default_factory=dict)   # (report, received)
+    beats: Beats = field(default_factory=Beats)      # delta heartbeats: each node's view, this process's epoch
+    told: Recent = field(init=False)                 # claims handed over to their node just now
+    killed: Recent = field(init=False)               # sandboxes stopped on their node just now
 
     def __post_init__(self) -> None:
         self.node_cache = self.clock.ttl_cache(NODE_CACHE_S)
+        self.told = Recent(RECENT_S, self.clock.monotonic)
+        self.killed = Recent(RECENT_S, self.clock.monotonic)
 
     async def node(self, node_id: str) -> NodeRecord | None:
         """A node's record, cached for a few seconds (used for its URL and name, which change only when it
@@ -117,6 +123,8 @@ class SandboxContext:
             await self.nodes.kill(node.url, sandbox_id)
         except errors.PillDropsError as exc:
             log.warning("could not stop %s%s on %s: %s", what, sandbox_id, node.name, exc)
+        else:
+            self.killed.add(sandbox_id)
 
     async def quiet_forget(self, node: NodeRecord, sandbox_id: str, why: str) -> None:
         """Drop its checkpoint on that node; a failure is logged (dropped at the node's next report)."""

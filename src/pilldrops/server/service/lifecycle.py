@@ -91,8 +91,8 @@ class Lifecycle:
 
     def _disk_used(self, row: SandboxRecord) -> int | None:
         """Bytes in its writable layer at the node's last report (running sandboxes only)."""
-        st = self.ctx.last_usage.get(row.id) if row.state == S.running.value else None
-        return st.disk_used_bytes if st is not None else None
+        last = self.ctx.last_usage.get(row.id) if row.state == S.running.value else None
+        return last[0].disk_used_bytes if last is not None else None
 
     def _check_disk(self, disk_mb: int, what: str) -> int:
         if disk_mb > self.max_disk_mb:
@@ -330,6 +330,7 @@ class Lifecycle:
             left = max(1.0, ((row.end_at or now) - now).total_seconds())
             spec = ctx.node_spec(row, left, ref).model_copy(update={"claimed_s": max(0.0, since)})  # type: ignore[arg-type]
             await ctx.nodes.create(node.url, spec)
+            ctx.told.add(row.id)
         except Exception as exc:
             if not outcome_unknown(exc):     # (the node retires the member; its grant is never offered again)
                 log.warning("node %s refused pre-issued member %s: %s", node.name, row.id, exc)
@@ -348,8 +349,8 @@ class Lifecycle:
         """A claim recorded whose node was never told (its control plane died in between; the node still
         lists the grant): tell it now, with the deadline the record has left."""
         ctx = self.ctx
-        if row.id in ctx.creating:
-            return
+        if row.id in ctx.creating or row.id in ctx.told:
+            return       # being told, or told a moment ago (the heartbeat was composed before it)
         ctx.creating.add(row.id)
         try:
             ref = await ctx.template_ref(row)
@@ -538,6 +539,7 @@ class Lifecycle:
             if final is not None and final.end_reason not in (None, EndReason.killed):
                 why = final.end_reason         # it had already ended on its own (OOM, exit, deadline)
             self.ctx.last_usage.pop(sid, None)
+            self.ctx.killed.add(sid)           # its node answered the kill (or has no such sandbox)
             ends.append(EndSandbox(sid, S.stopped.value, why.value, final=final is not None,
                                    seq=final.seq if final is not None else None,
                                    run_s=final.run_s if final is not None else None))

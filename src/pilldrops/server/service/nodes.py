@@ -52,6 +52,7 @@ class NodeService:
             ram_mb=req.ram_mb or None)
         self.sandboxes.forget_node(node.id)          # its URL may have changed
         self.sandboxes.ctx.grants.drop_node(node.id)  # a restarted agent reaped its unclaimed members
+        self.sandboxes.ctx.beats.forget(node.id)      # its next heartbeat is full
         await self._absorb(node.id, req.sandboxes)
         return NodeRegistered(node_id=node.id, heartbeat_interval=self.heartbeat_interval,
                               pools=await self.pools.specs() if self.pools else [])
@@ -62,9 +63,25 @@ class NodeService:
                                           [p.model_dump(mode="json", exclude={"grants"}) for p in hb.pools])
         if node is None:
             raise errors.NotFound(f"unknown node {node_id!r}: register again")
-        self.sandboxes.ctx.grants.update(node_id, hb.pools)     # its ready members, pre-issued (claims)
-        await self._absorb(node_id, hb.sandboxes)
-        return NodeHeartbeatReply(pools=await self.pools.specs() if self.pools else [])
+        ctx = self.sandboxes.ctx
+        ctx.grants.update(node_id, hb.pools)     # its ready members, pre-issued (claims)
+        received = self.clock.now()
+        pools = await self.pools.specs() if self.pools else []
+        if hb.digest is None:                    # an agent from before delta heartbeats: a full report
+            await self.sandboxes.absorb(node, hb.sandboxes, received)
+            return NodeHeartbeatReply(pools=pools)
+        want: set[str] = set()
+        if hb.delta_of is None:
+            want = await self.sandboxes.absorb(node, hb.sandboxes, received)
+            ctx.beats.full(node_id, hb, received)
+            full = False
+        else:
+            live = ctx.beats.delta(node_id, hb, received)
+            full = live is None      # refused: not absorbed; the node sends a full beat at once (``full``)
+            if live is not None:
+                want = await self.sandboxes.absorb(node, hb.sandboxes, received, live=live, gone=hb.gone)
+        return NodeHeartbeatReply(pools=pools, epoch=ctx.beats.epoch, full=full, want=sorted(want),
+                                  usage_every_s=ctx.billing.settings.commit_every_s)
 
     async def _absorb(self, node_id: str, statuses: list) -> None:  # type: ignore[type-arg]
         received = self.clock.now()

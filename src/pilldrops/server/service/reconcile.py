@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 from pilldrops.schema.api import EndReason, SandboxState
 from pilldrops.schema.node import NodeSandboxStatus
-from pilldrops.server.domain.states import ENDED
+from pilldrops.server.domain.states import ENDED, LIVE
 from pilldrops.server.service.context import IN_FLIGHT, SandboxContext, legal_from, timeout_left
 from pilldrops.server.service.placement import NODE_READY_WINDOW
 from pilldrops.server.store.interface import NodeRecord, SandboxRecord
@@ -31,29 +31,47 @@ class Reconciler:
         # tells a node of a claim it never heard of (``Lifecycle.resync_claim``; set by the facade)
         self.resync: Callable[[NodeRecord, SandboxRecord], Awaitable[None]] | None = None
 
-    async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime) -> None:
-        """A node's full report (register or heartbeat), in a few queries whatever the number of sandboxes:
+    async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime,
+                     live: set[str] | None = None, gone: list[str] = ()) -> set[str]:  # type: ignore[assignment]
+        """A node's report (register or heartbeat), in a few queries whatever the number of sandboxes:
         steady running ones only have their usage committed (together, in one transaction); state changes
-        take the per-sandbox path; then missing ones are reconciled and orphans stopped."""
+        take the per-sandbox path; then missing ones are reconciled and orphans stopped.
+
+        ``live``: the report is a delta (``statuses`` are only what changed or is due; ``live`` every id the
+        node reports, its digest checked; ``gone`` the ids it stopped reporting): only its own rows are read,
+        and of the store's other rows only those of ``gone`` (a sandbox that vanished without an end is lost
+        there, as a full report's missing one) and the claims the node may never have been told of (grants
+        it still lists) are reconciled. A full
+        report (``live`` None) reconciles every live row of the node. Returns the ids whose rows are still
+        in flight (a pause or resume): a delta must report them again, unchanged or not, until settled."""
         ctx = self.ctx
         rows = await ctx.store.get_sandboxes(st.id for st in statuses)
         steady: list[NodeSandboxStatus] = []
+        unsettled: set[str] = set()
         for st in statuses:
             row = rows.get(st.id)
+            if row is not None and row.state in IN_FLIGHT:
+                unsettled.add(st.id)
             if row is not None and row.node_id == node.id and row.id not in ctx.in_flight \
                     and await self.settle(row, st):
+                unsettled.discard(st.id)
                 continue
             if row is not None and row.node_id == node.id and (
                     (row.state == S.running.value and st.state == S.running)
                     or (row.state in (S.paused.value, *IN_FLIGHT) and st.state == S.paused)):
                 if st.state == S.running:
                     steady.append(st)
-                    ctx.last_usage[st.id] = st
+                    ctx.last_usage[st.id] = (st, received)
                 continue
             await self.apply_node_status(node.id, st, row)
         await ctx.billing.commit_running(steady, rows)
-        await self.reconcile_node(node.id, {st.id for st in statuses}, received)
+        if live is None:
+            await self.reconcile_node(node.id, {st.id for st in statuses}, received)
+        else:
+            await self.reconcile_node(node.id, live, received,
+                                      only=[*gone, *(g for g in ctx.grants.listed_popped(node.id) if g not in live)])
         await self.stop_orphans(node, statuses, rows)
+        return unsettled
 
     async def settle(self, row: SandboxRecord, st: NodeSandboxStatus) -> bool:
         """A pause or resume whose request died with its control plane (or timed out after the node acted):
@@ -116,10 +134,20 @@ class Reconciler:
                 st.id, from_states=legal_from(st.state), until=now, resumed=False, state=st.state.value,
                 end_reason=(st.end_reason or EndReason.exited).value, ended_at=ended_at, error=st.error, **release)
 
-    async def _declare_lost(self, row: SandboxRecord, ended_at: datetime, error: str) -> None:
-        """``lost`` (``node_lost``), ended at ``ended_at``: its last usage report is billed first."""
+    async def _declare_lost(self, row: SandboxRecord, ended_at: datetime, error: str,
+                            heard_at: datetime | None = None) -> None:
+        """``lost`` (``node_lost``), ended at ``ended_at``: its last usage report is billed first. ``heard_at``:
+        when its node last confirmed (a delta heartbeat whose digest matched) that nothing changed; a
+        running sandbox's report is carried forward to then (its running seconds grow with the clock while
+        it runs; any change would have been in that beat), so it is billed up to the node's last heartbeat
+        as with full beats, though a delta carries its usage only every ``commit_every_s``."""
         if (last := self.ctx.last_usage.pop(row.id, None)) is not None:
-            await self.ctx.billing.commit(last)
+            st, at = last
+            if (heard_at is not None and st.run_s is not None and row.state == S.running.value
+                    and (extra := (min(heard_at, ended_at) - at).total_seconds()) > 0):
+                run_s = st.run_s + extra
+                st = st.model_copy(update={"run_s": run_s, "seq": max(st.seq or 0, int(run_s * 1000))})
+            await self.ctx.billing.commit(st)
         await self.ctx.billing.end_interval(row.id, from_states=legal_from(S.lost), until=ended_at, resumed=False,
                                             state=S.lost.value, end_reason=EndReason.node_lost.value,
                                             ended_at=ended_at, error=error)
@@ -127,17 +155,25 @@ class Reconciler:
     async def mark_lost(self, node_id: str, last_seen: datetime) -> None:
         """The node is gone: its live sandboxes are ``lost`` (``node_lost``), ended and billed up to when
         the node was last heard from."""
+        heard_at = self.ctx.beats.verified_at(node_id)
         for row in await self.ctx.store.live_sandboxes_on(node_id):
             ended_at = max(last_seen, row.started_at) if row.started_at else last_seen
             if row.paused_at is not None:
                 ended_at = max(last_seen, row.paused_at)
-            await self._declare_lost(row, ended_at, "the node stopped heartbeating")
+            await self._declare_lost(row, ended_at, "the node stopped heartbeating", heard_at)
 
-    async def reconcile_node(self, node_id: str, live_ids: set[str], received: datetime | None = None) -> None:
+    async def reconcile_node(self, node_id: str, live_ids: set[str], received: datetime | None = None,
+                             only: list[str] | None = None) -> None:
         """Sandboxes the store thinks run on a node that no longer has them are lost (with a grace period,
-        from when the report was received, so a report composed before a create finished does not count)."""
+        from when the report was received, so a report composed before a create finished does not count).
+        ``only``: just these ids' rows (a delta heartbeat's), not every live row of the node."""
         cutoff = (received or self.ctx.clock.now()) - NODE_READY_WINDOW
-        for row in await self.ctx.store.live_sandboxes_on(node_id):
+        if only is None:
+            rows = await self.ctx.store.live_sandboxes_on(node_id)
+        else:
+            found = await self.ctx.store.get_sandboxes(only) if only else {}
+            rows = [r for r in found.values() if r.node_id == node_id and SandboxState(r.state) in LIVE]
+        for row in rows:
             if row.id in live_ids or row.state in IN_FLIGHT or row.id in self.ctx.creating:
                 continue
             if row.state == S.running.value and self.resync is not None and self.ctx.grants.listed(node_id, row.id):
@@ -160,7 +196,7 @@ class Reconciler:
         otherwise stay reported for ever, which only its grant may claim), and never offered again."""
         ctx = self.ctx
         for gid in ctx.grants.listed_popped(node_id):
-            if gid in live_ids or gid in ctx.creating:
+            if gid in live_ids or gid in ctx.creating or gid in ctx.killed:
                 continue
             row = await ctx.store.get_sandbox(gid)
             if row is None or SandboxState(row.state) not in ENDED:
@@ -204,6 +240,8 @@ class Reconciler:
             if rows is not None and row is not None and row.node_id == node.id \
                     and SandboxState(row.state) not in ENDED:
                 continue
+            if st.id in ctx.killed:
+                continue     # this process stopped it there a moment ago: the report was composed before
             row = await ctx.store.get_sandbox(st.id)     # fresh: it may have changed since the report
             if row is None or (row.node_id == node.id and SandboxState(row.state) in ENDED) or (
                     row.node_id != node.id and row.state not in IN_FLIGHT):

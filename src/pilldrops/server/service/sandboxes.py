@@ -120,8 +120,9 @@ class SandboxService:
 
     # ---- node reports --------------------------------------------------------------------------------
 
-    async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime) -> None:
-        await self.reconciler.absorb(node, statuses, received)
+    async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime,
+                     live: set[str] | None = None, gone: list[str] = ()) -> set[str]:  # type: ignore[assignment]
+        return await self.reconciler.absorb(node, statuses, received, live, gone)
 
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus,
                                 row: SandboxRecord | None = None) -> None:
