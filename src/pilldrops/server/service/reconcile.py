@@ -1,8 +1,9 @@
 """Reconciliation: what nodes report against what the store records.
 
-- ``absorb``: a node's full report (register or heartbeat): usage of steady running sandboxes committed
-  together, state changes applied one by one, pauses/resumes whose request died settled, then sandboxes
-  the node no longer has declared lost and orphans stopped;
+- ``absorb``: a node's report (register or heartbeat, full or a delta): usage of steady running sandboxes
+  committed together, state changes applied one by one, pauses/resumes whose request died settled, then
+  sandboxes the node no longer has declared lost (a full report: every live row; a delta: its ``gone`` and
+  claims the node may not have been told of) and orphans stopped;
 - ``apply_node_status``: one sandbox's report (usage so far, or an end the node saw on its own);
 - ``mark_lost``: a node stopped heartbeating: its live sandboxes are lost, billed up to when it was last
   heard from;
