@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.stack import stack  # noqa: E402
+from tests.stack import stack
 
 
 async def one(n: int, rounds: int) -> dict[str, list[float]]:

@@ -33,7 +33,7 @@ class Pools:
 def client(handler: Any, statuses: list[NodeSandboxStatus]) -> ControlPlaneClient:
     http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     cp = ControlPlaneClient("http://cp", http, Identity("n", "http://n", 4, 4096, "i"), Pools(),  # type: ignore[arg-type]
-                            statuses=lambda: list(statuses), usage=lambda: (0.0, 0), templates=lambda: [])
+                            statuses=lambda: list(statuses), usage=lambda: (0.0, 0), templates=list)
     cp.node_id = "node_1"
     return cp
 
