@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 
 from pilldrops.schema.api import EndReason, SandboxState
@@ -33,7 +33,7 @@ class Reconciler:
         self.resync: Callable[[NodeRecord, SandboxRecord], Awaitable[None]] | None = None
 
     async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime,
-                     live: set[str] | None = None, gone: list[str] = ()) -> set[str]:  # type: ignore[assignment]
+                     live: set[str] | None = None, gone: Sequence[str] = ()) -> set[str]:
         """A node's report (register or heartbeat), in a few queries whatever the number of sandboxes:
         steady running ones only have their usage committed (together, in one transaction); state changes
         take the per-sandbox path; then missing ones are reconciled and orphans stopped.
@@ -42,8 +42,8 @@ class Reconciler:
         node reports, its digest checked; ``gone`` the ids it stopped reporting): only its own rows are read,
         and of the store's other rows only those of ``gone`` (a sandbox that vanished without an end is lost
         there, as a full report's missing one) and the claims the node may never have been told of (grants
-        it still lists) are reconciled. A full
-        report (``live`` None) reconciles every live row of the node. Returns the ids whose rows are still
+        it still lists) are reconciled. A full report (``live`` None) reconciles every live row of the node.
+        Returns the ids whose rows are still
         in flight (a pause or resume): a delta must report them again, unchanged or not, until settled."""
         ctx = self.ctx
         rows = await ctx.store.get_sandboxes(st.id for st in statuses)

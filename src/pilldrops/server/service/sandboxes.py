@@ -12,7 +12,7 @@ and signatures are the service's contract.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
 from pilldrops._internal.clock import Clock
@@ -121,7 +121,7 @@ class SandboxService:
     # ---- node reports --------------------------------------------------------------------------------
 
     async def absorb(self, node: NodeRecord, statuses: list[NodeSandboxStatus], received: datetime,
-                     live: set[str] | None = None, gone: list[str] = ()) -> set[str]:  # type: ignore[assignment]
+                     live: set[str] | None = None, gone: Sequence[str] = ()) -> set[str]:
         return await self.reconciler.absorb(node, statuses, received, live, gone)
 
     async def apply_node_status(self, node_id: str, st: NodeSandboxStatus,
