@@ -652,7 +652,7 @@ class RunDecoder:
             try:
                 event = RunEvent.model_validate_json(line).model_dump()
             except (pydantic.ValidationError, ValueError) as exc:
-                raise ServerError(f"malformed run event: {line[:200]!r}") from exc
+                raise ServerError(f"malformed run event: {line[:200].decode('utf-8', 'replace')!r}") from exc
         typ = event["type"]
         if typ == "start":
             self.pid = event.get("pid")
