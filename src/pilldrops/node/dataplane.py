@@ -115,14 +115,15 @@ class DataPlane:
     async def _exec(self, t: Target, argv: list[str], *, env: dict[str, str] | None = None,
                     cwd: str | None = None, stdin: AsyncIterable[bytes] | bytes | None = None,
                     timeout: float | None = None, output_cap: int | None = None,
-                    as_user: bool = False) -> ExecProcess:
-        """``as_user``: as the template's user (the user's own commands); file transfers stay root."""
+                    as_user: bool = False, pid_late: bool = False) -> ExecProcess:
+        """``as_user``: as the template's user (the user's own commands); file transfers stay root.
+        ``pid_late``: nothing here waits for the command's pid (see ``Runtime.exec``)."""
         if t.pausing:
             raise errors.InvalidState(f"sandbox {t.id} is being paused", current="pausing", target="running")
         try:
             proc = await self.runtime.exec(t.handle, argv, env={**t.env, **(env or {})}, cwd=cwd or t.workdir,
                                            stdin=stdin, timeout=timeout, output_cap=output_cap,
-                                           **({"user": t.user} if as_user and t.user else {}))
+                                           pid_late=pid_late, **({"user": t.user} if as_user and t.user else {}))
         except RuntimeFailure as exc:   # e.g. its init just died and the monitor has not noticed yet
             raise errors.InvalidState(f"sandbox {t.id} cannot run commands: {exc.message}",
                                       current="stopped", target="running") from exc
@@ -163,7 +164,8 @@ class DataPlane:
         # (or whether) the client reads the stream.
         proc = await self._exec(t, argv, env=req.envs, cwd=req.cwd,
                                 stdin=req.stdin.encode() if req.stdin is not None else None,
-                                timeout=req.timeout, output_cap=req.max_output_bytes, as_user=True)
+                                timeout=req.timeout, output_cap=req.max_output_bytes, as_user=True,
+                                pid_late=True)
         return self._stream(t, proc, started, ooms)
 
     def _oom_kills(self, t: Target) -> int | None:

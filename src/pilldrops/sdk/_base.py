@@ -11,6 +11,7 @@ import asyncio
 import codecs
 import email.utils
 import functools
+import json
 import os
 import posixpath
 import random
@@ -71,6 +72,13 @@ class Target:
 
     def url(self, path: str) -> str:
         return self.base_url.rstrip("/") + path
+
+
+@functools.lru_cache(maxsize=4096)
+def parsed_url(url: str) -> httpx.URL:
+    """``url`` parsed once: httpx parses a string URL on every request (~50 µs; issue 15), and a sandbox's
+    data-plane URLs repeat on every call. ``httpx.URL`` is immutable, so one parse serves every request."""
+    return httpx.URL(url)
 
 
 def control_target(config: ClientConfig) -> Target:
@@ -558,11 +566,35 @@ class _Stream:
         return b"".join(self.chunks)
 
 
+_EVENT_FIELDS: dict[str, tuple[type, ...]] = {      # a plain event's fields and the JSON types each may have
+    "pid": (int,), "data": (str,), "exit_code": (int,), "duration": (float, int), "truncated": (bool,),
+    "timed_out": (bool,), "paused": (bool,), "oom_killed": (bool,)}
+MAX_EVENT_LINE = 1 << 20        # the node's longest line is one 64 KiB chunk in base64 (~88 KiB)
+AFTER_EXIT_MAX = 65536          # bytes read after the exit event before the stream is given up on
+
+
+def _plain_event(line: str | bytes) -> dict[str, Any] | None:
+    """A start/stdout/stderr/exit event as a dict, parsed without a model (issue 15: a run's events cost
+    ~2× less so); None when it is anything else (an error event, an unknown field, a field of the wrong
+    type): the caller then validates it with :class:`RunEvent`, which says what is wrong."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if type(obj) is not dict or obj.get("type") not in ("start", "stdout", "stderr", "exit"):
+        return None
+    for k, v in obj.items():
+        if k != "type" and v is not None and (type(v) not in _EVENT_FIELDS.get(k, ())):
+            return None
+    return obj
+
+
 class RunDecoder:
     """Turns the NDJSON lines of ``POST .../run`` into callbacks and a :class:`RunResult`.
 
-    Feed it each line with :meth:`feed`; an ``error`` event raises the matching PillDrops error.
-    Callbacks receive decoded text chunks; a multi-byte character split across chunks is decoded whole.
+    Feed it each line with :meth:`feed`, or the body's raw chunks with :meth:`feed_bytes`; an ``error``
+    event raises the matching PillDrops error. Callbacks receive decoded text chunks; a multi-byte
+    character split across chunks is decoded whole.
     """
 
     def __init__(self, *, cmd: str | list[str] | None = None, on_stdout: Callable[[str], Any] | None = None,
@@ -572,36 +604,72 @@ class RunDecoder:
         self.pid: int | None = None
         self._out = _Stream(on_stdout, max_output_bytes)
         self._err = _Stream(on_stderr, max_output_bytes)
-        self._exit: RunEvent | None = None
+        self._exit: dict[str, Any] | None = None
+        self._partial = bytearray()         # feed_bytes: the line not yet ended
+        self._after = 0                     # feed_bytes: bytes seen after the exit event
 
     @property
     def done(self) -> bool:
         return self._exit is not None
 
+    def feed_bytes(self, chunk: bytes) -> bool:
+        """Feed raw body bytes (split into lines here, each bounded by ``MAX_EVENT_LINE``); False once the
+        caller may stop reading: the exit event came and more than ``AFTER_EXIT_MAX`` bytes followed it.
+        Call :meth:`end_bytes` at the end of the body (a last line without a newline)."""
+        if self._exit is not None:
+            self._after += len(chunk)
+            return self._after <= AFTER_EXIT_MAX
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            if self._partial:
+                self._partial += chunk[start:nl]
+                line, self._partial = bytes(self._partial), bytearray()
+            else:
+                line = chunk[start:nl]
+            start = nl + 1
+            self.feed(line)
+            if self._exit is not None:      # the stream ends here; the rest is read and dropped
+                self._after = len(chunk) - start
+                return self._after <= AFTER_EXIT_MAX
+        if len(self._partial) + len(chunk) - start > MAX_EVENT_LINE:
+            raise ServerError(f"a run event longer than {MAX_EVENT_LINE} bytes")
+        self._partial += chunk[start:]
+        return True
+
+    def end_bytes(self) -> None:
+        """The body ended: feed the line it did not end with a newline, if any."""
+        line, self._partial = bytes(self._partial), bytearray()
+        if self._exit is None:
+            self.feed(line)
+
     def feed(self, line: str | bytes) -> None:
-        if isinstance(line, bytes):
-            line = line.decode("utf-8", "replace")
+        if isinstance(line, str):
+            line = line.encode("utf-8", "surrogateescape")
         if not line.strip():
             return
-        try:
-            event = RunEvent.model_validate_json(line)
-        except (pydantic.ValidationError, ValueError) as exc:
-            raise ServerError(f"malformed run event: {line[:200]!r}") from exc
-        if event.type == "start":
-            self.pid = event.pid
-        elif event.type in ("stdout", "stderr"):
+        event = _plain_event(line)
+        if event is None:
+            try:
+                event = RunEvent.model_validate_json(line).model_dump()
+            except (pydantic.ValidationError, ValueError) as exc:
+                raise ServerError(f"malformed run event: {line[:200].decode('utf-8', 'replace')!r}") from exc
+        typ = event["type"]
+        if typ == "start":
+            self.pid = event.get("pid")
+        elif typ in ("stdout", "stderr"):
             import base64
             import binascii
 
             try:
-                data = base64.b64decode(event.data or "", validate=True)
+                data = base64.b64decode(event.get("data") or "", validate=True)
             except (binascii.Error, ValueError) as exc:
                 raise ServerError("malformed base64 in run output") from exc
-            (self._out if event.type == "stdout" else self._err).feed(data)
-        elif event.type == "exit":
+            (self._out if typ == "stdout" else self._err).feed(data)
+        elif typ == "exit":
             self._exit = event
-        elif event.type == "error":
-            raise from_wire(0, {"error": {"code": event.code, "message": event.message or event.code}})
+        elif typ == "error":
+            code = event.get("code")
+            raise from_wire(0, {"error": {"code": code, "message": event.get("message") or code}})
 
     def result(self) -> RunResult:
         """The final result; raises :class:`TransportError` if the stream ended without an ``exit`` event."""
@@ -609,12 +677,14 @@ class RunDecoder:
         if self._exit is None:
             raise TransportError("the run stream ended before the command's exit was reported")
         ev = self._exit
+        code = ev.get("exit_code")
         return RunResult(
-            exit_code=ev.exit_code if ev.exit_code is not None else -1,
+            exit_code=code if code is not None else -1,
             stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-            stdout_bytes=out, stderr_bytes=err, duration=float(ev.duration or 0.0),
-            truncated=bool(ev.truncated) or self._out.truncated or self._err.truncated,
-            timed_out=bool(ev.timed_out), paused=bool(ev.paused), oom_killed=bool(ev.oom_killed), cmd=self.cmd,
+            stdout_bytes=out, stderr_bytes=err, duration=float(ev.get("duration") or 0.0),
+            truncated=bool(ev.get("truncated")) or self._out.truncated or self._err.truncated,
+            timed_out=bool(ev.get("timed_out")), paused=bool(ev.get("paused")),
+            oom_killed=bool(ev.get("oom_killed")), cmd=self.cmd,
         )
 
 

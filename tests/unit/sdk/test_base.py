@@ -142,6 +142,56 @@ def test_run_decoder_missing_exit_and_garbage() -> None:
         _base.RunDecoder().feed("not json")
 
 
+def test_run_decoder_bytes_split_anywhere() -> None:
+    """The run body's raw chunks, split at any byte (lines across chunks, several lines in one): the same
+    result as feeding whole lines; a last line without a newline is fed at the end."""
+    body = (_line(type="start", pid=3) + "\n" + _line(type="stdout", data=_b64("añ€".encode())) + "\n" +
+            _line(type="stderr", data=_b64(b"e")) + "\n" +
+            _line(type="exit", exit_code=2, duration=0.5, truncated=False, timed_out=False)).encode()
+    rng = random.Random(7)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(body)), rng.randint(0, 8)))
+        dec = _base.RunDecoder()
+        for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
+            assert dec.feed_bytes(body[a:b])
+        dec.end_bytes()
+        r = dec.result()
+        assert (r.exit_code, r.stdout, r.stderr, r.duration, dec.pid) == (2, "añ€", "e", 0.5, 3)
+
+
+def test_run_decoder_bytes_bounds() -> None:
+    """A line longer than MAX_EVENT_LINE is refused before it is buffered whole; after the exit event at
+    most AFTER_EXIT_MAX bytes are read before the caller is told to stop."""
+    dec = _base.RunDecoder()
+    dec.feed_bytes(b'{"type":"stdout","data":"' + b"A" * 1000)
+    with pytest.raises(ServerError, match="longer than"):
+        for _ in range(_base.MAX_EVENT_LINE // 65536 + 2):
+            dec.feed_bytes(b"A" * 65536)
+    dec = _base.RunDecoder()
+    assert dec.feed_bytes((_line(type="exit", exit_code=0) + "\n").encode() + b"x" * 100)
+    assert dec.feed_bytes(b"y" * (_base.AFTER_EXIT_MAX - 200))
+    assert not dec.feed_bytes(b"z" * 200)
+    assert dec.result().exit_code == 0
+
+
+@pytest.mark.parametrize("line", [
+    _line(type="exit", exit_code="0"), _line(type="exit", exit_code=True), _line(type="stdout", data=5),
+    _line(type="start", pid=1.5), _line(type="nope"), "[1, 2]", "null", '{"type": "exit", "exit_code": 0',
+])
+def test_run_decoder_plain_parse_falls_back_to_the_model(line: str) -> None:
+    """An event the plain parse does not take (a field of another type, an unknown type, not an object) is
+    validated by RunEvent as before: coerced where the model coerces, else a ServerError."""
+    dec = _base.RunDecoder()
+    try:
+        want = _base.RunEvent.model_validate_json(line).model_dump()
+    except ValueError:
+        with pytest.raises(ServerError, match="malformed run event"):
+            dec.feed(line)
+        return
+    dec.feed(line)
+    assert dec.done == (want["type"] == "exit") and (not dec.done or dec.result().exit_code == want["exit_code"])
+
+
 def test_run_result_check_returncode() -> None:
     ok = _base.RunResult(exit_code=0)
     assert ok.check_returncode() is ok

@@ -59,13 +59,15 @@ _STREAMS: dict[int, StreamName] = {ord("O"): "stdout", ord("e"): "stderr"}
 
 
 def encode_request(argv: list[str], env: dict[str, str], cwd: str, *, stdin: bool,
-                   pty: tuple[int, int] | None = None, hello: bool = True, user: str | None = None) -> bytes:
+                   pty: tuple[int, int] | None = None, hello: bool = True, user: str | None = None,
+                   pid_late: bool = False) -> bytes:
     """``H`` + ``R`` frames; ``pty`` is (rows, cols) of a new terminal for the command; ``user`` ("uid:gid")
-    the ids it runs as (a template's USER; None: the init's, root)."""
+    the ids it runs as (a template's USER; None: the init's, root); ``pid_late``: the init may send ``P``
+    with the first output or the exit (at most its HOLD_MS after the fork; not with stdin or a PTY)."""
     strs = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
     if any("\0" in s for s in strs):
         raise ValueError("argv, env and cwd must not contain NUL bytes")
-    flags = (1 if stdin or pty else 0) | (2 if pty else 0) | (4 if user else 0)
+    flags = (1 if stdin or pty else 0) | (2 if pty else 0) | (4 if user else 0) | (8 if pid_late else 0)
     head = struct.pack("<BII", flags, len(argv), len(env))
     if pty:
         head += struct.pack("<HH", *_size(*pty))
@@ -192,11 +194,13 @@ class SupervisorExec(OutputRelay):
                  timeout: float | None = None, output_cap: int | None = None,
                  path_fd: int | None = None, sock: socket.socket | None = None,
                  pty: tuple[int, int] | None = None, user: str | None = None,
-                 on_finish: Callable[[], None] | None = None) -> None:
-        """``on_finish``: called (soon, on the loop) once the command has ended. ``path_fd``: an fd
+                 on_sent: Callable[[], None] | None = None, pid_late: bool = False) -> None:
+        """``on_sent``: called (soon, on the loop) once the request went out, while the command runs (the
+        runtime makes the sandbox's next connection then: off the path of this command's answer). ``path_fd``: an fd
         ``sock_path`` refers to (``/proc/self/fd/N``); owned from here on, closed once connected. ``sock``: an already connected socket to use instead of ``sock_path`` (owned from
         here on; a microVM's agent channel, runtime/microvm/channel.py). ``pty``: (rows, cols) of a terminal
-        for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input)."""
+        for the command (its output all comes as ``stdout``; ``stdin`` is the terminal's input). ``pid_late``:
+        see ``encode_request`` (``pid``/``sandbox_pid`` may stay None for the first few ms)."""
         super().__init__(output_cap)
         self.pty = pty is not None
         self.protocol_error: str | None = None
@@ -214,13 +218,14 @@ class SupervisorExec(OutputRelay):
         self._reading = False
         self._writing = False
         self._rbuf = bytearray()
-        self._wbuf = bytearray(encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user))
+        self._wbuf = bytearray(encode_request(argv, env, cwd, stdin=stdin is not None, pty=pty, user=user,
+                                                   pid_late=pid_late))
         self._drained: list[asyncio.Future[None]] = []
         self._timers: list[asyncio.TimerHandle] = []
         self._retry: asyncio.TimerHandle | None = None      # the one pending connect retry (backlog full)
         self._sent = 0                                      # bytes written to the socket so far
         self._sock_path = str(sock_path)
-        self._on_finish = on_finish
+        self._on_sent = on_sent
         self._connected = False
         if sock is not None:
             self._sock = sock
@@ -281,6 +286,9 @@ class SupervisorExec(OutputRelay):
         self._close_path_fd()
         self._resume_reading()
         self._flush()
+        if self._on_sent is not None:
+            self._loop.call_soon(self._on_sent)
+            self._on_sent = None
 
     # -- writing ---------------------------------------------------------------------------------
     def _queue_stdin(self, data: bytes) -> None:
@@ -462,8 +470,6 @@ class SupervisorExec(OutputRelay):
         self._wake_drained()
         self._send.close()
         self._done.set()
-        if self._on_finish is not None:
-            self._loop.call_soon(self._on_finish)
 
     # -- control ---------------------------------------------------------------------------------
     async def _send_ctl(self, frame: bytes, timeout: float = 2.0) -> bool:

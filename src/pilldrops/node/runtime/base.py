@@ -90,9 +90,12 @@ class Runtime(Protocol):
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None, user: str | None = None) -> ExecProcess:
+                   output_cap: int | None = None, user: str | None = None,
+                   pid_late: bool = False) -> ExecProcess:
         """``timeout`` kills the tree after that many seconds even if nobody reads; ``output_cap`` bounds
-        each stream (the rest is read and dropped); ``user`` ("uid:gid") is who runs it (default root)."""
+        each stream (the rest is read and dropped); ``user`` ("uid:gid") is who runs it (default root);
+        ``pid_late``: nothing waits for the command's pid (a run), so the driver may learn it with the
+        first output or the exit, at most a few ms late (pd-init's flag 8: one wake-up fewer)."""
 
     async def state(self, handle: Handle) -> RuntimeState: ...
 

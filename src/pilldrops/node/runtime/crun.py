@@ -349,7 +349,8 @@ class CrunRuntime:
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
                    output_cap: int | None = None,
-                   pty: tuple[int, int] | None = None, user: str | None = None) -> PipeExec | SupervisorExec:
+                   pty: tuple[int, int] | None = None, user: str | None = None,
+                   pid_late: bool = False) -> PipeExec | SupervisorExec:
         """``pty``: (rows, cols) of a terminal for the command (needs the supervisor path, protocol 2);
         ``user``: "uid:gid" to run it as (a template's USER), else root."""
         if not argv:
@@ -369,7 +370,8 @@ class CrunRuntime:
                     try:
                         proc = self._supervisor_exec(d, handle, argv, env={**base_env, **env},
                                                      cwd=cwd or base_cwd, stdin=stdin, timeout=timeout,
-                                                     output_cap=output_cap, pty=pty, user=user)
+                                                     output_cap=output_cap, pty=pty, user=user,
+                                                     pid_late=pid_late)
                         break
                     except ConnectionRefusedError:
                         # the init is between two connections (gVisor's host sockets queue none): again
@@ -456,7 +458,7 @@ class CrunRuntime:
     def _supervisor_exec(self, d: Path, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str,
                          stdin: AsyncIterable[bytes] | bytes | None, timeout: float | None,
                          output_cap: int | None, pty: tuple[int, int] | None,
-                         user: str | None = None) -> SupervisorExec | None:
+                         user: str | None = None, pid_late: bool = False) -> SupervisorExec | None:
         """The command through pd-init's socket, or None when there is none (sandbox made before the
         fast path, or its init does not listen): the caller falls back to ``crun exec``.
 
@@ -467,13 +469,14 @@ class CrunRuntime:
         key = (handle.pid, handle.pid_start_time)
         init_pid = handle.pid if self.HOST_PIDS else None
 
-        def spare() -> None:       # the next command's connection, made once this one ended
+        def spare() -> None:       # the next command's connection, made once this one's request went out
             known = self._proto.get(handle.id)
             if known is not None and known[:2] == key:       # not destroyed (nor replaced) meanwhile
                 self._spares.make(handle.id, key, self._open_ctl(d), init_pid)
 
         common: dict[str, Any] = {"env": env, "cwd": cwd, "stdin": stdin, "init_pid": init_pid, "timeout": timeout,
-                                  "output_cap": output_cap, "pty": pty, "user": user, "on_finish": spare}
+                                  "output_cap": output_cap, "pty": pty, "user": user, "on_sent": spare,
+                                  "pid_late": pid_late}
         sock = self._spares.take(handle.id, key)
         if sock is not None:
             try:

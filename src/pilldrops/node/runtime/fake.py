@@ -147,7 +147,8 @@ class FakeRuntime:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None, user: str | None = None) -> PipeExec:
+                   output_cap: int | None = None, user: str | None = None,
+                   pid_late: bool = False) -> PipeExec:
         box = self._box(handle)
         if box.status != "running":
             raise RuntimeFailure(f"sandbox {handle.id} is not running")

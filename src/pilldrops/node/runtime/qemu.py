@@ -345,7 +345,8 @@ class QemuRuntime:
 
     async def exec(self, handle: Handle, argv: list[str], *, env: dict[str, str], cwd: str | None,
                    stdin: AsyncIterable[bytes] | bytes | None = None, timeout: float | None = None,
-                   output_cap: int | None = None, user: str | None = None) -> SupervisorExec:
+                   output_cap: int | None = None, user: str | None = None,
+                   pid_late: bool = False) -> SupervisorExec:
         if not argv:
             raise RuntimeFailure("exec needs a non-empty argv")
         d = self._dir(handle.id)
@@ -363,7 +364,8 @@ class QemuRuntime:
                 raise RuntimeFailure(f"cannot open a channel to microVM {handle.id}", detail=str(e)) from e
         try:
             return SupervisorExec(Path("/"), argv, env={**meta["env"], **env}, cwd=cwd or meta["workdir"],
-                                  stdin=stdin, timeout=timeout, output_cap=output_cap, sock=sock, user=user)
+                                  stdin=stdin, timeout=timeout, output_cap=output_cap, sock=sock, user=user,
+                                  pid_late=pid_late)
         except (OSError, ValueError) as e:
             sock.close()
             raise RuntimeFailure(f"cannot start a command in microVM {handle.id}", detail=str(e)) from e

@@ -23,6 +23,7 @@ from pilldrops.sdk._base import (
     map_transport_errors,
     name_key_source,
     parse_retry_after,
+    parsed_url,
 )
 from pilldrops.sdk._config import ClientConfig
 
@@ -59,7 +60,7 @@ class AsyncAPIClient:
                headers: dict[str, str] | None, timeout: Any) -> httpx.Request:
         body = content() if callable(content) else content
         return self._http.build_request(
-            method, target.url(path), params=params, json=json, content=body,
+            method, parsed_url(target.url(path)), params=params, json=json, content=body,
             headers={**target.headers, **(headers or {})},
             timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )

@@ -623,16 +623,14 @@ class AsyncSandbox:
                                            json=body.model_dump(mode="json", exclude_none=True),
                                            timeout=stream_timeout(self._client.config),
                                            idempotent=False) as resp:
-                after = 0
-                async for line in resp.aiter_lines():
-                    if not decoder.done:
-                        decoder.feed(line)
-                        continue
-                    # after the exit event the stream ends: it is read to its end (nothing more comes) so
-                    # the kept-alive connection goes back to the pool instead of being closed half-read
-                    after += len(line)
-                    if after > 65536:
+                # raw chunks, split into lines by the decoder (cheaper than httpx's text and line decoders).
+                # After the exit event the stream ends: it is read to its end (nothing more comes) so the
+                # kept-alive connection goes back to the pool instead of being closed half-read.
+                async for chunk in resp.aiter_bytes():
+                    if not decoder.feed_bytes(chunk):
                         break
+                else:
+                    decoder.end_bytes()
         except PillDropsError as exc:
             better = await self._explain(exc)
             if better is exc:

@@ -14,7 +14,9 @@
  * connection. Every frame, both ways, is  u8 type | u32 length (little endian) | payload.
  *
  *   agent -> pd-init   'H' u32 the agent's protocol version (optional, before 'R'; a v1 agent sends none)
- *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY, 4 = user) | u32 argc |
+ *                      'R' request: u8 flags (1 = stdin frames follow, 2 = PTY, 4 = user, 8 = the pid may
+ *                          wait: 'P' goes out with the first output or the exit, at most HOLD_MS after the
+ *                          fork; the agent of a run asks for it, so a short command wakes it once) | u32 argc |
  *                          u32 envc | [u16 rows | u16 cols, with flag 2] | [u32 uid | u32 gid, with flag 4] |
  *                          cwd\0 argv[0]\0 ... env[0]\0 ...
  *                          (exactly once)
@@ -96,6 +98,7 @@
 #define INBUF_ROW (20 * 1024)                /* whole pages, so a released row is given back */
 #define MAX_REQ (4 * 1024 * 1024)
 #define GRACE_MS 100
+#define HOLD_MS 20                           /* flag 8: longest 'P' waits for output or the exit */
 #define PROTO 2                              /* control protocol version, answered to 'H' */
 
 enum { FREE, REQ, RUN };
@@ -107,6 +110,8 @@ struct slot {
     unsigned cg;                           /* the command's cgroup (its number in pd-init's cgroupfs), 0: none */
     int status, exited, killed, exit_sent, conn_dead, rd_closed, in_blocked, pty;
     long long quiet_since;                 /* ms; when the pipes last produced data after the exit */
+    long long hold;                        /* flag 8: ms until which nothing is sent unless output or the
+                                            * exit comes first; 0: send as soon as there is something */
     char *req;                             /* request payload (malloc'ed once per request) */
     uint32_t req_len, req_got;
     uint32_t in_len, in_off;               /* inbuf: bytes held, bytes of a stdin payload written */
@@ -465,6 +470,7 @@ static void do_kill(struct slot *s) {
 }
 
 static void flush(struct slot *s) {
+    if (s->hold) return;
     while (s->out_off < s->out_len && !s->conn_dead) {
         ssize_t n = send(s->conn, s->out + s->out_off, s->out_len - s->out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) s->out_off += n;
@@ -618,13 +624,14 @@ static void start_failed(struct slot *s, const char *what, int err) {
     s->status = 126;
     frame(s, 'X', 126);
     s->exit_sent = 1;
+    s->hold = 0;
     flush(s);
 }
 
 static int start(struct slot *s) {
     char *p = s->req, *end = s->req + s->req_len;
     if (s->req_len < 9) return -1;
-    int has_stdin = p[0] & 1, pty = p[0] & 2, has_user = p[0] & 4;
+    int has_stdin = p[0] & 1, pty = p[0] & 2, has_user = p[0] & 4, hold = (p[0] & 8) && !has_stdin && !pty;
     uint32_t argc = get_u32((unsigned char *)p + 1), envc = get_u32((unsigned char *)p + 5);
     if (argc == 0 || argc > s->req_len || envc > s->req_len ||
         s->req_len < 9 + (pty ? 4 : 0) + (has_user ? 8 : 0)) return -1;
@@ -691,6 +698,7 @@ static int start(struct slot *s) {
     s->pgid = cmd;
     s->state = RUN;
     frame(s, 'P', cmd);
+    if (hold) s->hold = now_ms() + HOLD_MS;
     return 0;
 }
 
@@ -779,6 +787,7 @@ static void on_pipe(struct slot *s, int *fd, int type) {
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) { cl(fd); return; }
     if (n < 0) return;
     s->quiet_since = now_ms();
+    s->hold = 0;                                                /* 'P' goes out with the first output */
     if (s->conn_dead) return;                                   /* nobody listens: drop */
     h[0] = type;
     put_u32(h + 1, n);
@@ -900,13 +909,19 @@ int main(int argc, char **argv) {
                     cl(&s->out_r); cl(&s->err_r);
                     frame(s, 'X', s->status);
                     s->exit_sent = 1;
+                    s->hold = 0;
                     flush(s);
                 }
             }
             if (s->exit_sent && (s->out_len == 0 || s->conn_dead)) { release(s); nfree++; continue; }
+            if (s->hold && now >= s->hold) { s->hold = 0; flush(s); }
+            if (s->hold) {
+                int t = (int)(s->hold - now);
+                if (timeout < 0 || t < timeout) timeout = t;
+            }
             short ev = 0;
             if (!s->rd_closed) ev |= s->in_blocked || s->in_len == INBUF ? POLLRDHUP : POLLIN;
-            if (s->out_len > s->out_off && !s->conn_dead) ev |= POLLOUT;
+            if (s->out_len > s->out_off && !s->conn_dead && !s->hold) ev |= POLLOUT;
             if (ev && !s->conn_dead) { pfd[n] = (struct pollfd){.fd = s->conn, .events = ev}; owner[n] = i; kind[n++] = K_CONN; }
             if (s->state != RUN) continue;
             int room = OUTBUF - s->out_len >= 5 + 1024 + 9;
