@@ -569,7 +569,9 @@ class Store:
             return node, row
 
         try:
-            return await self._run(go, write=True)
+            # on SQLite on the event loop's thread (``quick``: a few rows, under BEGIN IMMEDIATE; ``go`` may run
+            # twice when that connection finds the database busy): no worker-thread hop on every cold create
+            return await self._run(go, write=True, quick=True)
         except IntegrityError as exc:
             if new.idempotency_key:
                 raise DuplicateIdempotencyKey(new.idempotency_key) from exc
