@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pilldrops import errors
 from pilldrops._internal.http import error_response, request_id_var
@@ -112,3 +112,23 @@ async def _send_error(exc: errors.PillDropsError, rid: str, scope: Scope, receiv
     resp = error_response(exc)
     resp.headers["x-request-id"] = rid
     await resp(scope, receive, send)
+
+
+class JsonRoute:
+    """ASGI middleware answering ``POST <path>`` itself (``answer``: its status and JSON body, through
+    ``serve_json``); every other request goes on to ``app`` untouched."""
+
+    path = ""
+    log = logging.getLogger("pilldrops.http")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        await serve_json(scope, receive, send, lambda: self.answer(scope, receive), self.log)
+
+    async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        raise NotImplementedError

@@ -19,10 +19,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import HTTPConnection
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope
 
 from pilldrops import errors
-from pilldrops._internal.asgibody import declared_length, read_bounded, serve_json, validate
+from pilldrops._internal.asgibody import JsonRoute, declared_length, read_bounded, validate
 from pilldrops._internal.http import bearer
 from pilldrops._internal.ids import same_secret as same
 from pilldrops.node.runroute import Admit
@@ -37,19 +37,17 @@ PATH = "/node/v1/sandboxes"
 Create = Callable[[NodeSandboxSpec], Awaitable[NodeSandboxStatus]]
 
 
-class CreateRoute:
+class CreateRoute(JsonRoute):
     """ASGI middleware: ``POST /node/v1/sandboxes`` answered here, everything else by ``app``."""
 
+    path = PATH
+    log = log
+
     def __init__(self, app: ASGIApp, create: Create, node_token: str, admit: Admit) -> None:
-        self.app, self.create, self.token, self.admit = app, create, node_token, admit
+        super().__init__(app)
+        self.create, self.token, self.admit = create, node_token, admit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != PATH:
-            await self.app(scope, receive, send)
-            return
-        await serve_json(scope, receive, send, lambda: self._answer(scope, receive), log)
-
-    async def _answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+    async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         conn = HTTPConnection(scope)
         await self.admit(conn)                                   # the app's dependency first, as FastAPI
         if not same(bearer(conn) or "", self.token):             # type: ignore[arg-type]

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import HTTPConnection
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope
 
-from pilldrops._internal.asgibody import declared_length, details_of, read_bounded, serve_json, validate
+from pilldrops._internal.asgibody import JsonRoute, declared_length, details_of, read_bounded, validate
 from pilldrops._internal.http import bearer
 from pilldrops.schema.api import MAX_CREATE_BYTES, CreateSandboxRequest
 
@@ -40,19 +40,17 @@ class _Headers(BaseModel):
     idempotency_key: str | None = Field(None, max_length=256, alias="idempotency-key")
 
 
-class CreateRoute:
+class CreateRoute(JsonRoute):
     """ASGI middleware: ``POST /v1/sandboxes`` answered here, everything else by ``app``."""
 
+    path = PATH
+    log = log
+
     def __init__(self, app: ASGIApp, services: Services) -> None:
-        self.app, self.services = app, services
+        super().__init__(app)
+        self.services = services
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != PATH:
-            await self.app(scope, receive, send)
-            return
-        await serve_json(scope, receive, send, lambda: self._answer(scope, receive), log)
-
-    async def _answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+    async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         conn = HTTPConnection(scope)
         p = await self.services.auth.authenticate(bearer(conn))   # type: ignore[arg-type]
         key = conn.headers.get("idempotency-key")
