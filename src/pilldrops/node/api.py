@@ -16,6 +16,7 @@ from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
 from pilldrops.node import portforward
 from pilldrops.node.agent import NodeAgent
+from pilldrops.node.createroute import CreateRoute
 from pilldrops.node.dataplane import DataPlane, Target
 from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.process_api import process_routes
@@ -217,4 +218,6 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     # the run route's hot path, in front of everything (the FastAPI route above documents it and answers
     # the same way)
     app.add_middleware(RunRoute, plane=plane, target=target, admit=recovered)
+    # and the create route's (the control plane's call on every cold create: ``node.createroute``)
+    app.add_middleware(CreateRoute, create=lambda spec: agent.create(spec), node_token=node_token, admit=recovered)
     return app

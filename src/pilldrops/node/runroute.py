@@ -24,14 +24,12 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-import orjson
-from pydantic import ValidationError
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pilldrops import errors
+from pilldrops._internal.asgibody import Gone, read_bounded, validate
 from pilldrops._internal.http import error_response, request_id_var
 from pilldrops._internal.ids import new_id
 from pilldrops.node.dataplane import DataPlane, Last, Target
@@ -83,47 +81,8 @@ async def send_stream(send: Send, body: AsyncIterator[bytes], headers: list[tupl
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _invalid(details: list[dict[str, Any]]) -> errors.InvalidRequest:
-    """The error FastAPI's validation handler (``_internal.http``) makes of the same details."""
-    first = details[0] if details else {}
-    where = ".".join(p for p in first.get("loc", []) if p != "body")
-    return errors.InvalidRequest(f"invalid request: {where + ': ' if where else ''}"
-                                 f"{first.get('msg', 'malformed body')}", details=details)
-
-
 def parse(raw: bytes) -> RunRequest:
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise _invalid([{"loc": ["body", str(e.pos)], "msg": "JSON decode error", "type": "json_invalid"}]) from None
-    try:
-        # not an object: validated as FastAPI does (from attributes), for the same error
-        return RunRequest.model_validate(obj, from_attributes=not isinstance(obj, dict))
-    except ValidationError as e:
-        raise _invalid([{"loc": ["body", *(str(p) for p in err.get("loc", ()))], "msg": err.get("msg"),
-                         "type": err.get("type")} for err in e.errors()]) from None
-
-
-class _Gone(Exception):
-    """The client went away before its request was read."""
-
-
-async def _read_body(receive: Receive, declared: int | None) -> bytes:
-    if declared is not None and declared > MAX_BODY:
-        raise errors.PayloadTooLarge(f"a run request is at most {MAX_BODY} bytes")
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise _Gone
-        part = msg.get("body", b"")
-        size += len(part)
-        if size > MAX_BODY:
-            raise errors.PayloadTooLarge(f"a run request is at most {MAX_BODY} bytes")
-        parts.append(part)
-        if not msg.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    return validate(RunRequest, raw)
 
 
 class RunRoute:
@@ -142,7 +101,7 @@ class RunRoute:
         headers = [*_NDJSON, (b"x-request-id", rid.encode())]
         try:
             stream = await self._start(m.group(1), scope, receive)
-        except _Gone:
+        except Gone:
             request_id_var.reset(token)
             return
         except errors.PillDropsError as exc:
@@ -199,7 +158,7 @@ class RunRoute:
         await self.admit(conn)
         where = self.target(sid, conn.headers.get("x-access-token"))    # before the body: nothing of an
         length = conn.headers.get("content-length", "")                  # unauthorised body is buffered
-        raw = await _read_body(receive, int(length) if length.isdigit() else None)
+        raw = await read_bounded(receive, int(length) if length.isdigit() else None, MAX_BODY, "a run request")
         req = parse(raw)
         return await self.plane.run(where, req)
 

@@ -161,6 +161,11 @@ def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dic
     return v
 
 
+# the largest body a valid create can be (envs: 1,024 x (256 + 8,192) characters, metadata 128 x the same,
+# JSON-escaped), with room: the raw create routes (control plane and node) refuse bigger ones unread
+MAX_CREATE_BYTES = 32 * 1024 * 1024
+
+
 class CreateSandboxRequest(_Request):
     template: str = Field("base", min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
     vcpu: float = Field(1, ge=MIN_VCPU, le=64, description=f"CPU quota in cores (at least {MIN_VCPU})")

@@ -47,6 +47,7 @@ from pilldrops.schema.api import (
 from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, NodeRegister, NodeRegistered
 from pilldrops.schema.stats import HistoryStats
 from pilldrops.server import dashboard
+from pilldrops.server.api.createroute import CreateRoute
 from pilldrops.server.service.auth import AuthService, Principal
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
@@ -107,6 +108,9 @@ def create_app(services: Services) -> FastAPI:
     if services.urls is None and services.sandboxes is not None:
         services.urls = URLService(services.sandboxes.store, services.sandboxes.clock)
     app.add_middleware(RequestIdMiddleware)
+    # the create's hot path (``api.createroute``), after E2B's routing (sandbox traffic is never ours); the
+    # FastAPI route below documents it and answers the same way
+    app.add_middleware(CreateRoute, services=services)
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
     install_error_handlers(app)
     app.state.services = services

@@ -31,6 +31,7 @@ from pilldrops.schema.node import (
 KEEPALIVE_EXPIRY_S = 2.0
 # what a reused connection the server closed meanwhile looks like (the request never reached the node app)
 _STALE = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_JSON = {"content-type": "application/json"}
 
 
 class NodeClient:
@@ -56,6 +57,11 @@ class NodeClient:
     async def _call(self, method: str, url: str, *, retry_stale: bool = False, **kw: Any) -> Any:
         """``retry_stale``: the call is safe to repeat (the node's create and kill are idempotent per id), so a
         connection found closed under it is retried once on a fresh one."""
+        resp = await self._send(method, url, retry_stale=retry_stale, **kw)
+        return resp.json() if resp.content else None
+
+    async def _send(self, method: str, url: str, *, retry_stale: bool = False, **kw: Any) -> httpx.Response:
+        """The node's answer to one call (``_call``), or its error as the same typed PillDrops error."""
         try:
             try:
                 resp = await self._http.request(method, url, **kw)
@@ -74,12 +80,13 @@ class NodeClient:
             except ValueError:
                 body = None
             raise errors.from_wire(resp.status_code, body)
-        return resp.json() if resp.content else None
+        return resp
 
     async def create(self, node_url: str, spec: NodeSandboxSpec) -> NodeSandboxStatus:
-        data = await self._call("POST", f"{node_url}/node/v1/sandboxes", content=spec.model_dump_json(),
-                                headers={"content-type": "application/json"}, retry_stale=True)
-        return NodeSandboxStatus.model_validate(data)
+        # the answer's bytes straight into the model (pydantic-core's own JSON parser): no dict in between
+        resp = await self._send("POST", f"{node_url}/node/v1/sandboxes", content=spec.model_dump_json(),
+                                headers=_JSON, retry_stale=True)
+        return NodeSandboxStatus.model_validate_json(resp.content)
 
     async def kill(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus | None:
         try:

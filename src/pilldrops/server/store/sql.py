@@ -168,17 +168,30 @@ def _sandbox(row: Any) -> Sandbox:
     return _record(Sandbox, row)
 
 
+_WRITE_LOCK = update(Node.__table__).where(text("0 = 1")).values(draining=Node.draining)
+_ALLOCATIONS = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
+                .where(Sandbox.state.in_([st.value for st in HOLDING]), Sandbox.node_id.is_not(None))
+                .group_by(Sandbox.node_id))
+_NODES_LOCKED = select(*_cols(Node)).order_by(Node.id).with_for_update()
+
+
 def _write_lock_sync(c: Connection) -> None:
     """``_write_lock`` on a plain connection."""
     if c.dialect.name == "sqlite":
-        c.execute(update(Node.__table__).where(text("0 = 1")).values(draining=Node.draining))
+        c.execute(_WRITE_LOCK)
 
 
 def _allocations_sync(c: Connection) -> dict[str, tuple[float, int]]:
-    q = (select(Sandbox.node_id, func.sum(Sandbox.vcpu), func.sum(Sandbox.memory_mb))
-         .where(Sandbox.state.in_([st.value for st in HOLDING]), Sandbox.node_id.is_not(None))
-         .group_by(Sandbox.node_id))
-    return {nid: (float(cpu or 0), int(mem or 0)) for nid, cpu, mem in c.execute(q).all()}
+    return {nid: (float(cpu or 0), int(mem or 0)) for nid, cpu, mem in c.execute(_ALLOCATIONS).all()}
+
+
+@functools.cache
+def _cas_statement(keys: tuple[str, ...]) -> Any:
+    """``UPDATE sandboxes SET <keys> WHERE id = :sandbox_id AND state IN :from_states``, built once per set
+    of columns (``set_sandbox``), its values bound as ``v_<column>``."""
+    return (update(_SB).where(_SB.c.id == bindparam("sandbox_id"),
+                              _SB.c.state.in_(bindparam("from_states", expanding=True)))
+            .values({_COLUMN_KEY[k]: bindparam("v_" + _COLUMN_KEY[k]) for k in keys}))
 
 
 def _columns(values: dict[str, Any]) -> dict[Any, Any]:
@@ -559,17 +572,19 @@ class Store:
 
         def go(c: Connection) -> tuple[Node, Sandbox]:
             _write_lock_sync(c)
-            nodes = [_record(Node, r) for r in c.execute(select(*_cols(Node)).order_by(Node.id).with_for_update())]
+            nodes = [_record(Node, r) for r in c.execute(_NODES_LOCKED)]
             node = choose(nodes, _allocations_sync(c))
             values.update(node_id=node.id, isolation=new.isolation, disk_mb=new.disk_mb, network=new.network)
-            row = _sandbox(c.execute(insert(_SB).values(_columns(values)).returning(*_SB_COLS)).one())
+            row = _sandbox(c.execute(_INSERT_SB, {_COLUMN_KEY[k]: v for k, v in values.items()}).one())
             if row.metadata_:
                 c.execute(insert(SandboxLabel.__table__),
                           [{"sandbox_id": row.id, "key": k, "value": v} for k, v in row.metadata_.items()])
             return node, row
 
         try:
-            return await self._run(go, write=True)
+            # on SQLite on the event loop's thread (``quick``: a few rows, under BEGIN IMMEDIATE; ``go`` may run
+            # twice when that connection finds the database busy): no worker-thread hop on every cold create
+            return await self._run(go, write=True, quick=True)
         except IntegrityError as exc:
             if new.idempotency_key:
                 raise DuplicateIdempotencyKey(new.idempotency_key) from exc
@@ -706,8 +721,10 @@ class Store:
 
     async def set_sandbox(self, sandbox_id: str, *, from_states: Iterable[str], **values: Any) -> bool:
         """Compare-and-set without reading the row back: whether it was in one of ``from_states``."""
-        q = update(_SB).where(_SB.c.id == sandbox_id, _SB.c.state.in_(list(from_states))).values(_columns(values))
-        return bool(await self._run(lambda c: c.execute(q).rowcount, write=True, quick=True))
+        q = _cas_statement(tuple(sorted(values)))       # prebuilt: its values bound (~250 us less a call)
+        params = {"sandbox_id": sandbox_id, "from_states": list(from_states),
+                  **{"v_" + _COLUMN_KEY[k]: v for k, v in values.items()}}
+        return bool(await self._run(lambda c: c.execute(q, params).rowcount, write=True, quick=True))
 
     async def update_sandbox(self, sandbox_id: str, *, from_states: Iterable[str] | None = None,
                              not_paused: bool = False, **values: Any) -> Sandbox | None:
