@@ -367,6 +367,13 @@ async def test_pid_late(runtime, box):  # type: ignore[no-untyped-def]
     assert Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
     await p.kill()
     assert await p.wait() == 137
+    # the pid is known once the first output is read (a run's start event is made then: DataPlane._stream)
+    p = await runtime.exec(h, ["sh", "-c", "echo hi; exec sleep 30"], env={}, cwd=None, pid_late=True)
+    with anyio.fail_after(10):
+        assert await p.read() == ("stdout", b"hi\n")
+    assert p.pid is not None and Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
+    await p.kill()
+    assert await p.wait() == 137
     # a timeout kills the tree of a silent command run this way, background children included
     p = await runtime.exec(h, ["sh", "-c", "sleep 100 & sleep 100"], env={}, cwd=None, timeout=0.5,
                            pid_late=True)

@@ -176,21 +176,26 @@ class DataPlane:
                       ooms: int | None = None) -> AsyncIterator[bytes]:
         finished = False
         # The start line goes out with the next one (the first output, or the exit): a command that
-        # writes nothing is answered in one write, and the client wakes once for its whole body.
-        start: bytes | None = _line(RunEvent(type="start", pid=proc.pid))
+        # writes nothing is answered in one write, and the client wakes once for its whole body. It is made
+        # then, not now: with ``pid_late`` the init sends the pid with that first output or exit.
+        started_sent = False
+
+        def start() -> bytes:
+            nonlocal started_sent
+            if started_sent:
+                return b""
+            started_sent = True
+            return _line(RunEvent(type="start", pid=proc.pid))
         try:
             while (chunk := await proc.read()) is not None:
-                line = _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
-                if start is not None:
-                    line, start = start + line, None
-                yield line
+                yield start() + _line(RunEvent(type=chunk[0], data=base64.b64encode(chunk[1]).decode()))
             code = await proc.wait()
             finished = True
             t.active.discard(proc)
             # SIGKILLed while the memory cgroup's kill count grew: the limit killed it (or its child)
             oom = (code == 128 + 9 and not proc.timed_out and not t.pausing and ooms is not None
                    and (self._oom_kills(t) or 0) > ooms)
-            yield Last((start or b"") + _line(RunEvent(
+            yield Last(start() + _line(RunEvent(
                 type="exit", exit_code=TIMEOUT_EXIT_CODE if proc.timed_out else code,
                 duration=round(time.monotonic() - started, 6), truncated=proc.truncated, timed_out=proc.timed_out,
                 paused=True if t.pausing else None, oom_killed=True if oom else None)))

@@ -209,6 +209,7 @@ class SupervisorExec(OutputRelay):
         self._init_pid = init_pid
         self._ns_pid: int | None = None
         self._pid: int | None = None
+        self._pid_late = pid_late              # a run: its start event wants the pid, which comes late
         self._code: int | None = None
         self._finished = False
         self._killed = False
@@ -406,6 +407,8 @@ class SupervisorExec(OutputRelay):
                     self._hello = True
                 elif typ == ord("P"):
                     self._ns_pid = _i32(data)
+                    if self._pid_late:          # the run's start event is made after this read: the command
+                        _ = self.pid            # may have exited by then (its pid no longer found)
                 elif typ == ord("X"):
                     self._finish(_i32(data))
                 elif (name := _STREAMS.get(typ)) is not None and self._deliver_ok:
@@ -587,9 +590,10 @@ class SupervisorExec(OutputRelay):
 
 
 class Spares:
-    """One idle connection per sandbox to its init's control socket, made after a command ended, so the
-    next command's request goes out on it at once: no connect, no accept and no wake-up of the init for
-    them on that command's path (issue 15). pd-init holds it as any connection waiting for its request
+    """One idle connection per sandbox to its init's control socket, made once a command's request went out
+    (while it runs), so the next command's request goes out on it at once: no connect, no accept and no
+    wake-up of the init for them on that command's path (issue 15). pd-init holds it as any connection
+    waiting for its request
     (one of its slots). Each is keyed by the init it was made to (pid and start time: a restarted or
     restored init never gets one of its predecessor's) and checked before use (a connection the init
     closed, or one with anything to read, is thrown away and the command connects as before). ``suspend``
