@@ -44,17 +44,26 @@ _JSON = {"content-type": "application/json"}
 DISK_STEP = 1 << 20       # a running sandbox's disk use moved this much since its last acked report: send it
 
 
-def _changed(prev: NodeSandboxStatus | None, st: NodeSandboxStatus, usage_every_s: float) -> bool:
-    """Whether a delta beat carries ``st``, given what the control plane last acked of it."""
+def _changed(prev: NodeSandboxStatus | None, st: NodeSandboxStatus, usage_every_s: float, billed: float) -> bool:
+    """Whether a delta beat carries ``st``, given what the control plane last acked of it and the running
+    seconds it last billed (as far as this node can tell: ``_usage_due``)."""
     if prev is None or (prev.state, prev.pid, prev.started_at, prev.end_at, prev.ended_at, prev.end_reason,
                         prev.error, prev.checkpoint_bytes) != (st.state, st.pid, st.started_at, st.end_at,
                                                                 st.ended_at, st.end_reason, st.error,
                                                                 st.checkpoint_bytes):
         return True
-    if st.run_s is not None and (prev.run_s is None or st.run_s - prev.run_s >= usage_every_s):
+    if _usage_due(st, usage_every_s, billed):
         return True
     return (prev.disk_used_bytes is None) != (st.disk_used_bytes is None) or (
         st.disk_used_bytes is not None and abs(st.disk_used_bytes - (prev.disk_used_bytes or 0)) >= DISK_STEP)
+
+
+def _usage_due(st: NodeSandboxStatus, usage_every_s: float, billed: float) -> bool:
+    """The control plane's own rule (``Billing.commit_running``): a running sandbox's usage is committed once
+    ``usage_every_s`` of running time accrued since the last commit. The node mirrors the last commit as the
+    run_s of the last acked report that met the rule (0 at first), so a report sent for another reason (a
+    state or disk change, a full beat) does not push the next commit out to twice the cadence."""
+    return st.run_s is not None and st.run_s - billed >= usage_every_s
 
 
 @dataclass
@@ -89,6 +98,7 @@ class ControlPlaneClient:
         # delta heartbeats: the control-plane epoch that acked ``_acked`` (each id's last acked status)
         self._epoch: str | None = None
         self._acked: dict[str, NodeSandboxStatus] = {}
+        self._billed: dict[str, float] = {}     # each id's run_s the control plane billed last (_usage_due)
         self._usage_every_s = 0.0
         self._want: set[str] = set()      # ids the control plane asked to hear of again (pauses in flight)
         self._legacy = False              # the control plane refused the delta fields (it predates them)
@@ -128,10 +138,10 @@ class ControlPlaneClient:
         cpu, mem = self._usage()
         statuses = {st.id: st for st in self._statuses()}       # an end in the outbox wins over its sandbox
         if delta:
-            acked, every = self._acked, self._usage_every_s
+            acked, every, billed = self._acked, self._usage_every_s, self._billed
             want = self._want
             body = [st for sid, st in statuses.items()
-                    if sid in sent or sid in want or _changed(acked.get(sid), st, every)]
+                    if sid in sent or sid in want or _changed(acked.get(sid), st, every, billed.get(sid, 0.0))]
             gone = [sid for sid in acked if sid not in statuses]
         else:
             body, gone = list(statuses.values()), []
@@ -160,10 +170,16 @@ class ControlPlaneClient:
                 self._delivered(sid)
         reply = NodeHeartbeatReply.model_validate(resp.json()) if resp.content else NodeHeartbeatReply()
         self.pools.configure(reply.pools)
+        every = self._usage_every_s       # (0: not known yet, before the first reply)
+        if every > 0 and (not delta or (reply.epoch == self._epoch and not reply.full)):    # absorbed
+            for st in body:
+                if _usage_due(st, every, self._billed.get(st.id, 0.0)):
+                    self._billed[st.id] = st.run_s or 0.0
         self._usage_every_s = reply.usage_every_s or 0.0
         self._want = set(reply.want)
         if not delta:
             self._acked = statuses
+            self._billed = {sid: b for sid, b in self._billed.items() if sid in statuses}
             self._epoch = None if reply.full else reply.epoch
             return False
         if reply.epoch == self._epoch and not reply.full:
@@ -171,6 +187,7 @@ class ControlPlaneClient:
                 self._acked[st.id] = st
             for sid in gone:
                 self._acked.pop(sid, None)
+                self._billed.pop(sid, None)
             return False
         self._epoch = None          # refused (or a restarted control plane, another epoch): full now
         return True

@@ -4,6 +4,7 @@ after either side restarts, and every ``FULL_EVERY``-th beat. On SQLite and Post
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -184,10 +185,25 @@ async def test_usage_without_a_state_change_is_billed_on_its_cadence(tmp_path, s
         assert [[s.id for s in b.sandboxes] for b in spy.beats][-1] == [sid]
         row = await st.cp.store.get_sandbox(sid)
         assert row.billed_run_s >= before + 1.0 and row.billed_seq > 0
+        billing = st.cp.services.sandboxes.ctx.billing                   # the next reply says 3600 s
+        billing.settings = dataclasses.replace(billing.settings, commit_every_s=3600.0)
+        await st.agent._heartbeat()              # (composed with the 1 s cadence; not billed at 3600 s)
         spy.reset()
         await st.agent._heartbeat()              # not due again yet: nothing carried, nothing billed
         assert spy.beats[0].sandboxes == []
         assert (await st.cp.store.get_sandbox(sid)).billed_run_s == row.billed_run_s
+
+
+def test_usage_is_due_from_the_last_billed_report_not_the_last_sent_one() -> None:
+    """A report sent for another reason (a disk step, a pause in flight) is not a commit: the next commit
+    is still due ``commit_every_s`` after the last billed one, not after that report."""
+    from pilldrops.node.control_plane import _changed
+    from pilldrops.schema.node import NodeSandboxStatus
+
+    def at(run_s: float) -> NodeSandboxStatus:
+        return NodeSandboxStatus(id="sb_x", state="running", run_s=run_s)
+    assert not _changed(at(29.0), at(31.0), 30.0, billed=10.0)      # 21 s since the last commit
+    assert _changed(at(29.0), at(41.0), 30.0, billed=10.0)          # 31 s since it, 12 s since the last sent
 
 
 async def test_a_lost_node_bills_up_to_its_last_delta(tmp_path) -> None:
