@@ -116,6 +116,7 @@ class ControlPlaneClient:
         reg = NodeRegistered.model_validate(resp.json())
         self.node_id = reg.node_id
         self._epoch = None                  # the first heartbeat after a register is full
+        self._legacy = False                # and tries the delta fields again (an upgraded control plane)
         self.pools.configure(reg.pools)
         for st in body.sandboxes:           # only what was sent: ends recorded meanwhile stay queued
             if st.state != SandboxState.running and self.outbox.get(st.id) == st:

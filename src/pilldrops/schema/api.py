@@ -161,9 +161,10 @@ def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dic
     return v
 
 
-# the largest body a valid create can be (envs: 1,024 x (256 + 8,192) characters, metadata 128 x the same,
-# JSON-escaped), with room: the raw create routes (control plane and node) refuse bigger ones unread
-MAX_CREATE_BYTES = 32 * 1024 * 1024
+# the largest body a valid create can be (envs: 1,024 x (256 + 8,192) characters, metadata 128 x the same:
+# ~9.7 M characters, up to 6 bytes each JSON-escaped: ~58 MB), with room: the raw create routes (control
+# plane and node) refuse bigger ones unread (docs/api.md)
+MAX_CREATE_BYTES = 64 * 1024 * 1024
 
 
 class CreateSandboxRequest(_Request):

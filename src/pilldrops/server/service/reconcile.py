@@ -162,6 +162,7 @@ class Reconciler:
             if row.paused_at is not None:
                 ended_at = max(last_seen, row.paused_at)
             await self._declare_lost(row, ended_at, "the node stopped heartbeating", heard_at)
+        self.ctx.beats.forget(node_id)       # a node that comes back sends a full beat first
 
     async def reconcile_node(self, node_id: str, live_ids: set[str], received: datetime | None = None,
                              only: list[str] | None = None) -> None:
