@@ -13,6 +13,7 @@ from pilldrops.node import createroute
 from pilldrops.node.api import create_node_app
 from pilldrops.node.createroute import CreateRoute
 from tests.stack import TOKEN, stack
+from tests.unit.rawroutes import check_bounded, strip, without
 
 pytestmark = pytest.mark.anyio
 
@@ -25,18 +26,6 @@ def anyio_backend() -> str:
     return "asyncio"      # the node agent runs on asyncio (serving.run_served)
 
 
-def _plain_app(agent):  # type: ignore[no-untyped-def]
-    """The node app without the raw handler in front: the FastAPI route answers."""
-    app = create_node_app(agent, TOKEN)
-    app.user_middleware = [m for m in app.user_middleware if m.cls is not CreateRoute]
-    return app
-
-
-def _strip(body: dict) -> dict:  # type: ignore[type-arg]
-    body["error"].pop("request_id")
-    return body
-
-
 def _spec(sid: str, **kw: object) -> dict:  # type: ignore[type-arg]
     end = datetime.now(UTC) + timedelta(seconds=300)
     return {"id": sid, "template": "tiny", "vcpu": 1, "memory_mb": 256, "end_at": end.isoformat(),
@@ -46,7 +35,7 @@ def _spec(sid: str, **kw: object) -> dict:  # type: ignore[type-arg]
 async def test_create_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch) -> None:
     async with stack(tmp_path) as st:
         fast = httpx.AsyncClient(transport=st.transport, base_url="http://node")
-        plain = httpx.AsyncClient(transport=httpx.ASGITransport(app=_plain_app(st.agent)), base_url="http://node")
+        plain = httpx.AsyncClient(transport=httpx.ASGITransport(app=without(create_node_app(st.agent, TOKEN), CreateRoute)), base_url="http://node")
         async with fast, plain:
             # a fresh create through each route: the same fields, field by field (but the clocks' own)
             a = await fast.post(URL, json=_spec("sb_lean1"), headers=AUTH)
@@ -86,30 +75,18 @@ async def test_create_and_its_errors_match_the_fastapi_route(tmp_path, monkeypat
                 assert ra.status_code == rb.status_code, (body, ra.text, rb.text)
                 assert ra.status_code >= 400, (body, ra.text)
                 assert ra.headers["x-request-id"] == ra.json()["error"]["request_id"]
-                ea, eb = _strip(ra.json()), _strip(rb.json())
+                ea, eb = strip(ra.json()), strip(rb.json())
                 assert ea["error"]["code"] == eb["error"]["code"], (body, ea, eb)
                 if body not in (b"{not json", b""):      # the decode position and message are the parser's own
                     assert ea == eb, (body, ea, eb)
             assert st.agent.sandboxes.get("sb_x") is None and st.agent.sandboxes.get("sb_y") is None
             # bounded before it is buffered: by the declared length, and by what arrives
-            monkeypatch.setattr(createroute, "MAX_BODY", 1024)
+            # (the token is checked before the body is read: a stranger's oversized body is never buffered)
             big = _spec("sb_big", envs={"X": "x" * 2048})
-            ra = await fast.post(URL, json=big, headers=AUTH)
-            assert ra.status_code == 413 and ra.json()["error"]["code"] == "payload_too_large"
-
-            async def chunks():  # type: ignore[no-untyped-def]
-                yield json.dumps(big).encode()[:-2]
-                for _ in range(4):
-                    yield b"x" * 512
-                yield b'"}'
-
-            ra = await fast.post(URL, content=chunks(), headers=AUTH)
-            assert ra.status_code == 413 and ra.json()["error"]["code"] == "payload_too_large"
-            # the token is checked before the body is read: a stranger's oversized body is never buffered
-            ra = await fast.post(URL, json=big, headers={"authorization": "Bearer wrong"})
-            assert ra.status_code == 401 and ra.json()["error"]["code"] == "unauthenticated", ra.text
+            await check_bounded(fast, URL, createroute, monkeypatch, big=big, head=json.dumps(big).encode()[:-2],
+                                tail=b'"}', headers=AUTH, stranger={"authorization": "Bearer wrong"},
+                                stranger_code=(401, "unauthenticated"))
             assert st.agent.sandboxes.get("sb_big") is None
-            monkeypatch.setattr(createroute, "MAX_BODY", 1024 * 1024)
             # other routes under the same prefix still reach FastAPI
             ra = await fast.get(URL, headers=AUTH)
             assert ra.status_code == 200 and {s["id"] for s in ra.json()["items"]} >= {"sb_lean1", "sb_lean2"}
@@ -118,7 +95,7 @@ async def test_create_and_its_errors_match_the_fastapi_route(tmp_path, monkeypat
             ra = await fast.post(URL, json=_spec("sb_z"), headers=AUTH)
             rb = await plain.post(URL, json=_spec("sb_z"), headers=AUTH)
             assert ra.status_code == rb.status_code == 502
-            assert _strip(ra.json()) == _strip(rb.json()) and ra.json()["error"]["code"] == "node_unavailable"
+            assert strip(ra.json()) == strip(rb.json()) and ra.json()["error"]["code"] == "node_unavailable"
 
 
 async def test_the_control_plane_creates_through_the_lean_route(tmp_path) -> None:

@@ -11,6 +11,7 @@ from pilldrops.node import runroute
 from pilldrops.node.api import create_node_app
 from pilldrops.node.runroute import RunRoute
 from tests.stack import TOKEN, stack
+from tests.unit.rawroutes import check_bounded, strip, without
 
 pytestmark = pytest.mark.anyio
 
@@ -20,25 +21,13 @@ def anyio_backend() -> str:
     return "asyncio"      # the node agent runs on asyncio (serving.run_served)
 
 
-def _plain_app(agent):  # type: ignore[no-untyped-def]
-    """The node app without the raw handler in front: the FastAPI route answers."""
-    app = create_node_app(agent, TOKEN)
-    app.user_middleware = [m for m in app.user_middleware if m.cls is not RunRoute]
-    return app
-
-
-def _strip(body: dict) -> dict:  # type: ignore[type-arg]
-    body["error"].pop("request_id")
-    return body
-
-
 async def test_run_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch) -> None:
     async with stack(tmp_path) as st, st.client() as c:
         sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
         url = f"/v1/sandboxes/{sb['id']}/run"
         auth = {"x-access-token": sb["access_token"]}
         fast = httpx.AsyncClient(transport=st.transport, base_url="http://node")
-        plain = httpx.AsyncClient(transport=httpx.ASGITransport(app=_plain_app(st.agent)), base_url="http://node")
+        plain = httpx.AsyncClient(transport=httpx.ASGITransport(app=without(create_node_app(st.agent, TOKEN), RunRoute)), base_url="http://node")
         async with fast, plain:
             r = await fast.post(url, json={"cmd": "echo hi; echo err >&2; exit 3"}, headers=auth)
             assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
@@ -63,29 +52,17 @@ async def test_run_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch)
                 b = await plain.post(url, content=body, headers={**headers, "content-type": "application/json"})
                 assert a.status_code == b.status_code, (body, a.text, b.text)
                 assert a.headers["x-request-id"] == a.json()["error"]["request_id"]
-                ea, eb = _strip(a.json()), _strip(b.json())
+                ea, eb = strip(a.json()), strip(b.json())
                 assert ea["error"]["code"] == eb["error"]["code"], (body, ea, eb)
                 if body != b"{not json":          # the decode position is the parser's own
                     assert ea == eb, (body, ea, eb)
             a = await fast.post("/v1/sandboxes/sb_nope/run", json={"cmd": "true"}, headers=auth)
             assert a.status_code == 404 and a.json()["error"]["code"] == "sandbox_not_found"
             # bounded before it is buffered: by the declared length, and by what arrives
-            monkeypatch.setattr(runroute, "MAX_BODY", 1024)
-            a = await fast.post(url, json={"cmd": "true", "stdin": "x" * 2048}, headers=auth)
-            assert a.status_code == 413 and a.json()["error"]["code"] == "payload_too_large"
-
-            async def chunks():  # type: ignore[no-untyped-def]
-                yield b'{"cmd": "true", "stdin": "'
-                for _ in range(4):
-                    yield b"x" * 512
-                yield b'"}'
-
-            a = await fast.post(url, content=chunks(), headers=auth)
-            assert a.status_code == 413 and a.json()["error"]["code"] == "payload_too_large"
-            # the token is checked before the body is read: a stranger's oversized body is never buffered
-            a = await fast.post(url, json={"cmd": "true", "stdin": "x" * 2048}, headers={"x-access-token": "wrong"})
-            assert a.status_code == 404 and a.json()["error"]["code"] == "sandbox_not_found", a.text
-            monkeypatch.setattr(runroute, "MAX_BODY", 64 * 1024 * 1024)
+            # (the token is checked before the body is read: a stranger's oversized body is never buffered)
+            await check_bounded(fast, url, runroute, monkeypatch, big={"cmd": "true", "stdin": "x" * 2048},
+                                head=b'{"cmd": "true", "stdin": "', tail=b'"}', headers=auth,
+                                stranger={"x-access-token": "wrong"}, stranger_code=(404, "sandbox_not_found"))
             # a restarted agent that has not re-adopted yet: the same gate as every route
             monkeypatch.setattr(type(st.agent), "recovered", property(lambda self: False), raising=False)
             a = await fast.post(url, json={"cmd": "true"}, headers=auth)

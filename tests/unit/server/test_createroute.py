@@ -12,6 +12,7 @@ from pilldrops.server.api import createroute
 from pilldrops.server.api.app import create_app
 from pilldrops.server.api.createroute import CreateRoute
 from tests.stack import stack
+from tests.unit.rawroutes import check_bounded, strip, without
 
 pytestmark = pytest.mark.anyio
 
@@ -25,15 +26,9 @@ def anyio_backend() -> str:
     return "asyncio"      # the control plane runs on asyncio (serving.run_served)
 
 
-def _strip(body: dict) -> dict:  # type: ignore[type-arg]
-    body["error"].pop("request_id")
-    return body
-
-
 async def test_create_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch) -> None:
     async with stack(tmp_path) as st:
-        plain_app = create_app(st.cp.services)
-        plain_app.user_middleware = [m for m in plain_app.user_middleware if m.cls is not CreateRoute]
+        plain_app = without(create_app(st.cp.services), CreateRoute)
         auth = {"authorization": f"Bearer {st.key}"}
         fast = httpx.AsyncClient(transport=httpx.ASGITransport(app=st.cp.app), base_url="http://cp")
         plain = httpx.AsyncClient(transport=httpx.ASGITransport(app=plain_app), base_url="http://cp")
@@ -88,28 +83,15 @@ async def test_create_and_its_errors_match_the_fastapi_route(tmp_path, monkeypat
                 rb = await plain.post(URL, content=raw, headers={**headers, "content-type": "application/json"})
                 assert ra.status_code == rb.status_code and ra.status_code >= 400, (raw, ra.text, rb.text)
                 assert ra.headers["x-request-id"] == ra.json()["error"]["request_id"]
-                ea, eb = _strip(ra.json()), _strip(rb.json())
+                ea, eb = strip(ra.json()), strip(rb.json())
                 assert ea["error"]["code"] == eb["error"]["code"], (raw, ea, eb)
                 if raw not in (b"{not json", b""):      # the decode position and message are the parser's own
                     assert ea == eb, (raw, ea, eb)
             # bounded before it is buffered: by the declared length, and by what arrives
-            monkeypatch.setattr(createroute, "MAX_BODY", 1024)
-            big = {"template": "tiny", "envs": {"X": "x" * 2048}}
-            ra = await fast.post(URL, json=big, headers=auth)
-            assert ra.status_code == 413 and ra.json()["error"]["code"] == "payload_too_large"
-
-            async def chunks():  # type: ignore[no-untyped-def]
-                yield b'{"template": "tiny", "envs": {"X": "'
-                for _ in range(4):
-                    yield b"x" * 512
-                yield b'"}}'
-
-            ra = await fast.post(URL, content=chunks(), headers=auth)
-            assert ra.status_code == 413 and ra.json()["error"]["code"] == "payload_too_large"
-            # the key is checked before the body is read: a stranger's oversized body is never buffered
-            ra = await fast.post(URL, json=big, headers={"authorization": "Bearer pd_wrong"})
-            assert ra.status_code == 401 and ra.json()["error"]["code"] == "unauthenticated", ra.text
-            monkeypatch.setattr(createroute, "MAX_BODY", createroute.MAX_CREATE_BYTES)
+            # (the key is checked before the body is read: a stranger's oversized body is never buffered)
+            await check_bounded(fast, URL, createroute, monkeypatch, big={"template": "tiny", "envs": {"X": "x" * 2048}},
+                                head=b'{"template": "tiny", "envs": {"X": "', tail=b'"}}', headers=auth,
+                                stranger={"authorization": "Bearer pd_wrong"}, stranger_code=(401, "unauthenticated"))
             # the other routes still reach FastAPI, and the schema still documents the create
             ra = await fast.get(URL, headers=auth)
             assert ra.status_code == 200 and len(ra.json()["items"]) == 4
