@@ -43,6 +43,20 @@ async def run(rt, h, argv, **kw):  # type: ignore[no-untyped-def]
     return code, out.decode(), err.decode()
 
 
+async def becomes_cmdline(pid: int, argv: list[bytes], timeout: float = 10) -> bool:
+    """Whether ``pid`` runs ``argv`` within ``timeout``: a pid handed out as a command's may be read while
+    the command is still in its ``execve`` (its cmdline is then its parent's, or empty: seen in CI)."""
+    with anyio.move_on_after(timeout):
+        while True:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:len(argv)] == argv:
+                    return True
+            except OSError:
+                return False                # no such process: it was never this command's
+            await anyio.sleep(0.005)
+    return False
+
+
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
     return int(next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
                     if ln.startswith(field + ":")))
@@ -105,7 +119,7 @@ async def test_basics(runtime, box):  # type: ignore[no-untyped-def]
     with anyio.fail_after(5):
         while p.pid is None:
             await anyio.sleep(0.01)
-    assert Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
+    assert await becomes_cmdline(p.pid, [b"sleep", b"30"])
     assert isinstance(p, SupervisorExec) and p.sandbox_pid is not None and p.sandbox_pid > 1
     await p.kill()
     assert await p.wait() == 137
@@ -364,14 +378,14 @@ async def test_pid_late(runtime, box):  # type: ignore[no-untyped-def]
     with anyio.fail_after(10):
         while p.pid is None:
             await anyio.sleep(0.01)
-    assert Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
+    assert await becomes_cmdline(p.pid, [b"sleep", b"30"])
     await p.kill()
     assert await p.wait() == 137
     # the pid is known once the first output is read (a run's start event is made then: DataPlane._stream)
     p = await runtime.exec(h, ["sh", "-c", "echo hi; exec sleep 30"], env={}, cwd=None, pid_late=True)
     with anyio.fail_after(10):
         assert await p.read() == ("stdout", b"hi\n")
-    assert p.pid is not None and Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"30"]
+    assert p.pid is not None and await becomes_cmdline(p.pid, [b"sleep", b"30"])   # sh, then its exec
     await p.kill()
     assert await p.wait() == 137
     # a timeout kills the tree of a silent command run this way, background children included
