@@ -1,6 +1,7 @@
-"""What the raw-route parity tests share (``node/runroute.py``, ``node/createroute.py``,
-``server/api/createroute.py``, issue 15): an app with the raw handler taken out (the FastAPI route answers),
-errors compared without their request ids, and the bound checked before a body is buffered."""
+"""What the raw-route parity tests share (``node/runroute.py``, ``node/createroute.py``, ``node/killroute.py``,
+``server/api/createroute.py``, ``server/api/killroute.py``, issue 15): an app with the raw handler taken out
+(the FastAPI route answers), errors compared without their request ids, and the bound checked before a body
+is buffered."""
 
 from __future__ import annotations
 

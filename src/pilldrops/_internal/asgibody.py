@@ -1,11 +1,13 @@
-"""Request bodies for the raw ASGI hot routes (the node's create and run, the control plane's create):
-read bounded, parsed by orjson, validated by the route's own pydantic model, and every failure the same
-typed error ``_internal.http``'s FastAPI handlers make of it (``invalid_request`` with FastAPI's
-``details`` shape, ``payload_too_large``)."""
+"""What the raw ASGI hot routes share (the node's create, run and kill, the control plane's create and
+kill): the route itself (``JsonRoute``: method and path matched, the answer sent with a request id, every
+failure the same typed error ``_internal.http``'s FastAPI handlers make of it), and request bodies read
+bounded (``payload_too_large``), parsed by orjson and validated by the route's own pydantic model
+(``invalid_request`` with FastAPI's ``details`` shape)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -115,19 +117,33 @@ async def _send_error(exc: errors.PillDropsError, rid: str, scope: Scope, receiv
 
 
 class JsonRoute:
-    """ASGI middleware answering ``POST <path>`` itself (``answer``: its status and JSON body, through
-    ``serve_json``); every other request goes on to ``app`` untouched."""
+    """ASGI middleware answering ``<method> <path>`` itself (``answer``: its status and JSON body, through
+    ``serve_json``); every other request goes on to ``app`` untouched. ``path``: one exact path; or
+    ``pattern``, a path with parameters (named groups, each ``[^/]+`` as the router's ``{name}``), which
+    become the request's ``path_params`` as the router would set them (the app's gate reads them)."""
 
+    method = "POST"
     path = ""
+    pattern: re.Pattern[str] | None = None
     log = logging.getLogger("pilldrops.http")
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+        if scope["type"] != "http" or scope["method"] != self.method:
             await self.app(scope, receive, send)
             return
+        if self.pattern is None:
+            if scope["path"] != self.path:
+                await self.app(scope, receive, send)
+                return
+        else:
+            m = self.pattern.fullmatch(scope["path"])
+            if m is None:
+                await self.app(scope, receive, send)
+                return
+            scope["path_params"] = m.groupdict()
         await serve_json(scope, receive, send, lambda: self.answer(scope, receive), self.log)
 
     async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:

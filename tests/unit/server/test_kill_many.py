@@ -131,13 +131,14 @@ async def test_batch_kill_one_node_call_per_node_one_transaction_and_tenancy(tmp
         ended_one = ids[0]
         assert (await c.delete(f"/v1/sandboxes/{ended_one}")).status_code == 200
         nodes.n["kill"] = store.n["end_sandboxes"] = 0
-        r = await c.post("/v1/sandboxes/kill", json={"ids": [*ids, ids[1], theirs, "sb_nope"]})
+        nul = "sb_\x00nul"            # no id holds a NUL: unknown on both stores (PostgreSQL's text refuses one)
+        r = await c.post("/v1/sandboxes/kill", json={"ids": [*ids, ids[1], theirs, "sb_nope", nul]})
         assert r.status_code == 200, r.text
         body = r.json()
         assert nodes.n == {"kill": 0, "kill_many": 2} and store.n["end_sandboxes"] == 1
         assert sum(len(a[1]) for a in nodes.args["kill_many"]) == 4     # the ended one is not sent again
         by_id = {it["id"]: it for it in body["items"]}
-        assert [it["id"] for it in body["items"]] == [*ids, theirs, "sb_nope"]      # deduplicated, in order
+        assert [it["id"] for it in body["items"]] == [*ids, theirs, "sb_nope", nul]      # deduplicated, in order
         for sid in ids:
             info = by_id[sid]["sandbox"]
             assert info["state"] == "stopped" and info["ended_at"] and by_id[sid]["error"] is None
@@ -145,11 +146,11 @@ async def test_batch_kill_one_node_call_per_node_one_transaction_and_tenancy(tmp
                 life = (datetime.fromisoformat(info["ended_at"])
                         - datetime.fromisoformat(info["started_at"])).total_seconds()
                 assert info["vcpu_s"] == pytest.approx(life, abs=0.01) and info["cost_usd"] > 0
-        for sid in (theirs, "sb_nope"):       # another team's id answers exactly like an unknown one
+        for sid in (theirs, "sb_nope", nul):       # another team's id answers exactly like an unknown one
             assert by_id[sid]["sandbox"] is None and by_id[sid]["error"]["code"] == "sandbox_not_found"
         assert by_id[theirs]["error"]["message"].replace(theirs, "X") == \
             by_id["sb_nope"]["error"]["message"].replace("sb_nope", "X")
-        assert (body["killed"], body["failed"]) == (5, 2)
+        assert (body["killed"], body["failed"]) == (5, 3)
         async with s.client(key=other_key) as b:
             assert (await b.get(f"/v1/sandboxes/{theirs}")).json()["state"] == "running"
             await b.delete(f"/v1/sandboxes/{theirs}")

@@ -48,6 +48,7 @@ from pilldrops.schema.node import NodeEvent, NodeHeartbeat, NodeHeartbeatReply, 
 from pilldrops.schema.stats import HistoryStats
 from pilldrops.server import dashboard
 from pilldrops.server.api.createroute import CreateRoute
+from pilldrops.server.api.killroute import KillRoute
 from pilldrops.server.service.auth import AuthService, Principal
 from pilldrops.server.service.billing import BillingService
 from pilldrops.server.service.nodes import NodeService
@@ -108,6 +109,8 @@ def create_app(services: Services) -> FastAPI:
     if services.urls is None and services.sandboxes is not None:
         services.urls = URLService(services.sandboxes.store, services.sandboxes.clock)
     app.add_middleware(RequestIdMiddleware)
+    # the kill's (``api.killroute``), behind the create's (a kill passes it at the cost of a comparison)
+    app.add_middleware(KillRoute, services=services)
     # the create's hot path (``api.createroute``), after E2B's routing (sandbox traffic is never ours); the
     # FastAPI route below documents it and answers the same way
     app.add_middleware(CreateRoute, services=services)
@@ -174,6 +177,7 @@ def create_app(services: Services) -> FastAPI:
     async def set_timeout(sandbox_id: str, body: SetTimeoutRequest, p: Caller) -> SandboxInfo:
         return await sbx.info(await sbx.set_timeout(p.team_id, sandbox_id, body.timeout))
 
+    # answered by ``api.killroute`` in front of this app, the same way: this route documents it
     @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
     async def kill(sandbox_id: str, p: Caller) -> SandboxInfo:
         return await sbx.info(await sbx.kill(p.team_id, sandbox_id))

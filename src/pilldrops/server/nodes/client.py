@@ -206,10 +206,10 @@ class NodeClient:
 
     async def kill(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus | None:
         try:
-            data = await self._call("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}", retry_stale=True)
+            resp = await self._send("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}", retry_stale=True)
         except errors.NotFound:
             return None
-        return NodeSandboxStatus.model_validate(data)
+        return NodeSandboxStatus.model_validate_json(resp.content)      # as ``create``: no dict in between
 
     async def kill_many(self, node_url: str, sandbox_ids: list[str]) -> dict[str, NodeKilled]:
         """Kill many sandboxes of one node in ONE call: per id its final status (none: not on that node) or

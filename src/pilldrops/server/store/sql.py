@@ -665,6 +665,9 @@ class Store:
     # ---- sandboxes -----------------------------------------------------------------------------------
 
     async def get_sandbox(self, sandbox_id: str, team_id: str | None = None) -> Sandbox | None:
+        if "\x00" in sandbox_id:       # no id holds a NUL (PostgreSQL's text refuses one): unknown, not an error
+            return None
+
         def go(c: Connection) -> Sandbox | None:
             found = c.execute(_GET_SB, {"sandbox_id": sandbox_id}).first()
             return _sandbox(found) if found is not None else None
@@ -794,7 +797,7 @@ class Store:
 
     async def get_sandboxes(self, ids: Iterable[str]) -> dict[str, Sandbox]:
         """Many sandboxes by id in a few queries (chunks of 500)."""
-        wanted = list(dict.fromkeys(ids))
+        wanted = [sid for sid in dict.fromkeys(ids) if "\x00" not in sid]    # none holds a NUL (get_sandbox)
         out: dict[str, Sandbox] = {}
         for i in range(0, len(wanted), 500):
             chunk = wanted[i:i + 500]
