@@ -48,7 +48,7 @@ from typing import Any
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
+from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs, spawn
 from pilldrops.node.isolation.diskspares import DiskSpares
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
@@ -252,8 +252,16 @@ class CrunRuntime:
         """hook: the OCI runtime's command line for ``args``."""
         return [self.crun, "--root", str(self.crun_root), *args]
 
-    async def _crun(self, *args: str) -> subprocess.CompletedProcess[bytes]:
-        return await anyio.run_process(self._cmd(*args), stdin=subprocess.DEVNULL, check=False)
+    async def _run(self, argv: list[str], **kw: Any) -> spawn.Completed:
+        """One run of the OCI runtime (or a tool of its userland) to its end: ``spawn.run`` (no asyncio
+        subprocess transports; cancelled, it is killed and reaped); one that cannot start is a RuntimeFailure."""
+        try:
+            return await spawn.run(argv, **kw)
+        except spawn.SpawnError as e:
+            raise RuntimeFailure(f"cannot run {self.name}", detail=str(e)) from e
+
+    async def _crun(self, *args: str) -> spawn.Completed:
+        return await self._run(self._cmd(*args))
 
     async def _crun_state(self, sandbox_id: str) -> dict | None:
         r = await self._crun("state", self._cid(sandbox_id))
@@ -286,9 +294,9 @@ class CrunRuntime:
             config = self._mount_and_configure(spec, d)
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
-                r = await anyio.run_process(
+                r = await self._run(
                     self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
+                    stdout=spawn.DEVNULL, stderr=err)
             if r.returncode != 0:
                 raise RuntimeFailure(f"{self.name} run {spec.id} failed (exit {r.returncode})",
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
@@ -654,6 +662,8 @@ class CrunRuntime:
         r = await self._crun("list", "--format", "json")
         if r.returncode != 0:
             raise RuntimeFailure("crun list failed", detail=r.stderr.decode(errors="replace").strip())
+        if r.truncated:
+            raise RuntimeFailure(f"crun list printed more than {spawn.STDOUT_CAP} bytes")
         ids = {sid for c in json.loads(r.stdout or b"[]") or [] if (sid := self._sid(c["id"]))}
         ids |= {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         return sorted(ids)
@@ -667,8 +677,7 @@ class CrunRuntime:
         stderr goes to ``err_path``. Returns the exit code."""
         argv = criu.command(["crun", "--root", str(self.crun_root), *args], binds=binds)
         with open(err_path, "wb") as err:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=err, check=False)
+            r = await self._run(argv, stdout=spawn.DEVNULL, stderr=err)
         return r.returncode
 
     async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:
