@@ -196,7 +196,7 @@ class GvisorRuntime(CrunRuntime):
         # ``--cap`` would also put every capability in the inheritable set, and give them to a non-root user
         d = pid_file.parent.parent                                 # <sandbox dir>/exec/<id>.pid
         try:
-            config = json.loads((d / "config.json").read_text())
+            config = json.loads((d / "config.json").read_bytes())
         except (OSError, ValueError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
         try:
