@@ -344,8 +344,8 @@ class CrunRuntime:
         """Bytes used on the sandbox's disk and its limit (None: it has no disk quota)."""
         return diskquota.usage(self._dir(handle.id), disk_mb)
 
-    def _mount_and_configure(self, spec: SandboxSpec, d: Path,  # type: ignore[type-arg]
-                             layer: tuple[Path, Path] | None = None) -> dict:
+    def _mount_and_configure(self, spec: SandboxSpec, d: Path,
+                             layer: tuple[Path, Path] | None = None) -> dict[str, Any]:
         """Overlay ``d/rootfs`` over the template layers and the writable layer (``layer``: its upper and work
         dirs, ``diskquota.layer_dirs(d)`` unless given), and write ``d/config.json``."""
         try:
