@@ -124,6 +124,17 @@ async def test_env_cwd_stdin(runtime, tiny):  # type: ignore[no-untyped-def]
     await runtime.destroy(h)
 
 
+async def test_non_ascii_env_reaches_the_sandbox(runtime, tiny):  # type: ignore[no-untyped-def]
+    """config.json is UTF-8 JSON (orjson, no ASCII escapes): crun reads it, and so does the runtime when it
+    takes an exec's defaults from it (an adopted sandbox: nothing cached)."""
+    h = await runtime.create(spec(tiny, "uni", envs={"UNI": "héllo 沙箱 🦀"}))
+    assert await run(runtime, h, ["sh", "-c", "echo \"$UNI\""]) == (0, "héllo 沙箱 🦀\n", "")
+    runtime._defaults.pop(h.id)             # as for a sandbox a restarted agent adopted
+    assert await run(runtime, h, ["sh", "-c", "echo \"$UNI\""]) == (0, "héllo 沙箱 🦀\n", "")
+    assert json.loads((Path(h.bundle) / "config.json").read_bytes())["process"]["env"][-1] == "UNI=héllo 沙箱 🦀"
+    await runtime.destroy(h)
+
+
 async def test_sandboxes_are_isolated(runtime, tiny):  # type: ignore[no-untyped-def]
     a = await runtime.create(spec(tiny, "iso-a"))
     b = await runtime.create(spec(tiny, "iso-b"))

@@ -11,6 +11,10 @@ cache intact, so a renamed file is always seen whole by the next agent. A host c
 would cover, and it kills every sandbox process anyway (the next agent finds no runtime state and reaps).
 Two fsyncs per create cost milliseconds on the hot path for no protection.
 
+Entries are written with orjson (``_internal.jsonfile``: ~1 µs to encode instead of the ~0.3 ms that
+``json.dump(asdict(entry))`` took, issue 15) and read with ``json.loads`` from their bytes, so what an older
+agent wrote (the stdlib's ASCII-escaped JSON) reads as before, and its entries are read by this one.
+
 Every record carries a format version (``version``), and so does the runtime handle inside it. Records
 written before versions existed have none and are read as version 1 (the same layout), so an upgraded agent
 re-adopts the sandboxes an older one started. A record of a newer version than this agent knows (a
@@ -20,20 +24,23 @@ downgrade) is left on disk untouched and its sandbox is neither adopted nor reap
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pilldrops._internal import jsonfile
 from pilldrops.node.runtime.base import Handle
 
 log = logging.getLogger("pilldrops.node")
 Phase = Literal["creating", "running", "pausing", "paused", "resuming"]
 FORMAT_VERSION = 1           # of a journal entry; unversioned (older) entries are version 1
 HANDLE_FORMAT_VERSION = 1    # of the runtime handle stored in an entry; unversioned ones are version 1
-_HANDLE_FIELDS = frozenset(f.name for f in dataclasses.fields(Handle))
+_HANDLE_NAMES = tuple(f.name for f in dataclasses.fields(Handle))
+_HANDLE_FIELDS = frozenset(_HANDLE_NAMES)
 
 
 class NewerFormat(ValueError):
@@ -41,8 +48,13 @@ class NewerFormat(ValueError):
 
 
 def handle_record(handle: Handle) -> dict[str, Any]:
-    """A runtime handle as it is persisted: its fields plus its format version."""
-    return {**asdict(handle), "version": HANDLE_FORMAT_VERSION}
+    """A runtime handle as it is persisted: its fields plus its format version (what
+    ``{**asdict(handle), "version": ...}`` gave, without its deep copy: the fields are scalars and the
+    ``extra`` dict of strings, which is copied)."""
+    record = {name: getattr(handle, name) for name in _HANDLE_NAMES}
+    record["extra"] = dict(handle.extra)
+    record["version"] = HANDLE_FORMAT_VERSION
+    return record
 
 
 def handle_from_record(record: dict[str, Any], default_id: str) -> Handle:
@@ -75,6 +87,11 @@ class Entry:
     def runtime_handle(self) -> Handle:
         return handle_from_record(self.handle, self.id)
 
+    def record(self) -> dict[str, Any]:
+        """The entry as it is written: its fields in order, as ``asdict`` gives them but not deep-copied (the
+        record is encoded at once, and ``spec``/``handle`` are the entry's own, made for it)."""
+        return {name: getattr(self, name) for name in _ENTRY_NAMES}
+
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Entry:
         if not isinstance(record, dict):
@@ -87,8 +104,13 @@ class Entry:
         return entry
 
 
+_ENTRY_NAMES = tuple(f.name for f in dataclasses.fields(Entry))
+
+
+@functools.cache
 def boot_id() -> str:
-    """This boot's id: monotonic times recorded under another boot mean nothing now."""
+    """This boot's id: monotonic times recorded under another boot mean nothing now. Read once: a process
+    never outlives its boot (every journal write asked /proc for it)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
@@ -102,23 +124,26 @@ class Journal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.skipped: set[str] = set()   # sandbox/runtime ids of records the last ``entries()`` left (newer)
 
-    def _path(self, sandbox_id: str) -> Path:
-        return self.dir / f"{sandbox_id}.json"
+    def _path(self, sandbox_id: str) -> str:
+        return os.path.join(self.dir, f"{sandbox_id}.json")
 
     def write(self, entry: Entry) -> None:
         path = self._path(entry.id)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(asdict(entry), f)
+        tmp = path[:-len(".json")] + ".tmp"
+        jsonfile.write_bytes(tmp, jsonfile.dumps(entry.record()))
         os.replace(tmp, path)
 
     def remove(self, sandbox_id: str) -> None:
-        self._path(sandbox_id).unlink(missing_ok=True)
+        try:
+            os.unlink(self._path(sandbox_id))
+        except FileNotFoundError:
+            pass
 
     def remove_ended(self, sandbox_id: str) -> None:
         """Drop the entry of a sandbox whose teardown was journaled (``end_reason``) once its end is reported."""
         try:
-            record = json.loads(self._path(sandbox_id).read_text())
+            with open(self._path(sandbox_id), "rb") as f:
+                record = json.loads(f.read())
         except (OSError, ValueError):
             return
         if isinstance(record, dict) and record.get("end_reason") is not None:
@@ -129,7 +154,7 @@ class Journal:
         self.skipped = set()
         for p in sorted(self.dir.glob("*.json")):
             try:
-                record = json.loads(p.read_text())
+                record = json.loads(p.read_bytes())
                 out.append(Entry.from_record(record))
             except NewerFormat as exc:
                 log.error("journal record %s left alone: %s", p.name, exc)

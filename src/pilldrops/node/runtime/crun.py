@@ -48,7 +48,8 @@ from typing import Any
 
 import anyio
 
-from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs
+from pilldrops._internal import jsonfile
+from pilldrops.node.isolation import cgroups, criu, diskquota, pdfs, procs, spawn
 from pilldrops.node.isolation.diskspares import DiskSpares
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.fsflags import lock_dir, unlock_dir
@@ -85,7 +86,11 @@ def _started_init(pid_file: Path, sandbox_id: str, what: str, err_file: Path | N
     """The init's pid from crun's pid file and its start time from /proc: proof that it runs (and a guard
     against pid reuse), without a `crun state` round trip."""
     try:
-        pid: int | None = int(pid_file.read_text().strip())
+        fd = os.open(pid_file, os.O_RDONLY | os.O_CLOEXEC)     # (no buffered text file: ~15 us less)
+        try:
+            pid: int | None = int(os.read(fd, 64))
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         pid = None
     start = procs.start_time(pid) if pid else None
@@ -128,13 +133,16 @@ def _tree_bytes(root: Path) -> int:
 RESOLV_CONF = "# PillDrops sandbox: no network egress, so no name server (the host's is not shown)\n"
 
 
-def _write_net_files(etc: Path, hostname: str) -> None:
-    """The sandbox's own resolv.conf and hosts in its (empty) writable layer: a template built on this host
-    carries the host's (debootstrap copies them), and a sandbox without egress must not learn the host's
-    name server or names (issue 16 item 9)."""
-    (etc / "resolv.conf").write_text(RESOLV_CONF)
-    (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                               f"127.0.1.1\t{hostname}\n")
+def _write_identity_files(etc: str, hostname: str) -> None:
+    """The sandbox's own machine-id, resolv.conf and hosts in the ``etc`` of its (empty) writable layer (no
+    copy-up). Every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
+    members included, never share an identity. A template built on this host carries the host's resolv.conf
+    and hosts (debootstrap copies them), and a sandbox without egress must not learn the host's name server
+    or names (issue 16 item 9). Plain os writes (no buffered text file, no Path): ~0.1 ms less per create."""
+    jsonfile.write_bytes(f"{etc}/machine-id", f"{uuid.uuid4().hex}\n".encode())
+    jsonfile.write_bytes(f"{etc}/resolv.conf", RESOLV_CONF.encode())
+    jsonfile.write_bytes(f"{etc}/hosts", f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                                         f"127.0.1.1\t{hostname}\n".encode())
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
@@ -252,8 +260,16 @@ class CrunRuntime:
         """hook: the OCI runtime's command line for ``args``."""
         return [self.crun, "--root", str(self.crun_root), *args]
 
-    async def _crun(self, *args: str) -> subprocess.CompletedProcess[bytes]:
-        return await anyio.run_process(self._cmd(*args), stdin=subprocess.DEVNULL, check=False)
+    async def _run(self, argv: list[str], **kw: Any) -> spawn.Completed:
+        """One run of the OCI runtime (or a tool of its userland) to its end: ``spawn.run`` (no asyncio
+        subprocess transports; cancelled, it is killed and reaped); one that cannot start is a RuntimeFailure."""
+        try:
+            return await spawn.run(argv, **kw)
+        except spawn.SpawnError as e:
+            raise RuntimeFailure(f"cannot run {self.name}", detail=str(e)) from e
+
+    async def _crun(self, *args: str) -> spawn.Completed:
+        return await self._run(self._cmd(*args))
 
     async def _crun_state(self, sandbox_id: str) -> dict | None:
         r = await self._crun("state", self._cid(sandbox_id))
@@ -278,17 +294,14 @@ class CrunRuntime:
             self._make_run_dir(d)
             if spec.disk_mb and not spare:
                 await anyio.to_thread.run_sync(self._make_disk, d, spec.disk_mb)
-            upper, _ = diskquota.layer_dirs(d) if spare else diskquota.make_layer_dirs(d)
-            # every sandbox gets its own machine-id (templates ship one, or none): two sandboxes, warm-pool
-            # members included, never share an identity. Written into the empty upper layer: no copy-up.
-            (upper / "etc" / "machine-id").write_text(uuid.uuid4().hex + "\n")
-            _write_net_files(upper / "etc", spec.hostname)
-            config = self._mount_and_configure(spec, d)
+            layer = diskquota.layer_dirs(d) if spare else diskquota.make_layer_dirs(d)
+            _write_identity_files(f"{layer[0]}/etc", spec.hostname)
+            config = self._mount_and_configure(spec, d, layer)
             pid_file = d / "init.pid"
             with open(d / "crun.err", "wb") as err:  # noqa: ASYNC230 - local file, no wait
-                r = await anyio.run_process(
+                r = await self._run(
                     self._cmd("run", "--detach", f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, check=False)
+                    stdout=spawn.DEVNULL, stderr=err)
             if r.returncode != 0:
                 raise RuntimeFailure(f"{self.name} run {spec.id} failed (exit {r.returncode})",
                                      detail=(d / "crun.err").read_text(errors="replace").strip())
@@ -297,10 +310,10 @@ class CrunRuntime:
             pid, start = _started_init(pid_file, spec.id, "start", err_file=d / "crun.err")
             # pd-init binds its control socket right after it starts; give it that moment so that the
             # first command already takes the fast path (if it never shows up, exec uses crun exec)
-            deadline = time.monotonic() + self.CTL_WAIT
-            while not (d / "pd" / "ctl").exists() and time.monotonic() < deadline:
+            ctl, deadline = f"{d}/pd/ctl", time.monotonic() + self.CTL_WAIT
+            while not os.path.exists(ctl) and time.monotonic() < deadline:
                 await anyio.sleep(0.001)
-            if (d / "pd" / "ctl").exists():
+            if os.path.exists(ctl):
                 lock_dir(d / "pd")     # the sandbox cannot replace the socket (else: at the first probe)
             self._defaults[spec.id] = self._defaults_from(config)
             if self._init_current:
@@ -331,14 +344,16 @@ class CrunRuntime:
         """Bytes used on the sandbox's disk and its limit (None: it has no disk quota)."""
         return diskquota.usage(self._dir(handle.id), disk_mb)
 
-    def _mount_and_configure(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
-        """Overlay ``d/rootfs`` over the template layers and the writable layer, and write ``d/config.json``."""
+    def _mount_and_configure(self, spec: SandboxSpec, d: Path,
+                             layer: tuple[Path, Path] | None = None) -> dict[str, Any]:
+        """Overlay ``d/rootfs`` over the template layers and the writable layer (``layer``: its upper and work
+        dirs, ``diskquota.layer_dirs(d)`` unless given), and write ``d/config.json``."""
         try:
-            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *diskquota.layer_dirs(d))
+            mount_overlay(d / "rootfs", [Path(p) for p in spec.layers], *(layer or diskquota.layer_dirs(d)))
         except (MountError, ValueError) as e:
             raise RuntimeFailure(f"overlay mount for {spec.id} failed", detail=str(e)) from e
         config = self._config(spec, d)
-        (d / "config.json").write_text(json.dumps(config))
+        jsonfile.write_bytes(d / "config.json", jsonfile.dumps(config))   # orjson: ~0.35 ms less than json
         return config
 
     def _config(self, spec: SandboxSpec, d: Path) -> dict:  # type: ignore[type-arg]
@@ -502,7 +517,7 @@ class CrunRuntime:
         passed explicitly; the exec's ``env``/``cwd`` override them.
         """
         try:
-            return CrunRuntime._defaults_from(json.loads((d / "config.json").read_text()))
+            return CrunRuntime._defaults_from(json.loads((d / "config.json").read_bytes()))
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
 
@@ -654,6 +669,8 @@ class CrunRuntime:
         r = await self._crun("list", "--format", "json")
         if r.returncode != 0:
             raise RuntimeFailure("crun list failed", detail=r.stderr.decode(errors="replace").strip())
+        if r.truncated:
+            raise RuntimeFailure(f"crun list printed more than {spawn.STDOUT_CAP} bytes")
         ids = {sid for c in json.loads(r.stdout or b"[]") or [] if (sid := self._sid(c["id"]))}
         ids |= {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
         return sorted(ids)
@@ -667,8 +684,7 @@ class CrunRuntime:
         stderr goes to ``err_path``. Returns the exit code."""
         argv = criu.command(["crun", "--root", str(self.crun_root), *args], binds=binds)
         with open(err_path, "wb") as err:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=err, check=False)
+            r = await self._run(argv, stdout=spawn.DEVNULL, stderr=err)
         return r.returncode
 
     async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:

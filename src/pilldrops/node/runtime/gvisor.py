@@ -57,6 +57,7 @@ from pathlib import Path
 
 import anyio
 
+from pilldrops.node.isolation import spawn
 from pilldrops.node.isolation.execproc import PipeExec
 from pilldrops.node.isolation.host import HostNotReady
 from pilldrops.node.isolation.superexec import parse_ids
@@ -195,7 +196,7 @@ class GvisorRuntime(CrunRuntime):
         # ``--cap`` would also put every capability in the inheritable set, and give them to a non-root user
         d = pid_file.parent.parent                                 # <sandbox dir>/exec/<id>.pid
         try:
-            config = json.loads((d / "config.json").read_text())
+            config = json.loads((d / "config.json").read_bytes())
         except (OSError, ValueError) as e:
             raise RuntimeFailure(f"sandbox {d.name} has no readable config.json", detail=str(e)) from e
         try:
@@ -210,8 +211,7 @@ class GvisorRuntime(CrunRuntime):
         return RunscExec(cmd, cmd=self._cmd(), sandbox_id=self._cid(handle.id), internal_pid_file=pid_file, **kw)
 
     async def _signal_init(self, sandbox_id: str, pid: int, sig: int) -> bool:
-        r = await anyio.run_process(self._cmd("kill", self._cid(sandbox_id), str(int(sig))), stdin=subprocess.DEVNULL,
-                                    check=False)
+        r = await self._run(self._cmd("kill", self._cid(sandbox_id), str(int(sig))))
         return r.returncode == 0
 
     async def create(self, spec: SandboxSpec) -> Handle:
@@ -246,8 +246,8 @@ class GvisorRuntime(CrunRuntime):
                        "exec`, e.g. kept by its background child): it cannot be paused until they are closed")
         err = d / "runsc-checkpoint.err"
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(self._cmd("checkpoint", f"--image-path={images}", self._cid(handle.id)),
-                                        stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=False)
+            r = await self._run(self._cmd("checkpoint", f"--image-path={images}", self._cid(handle.id)),
+                                stdout=f, stderr=spawn.STDOUT)
         return r.returncode, (_first_lines(err) if r.returncode else "")
 
     @staticmethod
@@ -257,10 +257,10 @@ class GvisorRuntime(CrunRuntime):
     async def _restore_init(self, spec: SandboxSpec, d: Path, image_dir: Path) -> tuple[int, int]:
         pid_file, err = d / "init.pid", d / "crun.err"
         with open(err, "wb") as f:  # noqa: ASYNC230 - local file, no wait
-            r = await anyio.run_process(
+            r = await self._run(
                 self._cmd("restore", "--detach", f"--image-path={image_dir / self.IMAGE_SUBDIR}",
                           f"--pid-file={pid_file}", "--bundle", str(d), self._cid(spec.id)),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f, check=False)
+                stdout=spawn.DEVNULL, stderr=f)
         if r.returncode != 0:
             raise RuntimeFailure(f"runsc restore of {spec.id} failed (exit {r.returncode})", detail=_first_lines(err))
         return _started_init(pid_file, spec.id, "restore", err_file=err)
