@@ -82,9 +82,10 @@ async def test_quick_calls_read_under_a_held_write_lock_and_write_once_it_is_rel
 
 
 async def test_a_kill_ends_on_the_loop_and_under_a_held_write_lock_bills_once(tmp_path, monkeypatch) -> None:
-    """``end_sandboxes`` of one row runs on the loop's connection (no worker-thread hop); while another writer
-    holds the lock it goes to the worker thread, which waits and then commits it: the final report billed
-    once, the team charged once, the fault hook before the commit called once. A batch goes to the worker."""
+    """``end_sandboxes`` of one row (and a usage commit of one report) runs on the loop's connection (no
+    worker-thread hop); while another writer holds the lock it goes to the worker thread, which waits and
+    then commits it: the final report billed once, the team charged once, the fault hook before the commit
+    called once. A batch of more than ``_QUICK_ROWS`` rows goes to the worker thread."""
     path = tmp_path / "store.sqlite"
     store = await Store.open(sqlite_url(path))
     hops: list[Any] = []
@@ -112,8 +113,9 @@ async def test_a_kill_ends_on_the_loop_and_under_a_held_write_lock_bills_once(tm
                 from_states=["running"], now=later, rates=RATES, charge_credits=True,
                 before_commit=lambda: hooked.append(1))
 
-        hops.clear()
-        first = await end([ids[0]])
+        hops.clear()                                        # a usage commit of one report: on the loop too
+        assert await store.commit_usage(ids[0], 2000, 2.0, now=later, rates=RATES, charge_credits=True)
+        first = await end([ids[0]])                         # bills 2 s more: from 2.0 to 4.0
         assert hops == [] and first.ended == {ids[0]} and len(first.entries) == 1 and hooked == [1]
 
         other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -144,11 +146,11 @@ async def test_a_kill_ends_on_the_loop_and_under_a_held_write_lock_bills_once(tm
         assert all(r.state == "stopped" and r.billed_run_s == pytest.approx(4.0) for r in rows.values())
         assert all(r.ended_at == now + timedelta(seconds=4) for r in rows.values())
         n, vcpu_s, _, _, cost = await store.usage_totals(team.id, None, None)
-        assert n == len(ids) and vcpu_s == pytest.approx(4.0 * len(ids))
+        assert n == len(ids) and vcpu_s == pytest.approx(4.0 * len(ids))     # 2 + 2 s of the first included
         assert (await store.get_team(team.id)).credits_usd == pytest.approx(5.0 - cost)
         check = sqlite3.connect(path)
         try:
-            assert check.execute("SELECT count(*) FROM usage_ledger").fetchone()[0] == len(ids)
+            assert check.execute("SELECT count(*) FROM usage_ledger").fetchone()[0] == len(ids) + 1
         finally:
             check.close()
     finally:

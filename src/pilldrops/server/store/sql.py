@@ -227,8 +227,9 @@ _PAUSE_RESUMED = _PAUSE_ENDED.values(resumed_at=bindparam("b_at"))
 _RUNNING_KEYS = ("billed_run_s", "billed_seq", "cost_usd", "gb_s", "vcpu_s")
 _PAUSE_KEYS = ("checkpoint_bytes", "cost_usd", "paused_at", "paused_s", "storage_gb_s")
 _END_KEYS = tuple(sorted({*_RUNNING_KEYS, *_PAUSE_KEYS, "state", "end_reason", "ended_at"}))
-# an end of at most this many rows runs on the event loop's connection (``quick``): each row more holds the
-# loop ~0.15 ms (8 rows ~1.8 ms, as long as a create's placement holds it; bench/store_end.py)
+# a billing transaction (an end, a usage commit) of at most this many rows runs on the event loop's
+# connection (``quick``): each row more holds the loop ~0.15 ms (8 rows ~1.8 ms, about what a create's
+# placement holds it; more go to the worker thread; bench/store_end.py)
 _QUICK_ROWS = 8
 
 
@@ -489,9 +490,12 @@ class Store:
 
     async def _run(self, fn: Callable[..., Any], *args: Any, write: bool, quick: bool = False) -> Any:
         """``fn(connection, *args)`` in one transaction (``write``) or on one connection: on SQLite in one
-        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write by key, whose ``fn`` has no
-        effect outside its transaction: it may run twice), on the event loop's thread; else through the
-        async engine's ``run_sync``."""
+        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write: a few rows by key), on the
+        event loop's thread; else through the async engine's ``run_sync``. A ``quick`` ``fn`` may run twice
+        (the loop's attempt refused by a busy database, rolled back, then run on the worker thread; a refusal
+        comes at ``BEGIN IMMEDIATE``, before ``fn`` starts, as WAL never refuses the lock's holder later): it
+        has no effect outside its transaction, but for a last step right before the commit (the usage
+        commits' ``before_commit`` fault hook, which would then count one commit attempt more)."""
         if quick and self._on_loop is not None:
             done, out = self._try_on_loop(fn, args, write)
             if done:
@@ -854,10 +858,10 @@ class Store:
                        if (sb := rows.get(sid)) is not None and (entry := bill.running(sb, seq, run_s)) is not None]
             bill.write(c, _RUNNING_KEYS, charge_credits)
             if before_commit is not None and entries:
-                before_commit()
+                before_commit()            # the last step, right before the commit (``_run``)
             return entries
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=len(reports) <= _QUICK_ROWS)
 
     async def get_sandboxes(self, ids: Iterable[str]) -> dict[str, Sandbox]:
         """Many sandboxes by id in a few queries (chunks of 500)."""
@@ -968,7 +972,7 @@ class Store:
             bill.write(c, tuple(sorted({*values, *(_PAUSE_KEYS if closed else ())})), charge_credits)
             return _detached(Sandbox, sb)
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=True)
 
     async def end_sandboxes(self, ends: list[EndSandbox], *, from_states: Iterable[str], now: datetime,
                             rates: Rates, charge_credits: bool, before_commit: Callable[[], None] | None = None
@@ -980,11 +984,9 @@ class Store:
         its storage billed (``end_interval``), and the new state set. A row not in ``from_states`` is left as
         it is (already ended: what it was billed is final). The credits of each team are charged once.
 
-        On SQLite a kill of a few rows runs on the event loop's connection (``quick``): ``go`` writes only
-        inside its transaction, and ``before_commit`` (the exactly-once test's fault hook) is its last step,
-        right before the commit, so a run refused by a busy database (refused at ``BEGIN IMMEDIATE``, before
-        ``go`` starts) is simply run again on the worker thread. A bigger batch goes to the worker thread
-        (``_QUICK_ROWS``)."""
+        On SQLite an end of a few rows (``_QUICK_ROWS``: a kill) runs on the event loop's connection
+        (``quick``): ``go`` writes only inside its transaction, and ``before_commit`` (the exactly-once
+        test's fault hook) is its last step, right before the commit (``_run``)."""
         states = set(from_states)
 
         def go(c: Connection) -> Ended:
@@ -1013,7 +1015,7 @@ class Store:
             bill.write(c, _END_KEYS, charge_credits)
             out.rows = {sid: _detached(Sandbox, sb) for sid, sb in rows.items()}
             if before_commit is not None and out.entries:
-                before_commit()
+                before_commit()            # the last step, right before the commit (``_run``)
             return out
 
         return await self._run(go, write=True, quick=len(ends) <= _QUICK_ROWS)
