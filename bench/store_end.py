@@ -27,7 +27,8 @@ async def main(n: int, rounds: int) -> None:
     later = now + timedelta(seconds=10)
     rates = Rates()
     team = await st.create_team("t", now)
-    await st.upsert_node(name="n", url="http://n", capacity_vcpu=1e6, capacity_memory_mb=10**9, templates=[], now=now)
+    await st.upsert_node(name="n", url="http://n", capacity_vcpu=1e6, capacity_memory_mb=10**9, templates=[],
+                         now=now)
     made = 0
 
     async def make(count: int, state: str = "running") -> list[str]:
@@ -57,25 +58,29 @@ async def main(n: int, rounds: int) -> None:
     for _ in range(rounds):
         ids = await make(n)
         await timed("end 1 running", [lambda s=s: st.end_sandboxes([ending(s)], from_states=LEGAL, now=later,
-                                                                     rates=rates, charge_credits=True) for s in ids])
+                                                                     rates=rates, charge_credits=True)
+                                      for s in ids])
         ids = await make(n)
         await timed("commit_usage 1", [lambda s=s: st.commit_usage(s, 3000, 3.0, now=later, rates=rates,
                                                                     charge_credits=True) for s in ids])
         ids = await make(n, state="pausing")
         for sid in ids:
-            await st.record_pause(sid, paused_at=now + timedelta(seconds=2), checkpoint_bytes=10**8, timeout_left=9)
+            await st.record_pause(sid, paused_at=now + timedelta(seconds=2), checkpoint_bytes=10**8,
+                                  timeout_left=9)
         half = n // 2
         await timed("end 1 paused", [lambda s=s: st.end_sandboxes([ending(s, None, None)], from_states=LEGAL,
-                                                                    now=later, rates=rates, charge_credits=True)
+                                                                    now=later, rates=rates,
+                                                                    charge_credits=True)
                                      for s in ids[:half]])
         await timed("end_interval (resume)", [
-            lambda s=s: st.end_interval(s, from_states=["paused"], until=later, rates=rates, charge_credits=True,
-                                        resumed=True, state="running", timeout_left=None) for s in ids[half:]])
+            lambda s=s: st.end_interval(s, from_states=["paused"], until=later, rates=rates,
+                                        charge_credits=True, resumed=True, state="running", timeout_left=None)
+            for s in ids[half:]])
         for k in (8, 50):
             batches = [await make(k) for _ in range(max(1, n // k // 2))]
             await timed(f"end batch of {k} (a row)", [
-                lambda b=b: st.end_sandboxes([ending(s) for s in b], from_states=LEGAL, now=later, rates=rates,
-                                             charge_credits=True) for b in batches], per=k)
+                lambda b=b: st.end_sandboxes([ending(s) for s in b], from_states=LEGAL, now=later,
+                                             rates=rates, charge_credits=True) for b in batches], per=k)
     print("; ".join(f"{k} {statistics.median(v):.3f} ms" for k, v in res.items()))
     await st.close()
 

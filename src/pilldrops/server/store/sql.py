@@ -141,8 +141,13 @@ def _record(model: Any, row: Any) -> Any:
     one (a new instance, its values put in its ``__dict__``), not through the constructor's attribute
     events, which cost ~80 us a row against ~4 us (a node's heartbeat reads every live sandbox row: at
     1,500 live that was a fifth of the control plane's CPU during creates; bench/RESULTS.md, issue 15)."""
+    return _detached(model, zip(_keys(model), row, strict=True))
+
+
+def _detached(model: Any, values: Any) -> Any:
+    """A detached ``model`` instance of ``values`` (``{attribute: value}``, or its pairs), as ``_record``."""
     obj = model.__mapper__.class_manager.new_instance()
-    obj.__dict__.update(zip(_keys(model), row, strict=True))
+    obj.__dict__.update(values)
     return obj
 
 
@@ -220,7 +225,8 @@ _CHARGE = (update(_TEAMS).where(_TEAMS.c.id == bindparam("b_team"))
                                                    _TEAMS.c.credits_usd <= bindparam("b_cost")),
                                               bindparam("b_at", type_=_TEAMS.c.credits_exhausted_at.type)),
                                              else_=_TEAMS.c.credits_exhausted_at)))
-_PAUSE_ENDED = (update(_PAUSES).where(_PAUSES.c.sandbox_id == bindparam("b_sandbox"), _PAUSES.c.idx == bindparam("b_idx"))
+_PAUSE_ENDED = (update(_PAUSES)
+                .where(_PAUSES.c.sandbox_id == bindparam("b_sandbox"), _PAUSES.c.idx == bindparam("b_idx"))
                 .values(storage_gb_s=bindparam("b_storage")))
 _PAUSE_RESUMED = _PAUSE_ENDED.values(resumed_at=bindparam("b_at"))
 # the columns each rule may change (written back from the row's dict)
@@ -239,13 +245,6 @@ def _set_statement(keys: tuple[str, ...]) -> Any:
     set of columns, its values bound as ``v_<column>``."""
     return (update(_SB).where(_SB.c.id == bindparam("sandbox_id"))
             .values({_COLUMN_KEY[k]: bindparam("v_" + _COLUMN_KEY[k]) for k in keys}))
-
-
-def _detached(model: Any, values: dict[str, Any]) -> Any:
-    """A detached ``model`` record of ``{attribute: value}`` (as ``_record``, from a dict)."""
-    obj = model.__mapper__.class_manager.new_instance()
-    obj.__dict__.update(values)
-    return obj
 
 
 def _charge_sync(c: Connection, team_id: str, cost: float, at: datetime) -> None:
@@ -296,9 +295,9 @@ class _Billing:
         use = running_usage(sb["vcpu"], sb["memory_mb"], delta)
         cost = use.cost(self.rates)
         entry = {"sandbox_id": sb["id"], "seq": seq, "team_id": sb["team_id"], "state": "running",
-                 "vcpu": sb["vcpu"], "memory_mb": sb["memory_mb"], "storage_gb": 0.0, "from_s": sb["billed_run_s"],
-                 "to_s": total, "vcpu_s": use.vcpu_s, "gb_s": use.gb_s, "storage_gb_s": use.storage_gb_s,
-                 "cost_usd": cost, "committed_at": self.now}
+                 "vcpu": sb["vcpu"], "memory_mb": sb["memory_mb"], "storage_gb": 0.0,
+                 "from_s": sb["billed_run_s"], "to_s": total, "vcpu_s": use.vcpu_s, "gb_s": use.gb_s,
+                 "storage_gb_s": use.storage_gb_s, "cost_usd": cost, "committed_at": self.now}
         self.ledger.append(entry)
         sb["vcpu_s"] += use.vcpu_s
         sb["gb_s"] += use.gb_s
@@ -342,8 +341,8 @@ class _Billing:
             c.execute(q, rows)
         if self.changed:
             cols = [(k, "v_" + _COLUMN_KEY[k]) for k in keys]
-            c.execute(_set_statement(keys),
-                      [{"sandbox_id": sid, **{p: sb[k] for k, p in cols}} for sid, sb in self.changed.items()])
+            c.execute(_set_statement(keys), [{"sandbox_id": sid, **{p: sb[k] for k, p in cols}}
+                                             for sid, sb in self.changed.items()])
         if charge_credits:
             for team_id, cost in sorted(self.charges.items()):
                 _charge_sync(c, team_id, cost, self.now)
@@ -855,7 +854,8 @@ class Store:
             rows = _locked_sandboxes(c, (sid for sid, _, _ in reports))
             bill = _Billing(now, rates)
             entries = [entry for sid, seq, run_s in reports
-                       if (sb := rows.get(sid)) is not None and (entry := bill.running(sb, seq, run_s)) is not None]
+                       if (sb := rows.get(sid)) is not None
+                       and (entry := bill.running(sb, seq, run_s)) is not None]
             bill.write(c, _RUNNING_KEYS, charge_credits)
             if before_commit is not None and entries:
                 before_commit()            # the last step, right before the commit (``_run``)
