@@ -3,7 +3,7 @@ exact final billing, one node call per node, tenancy, typed errors. SQLite and P
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
@@ -13,7 +13,8 @@ import pytest
 from pilldrops.schema.node import NodeSandboxStatus
 from pilldrops.server.domain.billing import Rates
 from pilldrops.server.nodes.client import NodeClient
-from pilldrops.server.store.interface import EndSandbox
+from pilldrops.server.store.interface import EndSandbox, NewSandbox
+from pilldrops.server.store.sql import Store
 from tests.stack import stack
 
 pytestmark = pytest.mark.anyio
@@ -99,6 +100,49 @@ async def test_end_sandboxes_closes_a_paused_interval_and_bills_its_storage(tmp_
         pauses = (await store.pauses_of([sb["id"]]))[sb["id"]]
         assert pauses[-1].storage_gb_s == pytest.approx(got.storage_gb_s - row.storage_gb_s)
         await s.agent.forget(sb["id"])
+
+
+async def test_an_end_charges_each_team_once_and_starts_the_grace_clock_once(store_url) -> None:
+    """A batch end of two teams' sandboxes, a running and a paused one each: each team is charged the sum of
+    its ledger rows once; the charge that takes a balance to zero or below stamps when it ran out, and a
+    later charge keeps that first stamp."""
+    store = await Store.open(store_url)
+    try:
+        t0 = datetime.now(UTC)
+        rich, poor = await store.create_team("rich", t0, credits_usd=10.0), await store.create_team("poor", t0,
+                                                                                                 credits_usd=1e-5)
+        node = await store.upsert_node(name="n", url="http://127.0.0.1:1", capacity_vcpu=64,
+                                       capacity_memory_mb=65536, templates=[], now=t0)
+        ids: dict[str, list[str]] = {}
+        for team in (rich, poor):
+            for i, state in enumerate(("running", "pausing", "running")):
+                new = NewSandbox(id=f"sb_{team.name}{i:012d}", team_id=team.id, template="tiny", vcpu=1,
+                                 memory_mb=1024, timeout=600, state=state, access_token="t" * 32,
+                                 created_at=t0, end_at=t0 + timedelta(seconds=600))
+                assert await store.insert_claimed(new, node.id, t0) is not None
+                ids.setdefault(team.id, []).append(new.id)
+            assert await store.record_pause(ids[team.id][1], paused_at=t0 + timedelta(seconds=5),
+                                            checkpoint_bytes=2 * 1024**3, timeout_left=60)
+        now = t0 + timedelta(seconds=20)
+        ends = [EndSandbox(sid, "stopped", "killed", final=True, seq=run * 1000, run_s=float(run))
+                for team_ids in ids.values() for sid, run in zip(team_ids[:2], (10, 5), strict=True)]
+        done = await store.end_sandboxes(ends, from_states=LEGAL, now=now, rates=RATES, charge_credits=True)
+        assert done.storage_charged and len(done.entries) == 4 and len(done.ended) == 4
+        for team, start in ((rich, 10.0), (poor, 1e-5)):
+            billed = sum(done.rows[sid].cost_usd for sid in ids[team.id][:2])
+            # 10 + 5 s running (1 vCPU, 1 GiB), 15 s paused with 2 GiB
+            assert billed == pytest.approx(15 * (RATES.vcpu_s_usd + RATES.gb_s_usd)
+                                           + 2 * 15 * RATES.storage_gb_s_usd)
+            got = await store.get_team(team.id)
+            assert got.credits_usd == pytest.approx(start - billed)
+            assert got.credits_exhausted_at == (now if team is poor else None)
+        later = now + timedelta(seconds=30)           # a later charge keeps when the balance ran out
+        await store.end_sandboxes([EndSandbox(ids[poor.id][2], "stopped", "killed", final=True, seq=5000,
+                                              run_s=5.0)], from_states=LEGAL, now=later, rates=RATES,
+                                  charge_credits=True)
+        assert (await store.get_team(poor.id)).credits_exhausted_at == now
+    finally:
+        await store.close()
 
 
 async def test_a_kill_is_one_store_write_after_the_node_answers(tmp_path, store_url, monkeypatch) -> None:

@@ -12,10 +12,12 @@ from typing import Any
 import anyio
 import pytest
 
-from pilldrops.server.store.interface import NewSandbox
-from pilldrops.server.store.sql import Store, sqlite_url
+from pilldrops.server.domain.billing import Rates
+from pilldrops.server.store.interface import EndSandbox, NewSandbox
+from pilldrops.server.store.sql import _QUICK_ROWS, Store, sqlite_url
 
 pytestmark = pytest.mark.anyio
+RATES = Rates()
 
 
 @pytest.fixture
@@ -73,6 +75,82 @@ async def test_quick_calls_read_under_a_held_write_lock_and_write_once_it_is_rel
         check = sqlite3.connect(path)
         try:
             assert check.execute("SELECT count(*) FROM sandbox_labels").fetchone()[0] == 2
+        finally:
+            check.close()
+    finally:
+        await store.close()
+
+
+async def test_a_kill_ends_on_the_loop_and_under_a_held_write_lock_bills_once(tmp_path, monkeypatch) -> None:
+    """``end_sandboxes`` of one row (and a usage commit of one report) runs on the loop's connection (no
+    worker-thread hop); while another writer holds the lock it goes to the worker thread, which waits and
+    then commits it: the final report billed once, the team charged once, the fault hook before the commit
+    called once. A batch of more than ``_QUICK_ROWS`` rows goes to the worker thread."""
+    path = tmp_path / "store.sqlite"
+    store = await Store.open(sqlite_url(path))
+    hops: list[Any] = []
+    real_hop = anyio.to_thread.run_sync
+
+    async def hop(*a: Any, **kw: Any) -> Any:
+        hops.append(a[0])
+        return await real_hop(*a, **kw)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", hop)
+    try:
+        now = datetime.now(UTC)
+        team = await store.create_team("t", now)
+        node = await store.upsert_node(name="n", url="http://127.0.0.1:1", capacity_vcpu=64,
+                                       capacity_memory_mb=65536, templates=[], now=now)
+        ids = [f"sb_onloop{i:012d}" for i in range(2 + _QUICK_ROWS + 1)]
+        for sid in ids:
+            assert await store.insert_claimed(_new(team.id, sid, now), node.id, now) is not None
+        later = now + timedelta(seconds=10)
+        hooked: list[int] = []
+
+        async def end(sids: list[str]) -> Any:
+            return await store.end_sandboxes(
+                [EndSandbox(sid, "stopped", "killed", final=True, seq=4000, run_s=4.0) for sid in sids],
+                from_states=["running"], now=later, rates=RATES, charge_credits=True,
+                before_commit=lambda: hooked.append(1))
+
+        hops.clear()                                        # a usage commit of one report: on the loop too
+        assert await store.commit_usage(ids[0], 2000, 2.0, now=later, rates=RATES, charge_credits=True)
+        first = await end([ids[0]])                         # bills 2 s more: from 2.0 to 4.0
+        assert hops == [] and first.ended == {ids[0]} and len(first.entries) == 1 and hooked == [1]
+
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        done: list[Any] = []
+
+        async def ending() -> None:
+            done.append(await end([ids[1]]))
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ending)
+                    while store._hot_lock.borrowed_tokens == 0:     # refused on the loop: the worker waits
+                        await anyio.sleep(0.01)
+                    assert not done and hooked == [1]
+                    await anyio.to_thread.run_sync(other.execute, "COMMIT")
+        finally:
+            other.close()
+        assert done[0].ended == {ids[1]} and len(done[0].entries) == 1 and hooked == [1, 1]
+
+        hops.clear()
+        batch = await end(ids[2:])                          # more than _QUICK_ROWS rows: one worker hop
+        assert len(hops) == 1 and batch.ended == set(ids[2:]) and hooked == [1, 1, 1]
+
+        # each billed once: 4 s of 1 vCPU, 256 MiB; the team charged the ledger's sum, once
+        rows = await store.get_sandboxes(ids)
+        assert all(r.state == "stopped" and r.billed_run_s == pytest.approx(4.0) for r in rows.values())
+        assert all(r.ended_at == now + timedelta(seconds=4) for r in rows.values())
+        n, vcpu_s, _, _, cost = await store.usage_totals(team.id, None, None)
+        assert n == len(ids) and vcpu_s == pytest.approx(4.0 * len(ids))     # 2 + 2 s of the first included
+        assert (await store.get_team(team.id)).credits_usd == pytest.approx(5.0 - cost)
+        check = sqlite3.connect(path)
+        try:
+            assert check.execute("SELECT count(*) FROM usage_ledger").fetchone()[0] == len(ids) + 1
         finally:
             check.close()
     finally:

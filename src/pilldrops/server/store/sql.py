@@ -26,6 +26,7 @@ from sqlalchemy import (
     Engine,
     and_,
     bindparam,
+    case,
     create_engine,
     event,
     func,
@@ -39,7 +40,6 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import Session
 
 from pilldrops._internal.ids import new_id
 from pilldrops.server.domain.billing import Rates, billable, end_time, running_usage, storage_usage
@@ -141,8 +141,13 @@ def _record(model: Any, row: Any) -> Any:
     one (a new instance, its values put in its ``__dict__``), not through the constructor's attribute
     events, which cost ~80 us a row against ~4 us (a node's heartbeat reads every live sandbox row: at
     1,500 live that was a fifth of the control plane's CPU during creates; bench/RESULTS.md, issue 15)."""
+    return _detached(model, zip(_keys(model), row, strict=True))
+
+
+def _detached(model: Any, values: Any) -> Any:
+    """A detached ``model`` instance of ``values`` (``{attribute: value}``, or its pairs), as ``_record``."""
     obj = model.__mapper__.class_manager.new_instance()
-    obj.__dict__.update(zip(_keys(model), row, strict=True))
+    obj.__dict__.update(values)
     return obj
 
 
@@ -176,8 +181,10 @@ _NODES_LOCKED = select(*_cols(Node)).order_by(Node.id).with_for_update()
 
 
 def _write_lock_sync(c: Connection) -> None:
-    """``_write_lock`` on a plain connection."""
-    if c.dialect.name == "sqlite":
+    """``_write_lock`` on a plain connection, unless its transaction holds the lock already: sqlite3 reports
+    a transaction open only after ``BEGIN IMMEDIATE`` (the event loop's connection, ``_try_on_loop``) or a
+    first write (the worker's connection begins its transactions there), and either took the lock."""
+    if c.dialect.name == "sqlite" and not c.connection.dbapi_connection.in_transaction:
         c.execute(_WRITE_LOCK)
 
 
@@ -199,76 +206,146 @@ def _columns(values: dict[str, Any]) -> dict[Any, Any]:
     return {getattr(Sandbox, k): v for k, v in values.items()}
 
 
-def _charge_sync(c: Any, team_id: str, cost: float, at: datetime) -> None:
+# ---- billing on locked rows (Core) ---------------------------------------------------------------------
+# One transaction's billing (a usage commit, an end, a closed paused interval) reads the locked rows as
+# plain dicts of their attributes (``_locked_sandboxes``), moves them with the rules below, and writes
+# everything together (``_Billing.write``): no session, unit of work or identity map, and every statement
+# prebuilt (the ORM's were ~3.5 ms of CPU a kill, a third of the control plane's; issue 15, session 9).
+_TEAMS = Team.__table__
+_PAUSES = SandboxPause.__table__
+_LOCKED_SB = (select(*_SB_COLS).where(_SB.c.id.in_(bindparam("ids", expanding=True))).order_by(_SB.c.id)
+              .with_for_update())
+_LOCKED_ONE = select(*_SB_COLS).where(_SB.c.id == bindparam("sandbox_id")).with_for_update()   # ~50 us less
+_INSERT_USAGE = insert(UsageEntry.__table__)
+# one statement: SET's expressions all see the row as it was, so the CASE asks whether this charge takes the
+# balance to zero or below (``balance <= cost``: for floats, a - b <= 0 exactly when a <= b)
+_CHARGE = (update(_TEAMS).where(_TEAMS.c.id == bindparam("b_team"))
+           .values(credits_usd=_TEAMS.c.credits_usd - bindparam("b_cost"),
+                   credits_exhausted_at=case((and_(_TEAMS.c.credits_exhausted_at.is_(None),
+                                                   _TEAMS.c.credits_usd <= bindparam("b_cost")),
+                                              bindparam("b_at", type_=_TEAMS.c.credits_exhausted_at.type)),
+                                             else_=_TEAMS.c.credits_exhausted_at)))
+_PAUSE_ENDED = (update(_PAUSES)
+                .where(_PAUSES.c.sandbox_id == bindparam("b_sandbox"), _PAUSES.c.idx == bindparam("b_idx"))
+                .values(storage_gb_s=bindparam("b_storage")))
+_PAUSE_RESUMED = _PAUSE_ENDED.values(resumed_at=bindparam("b_at"))
+# the columns each rule may change (written back from the row's dict)
+_RUNNING_KEYS = ("billed_run_s", "billed_seq", "cost_usd", "gb_s", "vcpu_s")
+_PAUSE_KEYS = ("checkpoint_bytes", "cost_usd", "paused_at", "paused_s", "storage_gb_s")
+_END_KEYS = tuple(sorted({*_RUNNING_KEYS, *_PAUSE_KEYS, "state", "end_reason", "ended_at"}))
+# a billing transaction (an end, a usage commit) of at most this many rows runs on the event loop's
+# connection (``quick``): each row more holds the loop ~0.15 ms (8 rows ~1.8 ms, about what a create's
+# placement holds it; more go to the worker thread; bench/store_end.py)
+_QUICK_ROWS = 8
+
+
+@functools.cache
+def _set_statement(keys: tuple[str, ...]) -> Any:
+    """``UPDATE sandboxes SET <keys> WHERE id = :sandbox_id`` (a row this transaction locked), built once per
+    set of columns, its values bound as ``v_<column>``."""
+    return (update(_SB).where(_SB.c.id == bindparam("sandbox_id"))
+            .values({_COLUMN_KEY[k]: bindparam("v_" + _COLUMN_KEY[k]) for k in keys}))
+
+
+def _charge_sync(c: Connection, team_id: str, cost: float, at: datetime) -> None:
     """Take ``cost`` off the team's credits, in SQL (never a read-modify-write of the balance); crossing zero
     starts the grace clock. The one credit-charging update (running usage and storage both come here)."""
     if cost <= 0:
         return
-    c.execute(update(Team).where(Team.id == team_id).values(credits_usd=Team.credits_usd - cost))
-    c.execute(update(Team).where(Team.id == team_id, Team.credits_usd <= 0, Team.credits_exhausted_at.is_(None))
-              .values(credits_exhausted_at=at))
+    c.execute(_CHARGE, {"b_team": team_id, "b_cost": cost, "b_at": at})
 
 
-def _bill_running(s: Session, sb: Sandbox, seq: int, run_s: float, now: datetime, rates: Rates
-                  ) -> UsageEntry | None:
-    """Bill a node's cumulative running seconds ``run_s`` (report ``seq``) of a LOCKED row, exactly once:
-    the ledger row is added to ``s`` and the row's totals move; None when nothing new was billed (an old
-    or resent report, or nothing past what is billed). The caller charges the team (``_charge_sync``)."""
-    if sb.started_at is None or seq <= sb.billed_seq:
-        return None
-    wall = ((sb.ended_at or now) - sb.started_at).total_seconds() - (sb.paused_s or 0.0)
-    total, delta = billable(run_s, sb.billed_run_s, wall)
-    if delta <= 0:             # nothing new to bill: remember the report, write no ledger row
-        sb.billed_seq = seq
-        return None
-    use = running_usage(sb.vcpu, sb.memory_mb, delta)
-    cost = use.cost(rates)
-    entry = UsageEntry(sandbox_id=sb.id, seq=seq, team_id=sb.team_id, state="running", vcpu=sb.vcpu,
-                       memory_mb=sb.memory_mb, storage_gb=0.0, from_s=sb.billed_run_s, to_s=total,
-                       vcpu_s=use.vcpu_s, gb_s=use.gb_s, storage_gb_s=use.storage_gb_s,
-                       cost_usd=cost, committed_at=now)
-    s.add(entry)
-    sb.vcpu_s += use.vcpu_s
-    sb.gb_s += use.gb_s
-    sb.cost_usd += cost
-    sb.billed_run_s = total
-    sb.billed_seq = seq
-    return entry
+def _locked_sandboxes(c: Connection, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The rows of ``ids`` as ``{attribute: value}`` dicts, locked: ``FOR UPDATE`` in id order (two
+    transactions never lock them in opposite orders); on SQLite the caller holds the write lock."""
+    keys, wanted = _keys(Sandbox), sorted(set(ids))
+    found = (c.execute(_LOCKED_ONE, {"sandbox_id": wanted[0]}) if len(wanted) == 1
+             else c.execute(_LOCKED_SB, {"ids": wanted}))
+    return {sb["id"]: sb for sb in (dict(zip(keys, r, strict=True)) for r in found)}
 
 
-def _close_pause(s: Session, sb: Sandbox, until: datetime, rates: Rates, charge_credits: bool,
-                 resumed: bool) -> bool:
-    """End a LOCKED row's open paused interval at ``until``: its storage billed exactly once (the ledger
-    row ``(sandbox, -idx)`` and the cleared ``paused_at`` go in the caller's transaction); ``resumed``
-    stamps the interval's end as a resume. False when it had no open interval."""
-    if sb.paused_at is None:
-        return False
-    secs = max(0.0, (until - sb.paused_at).total_seconds())
-    use = storage_usage(sb.checkpoint_bytes or 0, secs)
-    cost = use.cost(rates)
-    pause = s.get(SandboxPause, (sb.id, sb.pause_count))
-    if pause is not None:
-        pause.storage_gb_s = use.storage_gb_s
-        if resumed:
-            pause.resumed_at = until
-    s.add(UsageEntry(sandbox_id=sb.id, seq=-(sb.pause_count or 0), team_id=sb.team_id, state="paused",
-                     vcpu=sb.vcpu, memory_mb=sb.memory_mb, storage_gb=(sb.checkpoint_bytes or 0) / 1024**3,
-                     from_s=0.0, to_s=secs, vcpu_s=0.0, gb_s=0.0, storage_gb_s=use.storage_gb_s, cost_usd=cost,
-                     committed_at=until))
-    sb.storage_gb_s += use.storage_gb_s
-    sb.cost_usd += cost
-    sb.paused_s = (sb.paused_s or 0.0) + secs
-    sb.paused_at = None
-    sb.checkpoint_bytes = None
-    if charge_credits:
-        _charge_sync(s.connection(), sb.team_id, cost, until)
-    return True
+class _Billing:
+    """The billing of one transaction on rows of ``_locked_sandboxes``: each rule moves a row's dict and
+    gathers its writes (ledger rows, closed paused intervals, each team's cost); ``write`` then executes
+    them together, the changed rows' columns included, and charges each team once."""
 
+    def __init__(self, now: datetime, rates: Rates) -> None:
+        self.now, self.rates = now, rates
+        self.ledger: list[dict[str, Any]] = []
+        self.pauses: dict[Any, list[dict[str, Any]]] = {}       # statement -> its rows
+        self.charges: dict[str, float] = {}
+        self.changed: dict[str, dict[str, Any]] = {}
 
-def _locked_sandboxes(s: Session, ids: Iterable[str]) -> dict[str, Sandbox]:
-    """The rows of ``ids``, locked (in id order: two transactions never lock them in opposite orders)."""
-    q = select(Sandbox).where(Sandbox.id.in_(sorted(set(ids)))).order_by(Sandbox.id).with_for_update()
-    return {r.id: r for r in s.scalars(q).all()}
+    def touch(self, sb: dict[str, Any]) -> None:
+        """Write ``sb``'s columns back (``write``): the caller changed it too."""
+        self.changed[sb["id"]] = sb
+
+    def running(self, sb: dict[str, Any], seq: int, run_s: float) -> UsageEntry | None:
+        """Bill a node's cumulative running seconds ``run_s`` (report ``seq``) of a locked row, exactly once:
+        its ledger row (returned) and its moved totals; None when nothing new was billed (an old or resent
+        report, or nothing past what is billed)."""
+        if sb["started_at"] is None or seq <= sb["billed_seq"]:
+            return None
+        self.touch(sb)
+        wall = ((sb["ended_at"] or self.now) - sb["started_at"]).total_seconds() - (sb["paused_s"] or 0.0)
+        total, delta = billable(run_s, sb["billed_run_s"], wall)
+        sb["billed_seq"] = seq
+        if delta <= 0:             # nothing new to bill: remember the report, write no ledger row
+            return None
+        use = running_usage(sb["vcpu"], sb["memory_mb"], delta)
+        cost = use.cost(self.rates)
+        entry = {"sandbox_id": sb["id"], "seq": seq, "team_id": sb["team_id"], "state": "running",
+                 "vcpu": sb["vcpu"], "memory_mb": sb["memory_mb"], "storage_gb": 0.0,
+                 "from_s": sb["billed_run_s"], "to_s": total, "vcpu_s": use.vcpu_s, "gb_s": use.gb_s,
+                 "storage_gb_s": use.storage_gb_s, "cost_usd": cost, "committed_at": self.now}
+        self.ledger.append(entry)
+        sb["vcpu_s"] += use.vcpu_s
+        sb["gb_s"] += use.gb_s
+        sb["cost_usd"] += cost
+        sb["billed_run_s"] = total
+        self.charges[sb["team_id"]] = self.charges.get(sb["team_id"], 0.0) + cost
+        return _detached(UsageEntry, entry)
+
+    def close_pause(self, sb: dict[str, Any], until: datetime, resumed: bool) -> bool:
+        """End a locked row's open paused interval at ``until``: its storage billed exactly once (the ledger
+        row ``(sandbox, -idx)``, the interval's own row and the cleared ``paused_at``); ``resumed`` stamps
+        the interval's end as a resume. False when it had no open interval."""
+        if sb["paused_at"] is None:
+            return False
+        self.touch(sb)
+        secs = max(0.0, (until - sb["paused_at"]).total_seconds())
+        size = sb["checkpoint_bytes"] or 0
+        use = storage_usage(size, secs)
+        cost = use.cost(self.rates)
+        idx = sb["pause_count"] or 0
+        self.pauses.setdefault(_PAUSE_RESUMED if resumed else _PAUSE_ENDED, []).append(
+            {"b_sandbox": sb["id"], "b_idx": idx, "b_storage": use.storage_gb_s, "b_at": until})
+        self.ledger.append({"sandbox_id": sb["id"], "seq": -idx, "team_id": sb["team_id"], "state": "paused",
+                            "vcpu": sb["vcpu"], "memory_mb": sb["memory_mb"], "storage_gb": size / 1024**3,
+                            "from_s": 0.0, "to_s": secs, "vcpu_s": 0.0, "gb_s": 0.0,
+                            "storage_gb_s": use.storage_gb_s, "cost_usd": cost, "committed_at": until})
+        sb["storage_gb_s"] += use.storage_gb_s
+        sb["cost_usd"] += cost
+        sb["paused_s"] = (sb["paused_s"] or 0.0) + secs
+        sb["paused_at"] = None
+        sb["checkpoint_bytes"] = None
+        self.charges[sb["team_id"]] = self.charges.get(sb["team_id"], 0.0) + cost
+        return True
+
+    def write(self, c: Connection, keys: tuple[str, ...], charge_credits: bool) -> None:
+        """Execute the gathered writes: the ledger rows, the closed intervals, the ``keys`` columns of every
+        changed row, and (``charge_credits``) one charge per team, in team order, stamped ``now``."""
+        if self.ledger:
+            c.execute(_INSERT_USAGE, self.ledger)
+        for q, rows in self.pauses.items():
+            c.execute(q, rows)
+        if self.changed:
+            cols = [(k, "v_" + _COLUMN_KEY[k]) for k in keys]
+            c.execute(_set_statement(keys), [{"sandbox_id": sid, **{p: sb[k] for k, p in cols}}
+                                             for sid, sb in self.changed.items()])
+        if charge_credits:
+            for team_id, cost in sorted(self.charges.items()):
+                _charge_sync(c, team_id, cost, self.now)
 
 
 def _shielded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -412,9 +489,12 @@ class Store:
 
     async def _run(self, fn: Callable[..., Any], *args: Any, write: bool, quick: bool = False) -> Any:
         """``fn(connection, *args)`` in one transaction (``write``) or on one connection: on SQLite in one
-        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write by key, whose ``fn`` has no
-        effect outside its transaction: it may run twice), on the event loop's thread; else through the
-        async engine's ``run_sync``."""
+        worker-thread hop (see ``__init__``), or, ``quick`` (a small read or write: a few rows by key), on the
+        event loop's thread; else through the async engine's ``run_sync``. A ``quick`` ``fn`` may run twice
+        (the loop's attempt refused by a busy database, rolled back, then run on the worker thread; a refusal
+        comes at ``BEGIN IMMEDIATE``, before ``fn`` starts, as WAL never refuses the lock's holder later): it
+        has no effect outside its transaction, but for a last step right before the commit (the usage
+        commits' ``before_commit`` fault hook, which would then count one commit attempt more)."""
         if quick and self._on_loop is not None:
             done, out = self._try_on_loop(fn, args, write)
             if done:
@@ -773,27 +853,18 @@ class Store:
             return []
 
         def go(c: Connection) -> list[UsageEntry]:
-            entries: list[UsageEntry] = []
-            s = Session(bind=c, expire_on_commit=False)     # inside the connection's transaction
             _write_lock_sync(c)
-            rows = _locked_sandboxes(s, (sid for sid, _, _ in reports))
-            charges: dict[str, float] = {}
-            for sid, seq, run_s in reports:
-                sb = rows.get(sid)
-                entry = _bill_running(s, sb, seq, run_s, now, rates) if sb is not None else None
-                if entry is not None:
-                    entries.append(entry)
-                    charges[entry.team_id] = charges.get(entry.team_id, 0.0) + entry.cost_usd
-            for team_id, cost in sorted(charges.items()):
-                if charge_credits:
-                    _charge_sync(c, team_id, cost, now)
-            s.flush()
-            s.expunge_all()
+            rows = _locked_sandboxes(c, (sid for sid, _, _ in reports))
+            bill = _Billing(now, rates)
+            entries = [entry for sid, seq, run_s in reports
+                       if (sb := rows.get(sid)) is not None
+                       and (entry := bill.running(sb, seq, run_s)) is not None]
+            bill.write(c, _RUNNING_KEYS, charge_credits)
             if before_commit is not None and entries:
-                before_commit()
+                before_commit()            # the last step, right before the commit (``_run``)
             return entries
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=len(reports) <= _QUICK_ROWS)
 
     async def get_sandboxes(self, ids: Iterable[str]) -> dict[str, Sandbox]:
         """Many sandboxes by id in a few queries (chunks of 500)."""
@@ -887,24 +958,24 @@ class Store:
                            charge_credits: bool, resumed: bool, **values: Any) -> Sandbox | None:
         """Apply ``values`` (the new state: resumed, stopped, lost, ended) while the row is in ``from_states``,
         ending its billing interval at ``until`` in the same transaction: an open paused interval is closed
-        and its storage billed exactly once (``_close_pause``). Running time is billed from the node's
+        and its storage billed exactly once (``_Billing.close_pause``). Running time is billed from the node's
         reports (``commit_usage``), not here. None when the row was not in ``from_states``."""
         states = set(from_states)
 
         def go(c: Connection) -> Sandbox | None:
-            s = Session(bind=c, expire_on_commit=False)
             _write_lock_sync(c)
-            sb = _locked_sandboxes(s, [sandbox_id]).get(sandbox_id)
-            if sb is None or sb.state not in states:
+            sb = _locked_sandboxes(c, [sandbox_id]).get(sandbox_id)
+            if sb is None or sb["state"] not in states:
                 return None
-            _close_pause(s, sb, until, rates, charge_credits, resumed)
-            for k, v in values.items():
-                setattr(sb, k, v)
-            s.flush()
-            s.expunge_all()
-            return sb
+            bill = _Billing(until, rates)
+            closed = bill.close_pause(sb, until, resumed)
+            sb.update(values)
+            if values:
+                bill.touch(sb)
+            bill.write(c, tuple(sorted({*values, *(_PAUSE_KEYS if closed else ())})), charge_credits)
+            return _detached(Sandbox, sb)
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=True)
 
     async def end_sandboxes(self, ends: list[EndSandbox], *, from_states: Iterable[str], now: datetime,
                             rates: Rates, charge_credits: bool, before_commit: Callable[[], None] | None = None
@@ -912,46 +983,45 @@ class Store:
         """End many sandboxes (a kill, a batch kill) in ONE transaction: each row locked, the node's final
         usage report billed (exactly once, as ``commit_usage``), ``ended_at`` computed from the locked,
         just-billed row (start + final running seconds + paused time; ``now`` when the node had no final
-        report or the sandbox was paused), an open paused interval closed then (never before it began) with its storage
-        billed (``end_interval``), and the new state set. A row not in ``from_states`` is left as it is
-        (already ended: what it was billed is final). The credits of each team are charged once."""
+        report or the sandbox was paused), an open paused interval closed then (never before it began) with
+        its storage billed (``end_interval``), and the new state set. A row not in ``from_states`` is left as
+        it is (already ended: what it was billed is final). The credits of each team are charged once.
+
+        On SQLite an end of a few rows (``_QUICK_ROWS``: a kill) runs on the event loop's connection
+        (``quick``): ``go`` writes only inside its transaction, and ``before_commit`` (the exactly-once
+        test's fault hook) is its last step, right before the commit (``_run``)."""
         states = set(from_states)
 
         def go(c: Connection) -> Ended:
             out = Ended()
-            s = Session(bind=c, expire_on_commit=False)
             _write_lock_sync(c)
-            rows = _locked_sandboxes(s, (e.sandbox_id for e in ends))
-            charges: dict[str, float] = {}
+            rows = _locked_sandboxes(c, (e.sandbox_id for e in ends))
+            bill = _Billing(now, rates)
             for e in ends:
                 sb = rows.get(e.sandbox_id)
-                if sb is None or sb.state not in states or e.sandbox_id in out.ended:
+                if sb is None or sb["state"] not in states or e.sandbox_id in out.ended:
                     continue
                 if e.seq is not None and e.run_s is not None:
-                    entry = _bill_running(s, sb, e.seq, e.run_s, now, rates)
+                    entry = bill.running(sb, e.seq, e.run_s)
                     if entry is not None:
                         out.entries.append(entry)
-                        charges[sb.team_id] = charges.get(sb.team_id, 0.0) + entry.cost_usd
-                if sb.paused_at is not None:    # paused (maybe just now): the interval ends with it, never
-                    ended_at = max(now, sb.paused_at)      # before its own start (issue 16 item 5)
-                    out.storage_charged |= _close_pause(s, sb, ended_at, rates, charge_credits, resumed=False)
+                if sb["paused_at"] is not None:    # paused (maybe just now): the interval ends with it, never
+                    ended_at = max(now, sb["paused_at"])      # before its own start (issue 16 item 5)
+                    out.storage_charged |= bill.close_pause(sb, ended_at, resumed=False)
                 elif e.final:
-                    ended_at = end_time(sb.started_at, sb.billed_run_s, sb.paused_s, e.run_s, now)
+                    ended_at = end_time(sb["started_at"], sb["billed_run_s"], sb["paused_s"], e.run_s, now)
                 else:
                     ended_at = now
-                sb.state, sb.end_reason, sb.ended_at = e.state, e.end_reason, ended_at
-                out.ended.add(sb.id)
-            if charge_credits:
-                for team_id, cost in sorted(charges.items()):
-                    _charge_sync(c, team_id, cost, now)
-            s.flush()
-            s.expunge_all()
-            out.rows = rows
+                sb.update(state=e.state, end_reason=e.end_reason, ended_at=ended_at)
+                bill.touch(sb)
+                out.ended.add(e.sandbox_id)
+            bill.write(c, _END_KEYS, charge_credits)
+            out.rows = {sid: _detached(Sandbox, sb) for sid, sb in rows.items()}
             if before_commit is not None and out.entries:
-                before_commit()
+                before_commit()            # the last step, right before the commit (``_run``)
             return out
 
-        return await self._run(go, write=True)
+        return await self._run(go, write=True, quick=len(ends) <= _QUICK_ROWS)
 
     async def pauses_of(self, sandbox_ids: Iterable[str]) -> dict[str, list[SandboxPause]]:
         ids = list(sandbox_ids)
