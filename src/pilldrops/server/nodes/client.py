@@ -199,17 +199,14 @@ class NodeClient:
         # the answer's bytes straight into the model (pydantic-core's own JSON parser): no dict in between
         content = await self._send("POST", f"{node_url}/node/v1/sandboxes", body=spec.model_dump_json(),
                                    retry_stale=True)
-        try:
-            return NodeSandboxStatus.model_validate_json(content)
-        except ValueError as exc:
-            raise errors.NodeUnavailable(f"node at {node_url} answered a create with no status: {exc}") from exc
+        return _status(node_url, "create", content)
 
     async def kill(self, node_url: str, sandbox_id: str) -> NodeSandboxStatus | None:
         try:
-            resp = await self._send("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}", retry_stale=True)
+            content = await self._send("DELETE", f"{node_url}/node/v1/sandboxes/{sandbox_id}", retry_stale=True)
         except errors.NotFound:
             return None
-        return NodeSandboxStatus.model_validate_json(resp.content)      # as ``create``: no dict in between
+        return _status(node_url, "kill", content)
 
     async def kill_many(self, node_url: str, sandbox_ids: list[str]) -> dict[str, NodeKilled]:
         """Kill many sandboxes of one node in ONE call: per id its final status (none: not on that node) or
@@ -289,6 +286,14 @@ class NodeClient:
             yield resp
         finally:
             await resp.aclose()
+
+
+def _status(node_url: str, what: str, content: bytes) -> NodeSandboxStatus:
+    """A create's or kill's answer, its bytes straight into the model (pydantic-core's own JSON parser)."""
+    try:
+        return NodeSandboxStatus.model_validate_json(content)
+    except ValueError as exc:
+        raise errors.NodeUnavailable(f"node at {node_url} answered a {what} with no status: {exc}") from exc
 
 
 def _loads(url: str, content: bytes) -> Any:
