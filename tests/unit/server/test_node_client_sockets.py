@@ -44,7 +44,10 @@ class Seen:
 @dataclass
 class Node:
     """``answer(seen, n)`` says what to do with the n-th request: ``(status, body)`` to answer (kept alive),
-    ``"drop"`` to close the connection unanswered, ``"hang"`` to never answer."""
+    ``(status, body, how)`` to answer in pieces (``"split"``: the head, then the body in two writes 5 ms
+    apart; ``"chunked"``: chunked transfer encoding, three chunks 5 ms apart) or as a redirect
+    (``"redirect"``: ``Location`` set to ``body``), ``"drop"`` to close the connection unanswered,
+    ``"hang"`` to never answer."""
     answer: Callable[[Seen, int], object]
     seen: list[Seen] = field(default_factory=list)
     connections: int = 0
@@ -77,10 +80,26 @@ async def node(answer: Callable[[Seen, int], object]) -> AsyncIterator[Node]:
                     return
                 if what == "hang":
                     await asyncio.sleep(3600)
-                status, body = what  # type: ignore[misc]
+                status, body, how = (*what, "")[:3]  # type: ignore[misc]
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
-                             f"content-length: {len(data)}\r\n\r\n".encode() + data)
+                head = f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+                if how == "redirect":
+                    writer.write(f"{head}location: {body}\r\ncontent-length: 0\r\n\r\n".encode())
+                elif how == "chunked":
+                    writer.write(f"{head}transfer-encoding: chunked\r\n\r\n".encode())
+                    third = len(data) // 3 + 1
+                    for part in (data[i:i + third] for i in range(0, len(data), third)):
+                        writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                        await writer.drain()
+                        await asyncio.sleep(0.005)
+                    writer.write(b"0\r\n\r\n")
+                elif how == "split":
+                    writer.write(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data[:len(data) // 2])
+                    await writer.drain()
+                    await asyncio.sleep(0.005)
+                    writer.write(data[len(data) // 2:])
+                else:
+                    writer.write(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data)
                 await writer.drain()
         finally:
             writer.close()
@@ -181,3 +200,26 @@ async def test_proxies_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         async with node(lambda req, n: (200, STATUS)) as direct, client() as nc:
             await nc.create(direct.url, SPEC)                     # NO_PROXY: straight to the node
         assert len(proxy.seen) == 1 and direct.seen[0].path == "/node/v1/sandboxes"
+
+
+async def test_answers_that_arrive_in_pieces_are_read_whole() -> None:
+    """An answer split across writes (segments) or chunked is read to its end, never cut at what arrived
+    first (a batch kill's answer of 1,000 ids is ~200 KiB); a node's redirect is not followed."""
+    items = [{"id": f"sb_{i:05d}", "status": {**STATUS, "id": f"sb_{i:05d}", "error": "x" * 150}}
+             for i in range(1000)]
+
+    def answer(req: Seen, n: int) -> object:
+        if req.path.endswith("/kill"):
+            return 200, {"items": items}, "split"
+        if req.method == "POST":
+            return 200, STATUS, "chunked" if n % 2 else "split"
+        return 307, "/elsewhere", "redirect"
+
+    async with node(answer) as n, client() as nc:
+        for _ in range(4):
+            assert (await nc.create(n.url, SPEC)).id == "sb_x"
+        killed = await nc.kill_many(n.url, [it["id"] for it in items])
+        assert len(killed) == 1000 and killed["sb_00999"].status is not None
+        with pytest.raises(errors.PillDropsError):
+            await nc.kill(n.url, "sb_x")
+        assert not any(s.path == "/elsewhere" for s in n.seen)

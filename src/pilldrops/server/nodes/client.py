@@ -4,7 +4,7 @@ Infrastructure errors stay here: anything that is not an answer from the node be
 a typed error body from the node is re-raised as the same PillDrops error.
 
 The node API's JSON calls (create, kill, deadlines, pools, pause/resume: one request, one small answer) go
-through an exchange (``_Exchange``): on real sockets aiohttp's client (``AiohttpExchange``), which costs ~0.25 ms
+through an exchange (``_Exchange``): on real sockets aiohttp's client (``AiohttpExchange``), which costs ~0.35 ms
 of CPU a call against httpx's ~1.1-1.5 ms here (bench/RESULTS.md, issue 15 session 9): every cold create and
 every kill makes one. In-process deployments (tests: an ASGI transport) keep httpx (``HttpxExchange``).
 Streams (template builds) and data-plane relays use the httpx client (``http``) either way.
@@ -12,6 +12,7 @@ Streams (template builds) and data-plane relays use the httpx client (``http``) 
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -118,27 +119,36 @@ class AiohttpExchange:
 
     async def _once(self, method: str, url: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
         headers = {"Content-Type": _JSON} if body is not None else None
-        t = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=timeout)
+        # as httpx's Timeout(timeout, connect=5): waiting for a pooled connection at most ``timeout``, the
+        # connect (DNS included) at most CONNECT_TIMEOUT_S, each read at most ``timeout``
+        t = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=CONNECT_TIMEOUT_S, sock_read=timeout)
+        # no redirects followed (as httpx's default): a node's 3xx is an error, never a second request
         async with self._open().request(method, url, data=body, headers=headers, timeout=t,
-                                        proxy=self._proxy_for(url)) as resp:
-            if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
-                raise errors.NodeUnavailable(f"node at {url} answered {resp.content_length} bytes (at most "
-                                             f"{MAX_ANSWER_BYTES} are read)")
-            data = await resp.content.read(MAX_ANSWER_BYTES + 1)
-            if len(data) > MAX_ANSWER_BYTES:
-                raise errors.NodeUnavailable(f"node at {url} answered more than {MAX_ANSWER_BYTES} bytes")
-            return resp.status, data
+                                        proxy=self._proxy_for(url), allow_redirects=False) as resp:
+            size = resp.content_length
+            if size is not None:
+                if size > MAX_ANSWER_BYTES:
+                    raise errors.NodeUnavailable(f"node at {url} answered {size} bytes (at most "
+                                                 f"{MAX_ANSWER_BYTES} are read)")
+                return resp.status, await resp.content.readexactly(size)
+            data = bytearray()              # chunked: the whole body, as it arrives, bounded
+            async for chunk in resp.content.iter_any():
+                data += chunk
+                if len(data) > MAX_ANSWER_BYTES:
+                    raise errors.NodeUnavailable(f"node at {url} answered more than {MAX_ANSWER_BYTES} bytes")
+            return resp.status, bytes(data)
 
     async def request(self, method: str, url: str, *, body: bytes | None, timeout: float,
                       retry_stale: bool) -> tuple[int, bytes]:
         try:
             try:
                 return await self._once(method, url, body, timeout)
-            except _AIO_STALE:
-                if not retry_stale:
+            except _AIO_STALE as exc:
+                # a refused connect or a failed lookup is no stale connection: not sent again
+                if not retry_stale or isinstance(exc, aiohttp.ClientConnectorError):
                     raise
                 return await self._once(method, url, body, timeout)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             raise errors.NodeUnavailable(f"node at {url} did not answer: {exc!r}") from exc
 
     async def aclose(self) -> None:
