@@ -108,6 +108,39 @@ async def _file_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
         yield chunk
 
 
+class _Feed:
+    """A streamed body as a command's stdin (``write_file``'s request body). The runtime pulls it from a
+    thread of its own, which can only stop feeding when the body fails (the client went away mid-body, a
+    bound was passed): the command would then wait for the rest of its stdin for ever (pd-init's stdin is
+    never closed) or end with what it had, as if the body were whole. So the failure is kept here, the
+    command killed at once, and ``DataPlane._sh`` raises it in place of the command's result."""
+
+    def __init__(self, body: AsyncIterable[bytes]) -> None:
+        self._it = body.__aiter__()
+        self.error: Exception | None = None
+        self._proc: ExecProcess | None = None
+
+    def __aiter__(self) -> _Feed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._it.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            if self._proc is not None:
+                await _kill_quietly(self._proc)
+            raise
+
+    async def feeding(self, proc: ExecProcess) -> None:
+        """The command now being fed (killed now if the body already failed while it started)."""
+        self._proc = proc
+        if self.error is not None:
+            await _kill_quietly(proc)
+
+
 class DataPlane:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -136,14 +169,19 @@ class DataPlane:
 
     async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,
                   limit: int = MAX_READ_BYTES) -> tuple[bytes, bytes, int]:
-        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=stdin)
+        feed = None if stdin is None or isinstance(stdin, bytes) else _Feed(stdin)
+        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=feed or stdin)
         try:
+            if feed is not None:
+                await feed.feeding(proc)
             out = await _drain(proc, limit)
         except BaseException:
             await _kill_quietly(proc)
             raise
         finally:
             t.active.discard(proc)
+        if feed is not None and feed.error is not None:
+            raise feed.error             # not the result of a command that was fed part of its stdin
         if t.pausing:
             raise errors.InvalidState(f"sandbox {t.id} was paused during the transfer", current="pausing",
                                       target="running")
@@ -206,8 +244,13 @@ class DataPlane:
 
     # ---- archives ------------------------------------------------------------------------------------
 
-    async def put_archive(self, t: Target, dest: str, body: AsyncIterable[bytes]) -> int:
+    async def put_archive(self, t: Target, dest: str, body: AsyncIterable[bytes], *,
+                          declared: int | None = None) -> int:
+        """``body`` (a tar stream, its ``declared`` length if known) unpacked under ``dest``; refused past
+        ``MAX_UPLOAD_BYTES`` by its declared length before any of it is read, and as it arrives."""
         _check_path(dest)
+        if declared is not None and declared > MAX_UPLOAD_BYTES:
+            raise errors.PayloadTooLarge(f"upload is larger than {MAX_UPLOAD_BYTES} bytes")
         with tempfile.SpooledTemporaryFile(_SPOOL) as raw, tempfile.SpooledTemporaryFile(_SPOOL) as clean:
             size = 0
             async for chunk in body:
