@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from urllib.parse import parse_qsl
 
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import HTTPConnection
@@ -38,15 +39,24 @@ log = logging.getLogger("pilldrops.node.upload")
 PATTERN = re.compile(r"/v1/sandboxes/(?P<sandbox_id>[^/]+)/(?:files|archive)")
 
 
+PATH_MAX = 4096
+
+
 class _Query(BaseModel):
     """The FastAPI routes' ``Path_`` query parameter."""
 
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field(min_length=1, max_length=PATH_MAX)
 
 
-def query_path(conn: HTTPConnection) -> str:
-    """The request's ``path`` query parameter (the last one, as FastAPI reads it), validated as FastAPI does."""
-    given = conn.query_params.get("path")
+def query_path(scope: Scope) -> str:
+    """The request's ``path`` query parameter, read as Starlette's ``QueryParams`` reads it (the last one
+    counts) and validated as FastAPI does (the model makes the error's ``details``)."""
+    given = None
+    for key, value in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True):
+        if key == "path":
+            given = value
+    if given is not None and 0 < len(given) <= PATH_MAX:
+        return given
     try:
         return _Query.model_validate({} if given is None else {"path": given}).path
     except ValidationError as e:
@@ -69,7 +79,7 @@ class UploadRoute(JsonRoute):
     async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         conn = HTTPConnection(scope)
         await self.admit(conn)                                   # the app's dependency first, as FastAPI
-        path = query_path(conn)                                  # then the parameters, then the route
+        path = query_path(scope)                                 # then the parameters, then the route
         where = self.target(scope["path_params"]["sandbox_id"], conn.headers.get("x-access-token"))
         body = stream_body(receive)                              # nothing of it read before the token
         if scope["path"].endswith("/files"):
