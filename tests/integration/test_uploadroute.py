@@ -84,27 +84,31 @@ async def test_streamed_writes_and_uploads_on_crun(runtime, tiny, monkeypatch, m
         assert (info["path"], info["type"], info["size"]) == ("/root/big/f.bin", "file", 384 * PART)
         out, _, code = await plane._sh(t, 'sha256sum "$1"', "/root/big/f.bin")
         assert code == 0 and out.split()[0].decode() == hashlib.sha256(b"".join(parts)).hexdigest()
-        # an archive, in parts that cut its headers anywhere
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tf:
-            for name, data in (("env/a.txt", b"alpha"), ("env/sub/b.bin", bytes(range(256)) * 2000)):
-                ti = tarfile.TarInfo(name)
-                ti.size = len(data)
-                tf.addfile(ti, io.BytesIO(data))
-        tar = buf.getvalue()
-        call = _Call(route, h.id, "archive", "/root/up", [tar[i:i + 1000] for i in range(0, len(tar), 1000)])
-        assert await call() == (200, {"entries": 2})
-        assert await plane.read_file(t, "/root/up/env/sub/b.bin") == bytes(range(256)) * 2000
+        # archives in parts that cut their headers anywhere: a small one (its tar gets it as bytes) and one
+        # past dataplane._WHOLE (streamed to its tar)
+        for big in (2000, 9000):
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tf:
+                for name, data in (("env/a.txt", b"alpha"), ("env/sub/b.bin", bytes(range(256)) * big)):
+                    ti = tarfile.TarInfo(name)
+                    ti.size = len(data)
+                    tf.addfile(ti, io.BytesIO(data))
+            tar = buf.getvalue()
+            call = _Call(route, h.id, "archive", f"/root/up{big}", [tar[i:i + 1000] for i in range(0, len(tar), 1000)])
+            assert await call() == (200, {"entries": 2})
+            assert await plane.read_file(t, f"/root/up{big}/env/sub/b.bin") == bytes(range(256)) * big
         # the client goes away mid-body: nothing is answered, the write's command is killed (it would wait
         # for the rest of its stdin for ever), the archive's is never started; the sandbox takes the next
-        for tail in ("files", "archive"):
-            call = _Call(route, h.id, tail, f"/root/cut-{tail}", parts, hang_up_after=3)
-            assert await call() == (None, None) and call.given == 3
+        for tail, after in (("files", 3), ("files", 1), ("archive", 3)):    # 1: before its command started
+            call = _Call(route, h.id, tail, f"/root/cut-{tail}", parts, hang_up_after=after)
+            assert await call() == (None, None) and call.given == after
             assert not t.active
         assert await plane.read_file(t, "/root/big/f.bin") == b"".join(parts)
-        status, info = await _Call(route, h.id, "files", "/root/after", [b"whole"])()
-        assert status == 200 and info == {"name": "after", "path": "/root/after", "type": "file", "size": 5,
-                                          **await _stat(plane, t, "/root/after")}
+        for data in (b"whole", b""):
+            status, info = await _Call(route, h.id, "files", "/root/after", [data])()
+            assert status == 200 and info == {"name": "after", "path": "/root/after", "type": "file",
+                                              "size": len(data), **await _stat(plane, t, "/root/after")}
+            assert await plane.read_file(t, "/root/after") == data
     finally:
         await runtime.destroy(h)
 

@@ -32,6 +32,7 @@ MAX_UPLOAD_BYTES = 8 * 1024**3
 MAX_READ_BYTES = 256 * 1024**2
 _SPOOL = 8 * 1024**2
 _CHUNK = 256 * 1024
+_WHOLE = 1024**2          # a sanitised archive up to this size goes to its ``tar`` as bytes (no feed thread)
 
 
 @dataclass
@@ -103,9 +104,46 @@ def _raise_if_full(t: Target, err: bytes, what: str) -> None:
                                        details={"free_bytes": _disk_free(t)})
 
 
-async def _file_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
+async def _file_chunks(f: IO[bytes], first: bytes = b"") -> AsyncIterator[bytes]:
+    if first:
+        yield first
     while chunk := f.read(_CHUNK):
         yield chunk
+
+
+def _whole_or_chunks(f: IO[bytes]) -> bytes | AsyncIterator[bytes]:
+    """The rest of ``f`` as bytes when it is small (``_WHOLE``: a command gets bytes without a thread
+    pulling a stream for it), else as chunks."""
+    head = f.read(_WHOLE + 1)
+    return head if len(head) <= _WHOLE else _file_chunks(f, head)
+
+
+async def _next_part(it: AsyncIterator[bytes]) -> bytes | None:
+    async for chunk in it:
+        if chunk:
+            return chunk
+    return None
+
+
+async def _whole_or_streamed(body: AsyncIterable[bytes]) -> bytes | AsyncIterator[bytes]:
+    """``body`` as bytes when it came whole in one part (most writes: the server's first message holds it),
+    which the command gets without a thread pulling the stream for it; else the stream, read on from where
+    this left off (its first two parts held here meanwhile: a server's messages, not the body)."""
+    it = body.__aiter__()
+    first = await _next_part(it)
+    if first is None:
+        return b""
+    second = await _next_part(it)
+    if second is None:
+        return first
+
+    async def rest() -> AsyncIterator[bytes]:
+        yield first
+        yield second
+        async for chunk in it:
+            yield chunk
+
+    return rest()
 
 
 class _Feed:
@@ -263,7 +301,7 @@ class DataPlane:
             count = await anyio.to_thread.run_sync(lambda: sanitize(raw, clean, max_bytes=free))
             clean.seek(0)
             _, err, code = await self._sh(t, 'mkdir -p "$1" && exec tar -x -f - -C "$1"', dest,
-                                          stdin=_file_chunks(clean))
+                                          stdin=_whole_or_chunks(clean))
         if code != 0:
             _raise_if_full(t, err, f"unpacking into {dest}")
             raise errors.InvalidRequest(f"unpacking into {dest} failed: {err.decode(errors='replace').strip()}")
@@ -323,7 +361,7 @@ class DataPlane:
         _check_path(path)
         # one exec writes and stats (a second crun exec would cost ~7 ms more per write)
         out, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1" && stat -c "$2" "$1"', path,
-                                        _STAT_FORMAT, stdin=body)
+                                        _STAT_FORMAT, stdin=await _whole_or_streamed(body))
         if code != 0:
             _raise_if_full(t, err, f"writing {path}")
             raise errors.InvalidRequest(f"writing {path} failed: {err.decode(errors='replace').strip()}")
