@@ -1,14 +1,16 @@
 """CPU of the file write's and the archive upload's HTTP edge on the node: the raw route
-(``node/uploadroute.py``) against the FastAPI routes it fronts, in the same process and minutes.
+(``node/uploadroute.py``) against the FastAPI routes it fronts, in the same process and minutes; or this
+tree against another (``--ab-src``, e.g. main's), each as it serves the two routes.
 
     .venv/bin/python bench/upload_route_cost.py [--n 2000] [--rounds 7] [--whole 300] [--crun]
+    .venv/bin/python bench/upload_route_cost.py --ab-src /path/to/main/src [--rounds 8] [--n 1000] ...
 
 No root, no crun (but with ``--crun``): one control plane (SQLite) and one node agent in-process on the fake
 runtime (``tests/stack.py``), one sandbox. Each request is one direct ASGI call of the node's whole app (its
 middlewares included: what uvicorn calls), with the SDK's headers and a body given in parts as uvicorn gives
-them: a 1 KiB ``files.write`` (one part) and a 60 KiB ``upload`` tar of three files (four parts). ``raw`` is the app as
-served; ``fastapi`` is the same app without the raw route in front (what main serves), so the difference is
-the framework's share. Rounds alternate the two.
+them: a 1 KiB ``files.write`` (one part) and a 60 KiB ``upload`` tar of three files (four parts). ``raw`` is
+the app as served; ``fastapi`` is the same app without the raw route in front, so the difference is the
+framework's share. Rounds alternate the two (``--ab-src``: one subprocess per tree and round, alternated).
 
 1. Framework only: ``DataPlane.write_file`` / ``put_archive`` stubbed (they read the body through and
    answer a fixed ``FileInfo`` / count), ``--n`` requests per round.
@@ -25,8 +27,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -40,7 +44,6 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pilldrops.node.api import create_node_app
 from pilldrops.node.dataplane import DataPlane, Target
-from pilldrops.node.uploadroute import UploadRoute
 from pilldrops.schema.api import FileInfo
 from tests.stack import TOKEN, stack
 from tests.unit.rawroutes import without
@@ -122,24 +125,9 @@ async def _service(call: Any, tail: str, n: int) -> float:
     return (time.process_time() - t) / n * 1e6
 
 
-def _report(title: str, out: dict[str, list[float]], service: dict[str, str] | None = None) -> None:
-    med = {k: statistics.median(v) for k, v in out.items()}
-    print(title)
-    for k, v in out.items():
-        print(f"  {k:24s} {med[k]:9.1f}   ({min(v):.1f}-{max(v):.1f})")
-    for tail in ("files", "archive"):
-        raw, fast = med[f"{tail} raw"], med[f"{tail} fastapi"]
-        if service:
-            s = med[service[tail]]
-            print(f"  {tail}: framework share per request {fast - s:.1f} -> {raw - s:.1f} µs "
-                  f"({(raw - s) / (fast - s):.2f}x)")
-        else:
-            print(f"  {tail}: whole call {fast:.1f} -> {raw:.1f} µs ({raw / fast:.2f}x, {fast - raw:.1f} µs less)")
-
-
 async def _rounds(apps: dict[str, Any], sid: str, token: str, dest: dict[str, str], n: int, rounds: int,
                   extra: dict[str, Any] | None = None) -> dict[str, list[float]]:
-    cases = [(f"{tail} {kind}", apps[kind], tail) for tail in ("files", "archive") for kind in ("raw", "fastapi")]
+    cases = [(f"{tail} {kind}", app, tail) for tail in ("files", "archive") for kind, app in apps.items()]
     for _, app, tail in cases:         # warm up (FastAPI builds its stack on the first call)
         await _calls(app, sid, tail, dest[tail], token, min(n, 100))
     out: dict[str, list[float]] = {name: [] for name, _, _ in cases}
@@ -174,7 +162,10 @@ async def _crun_target() -> AsyncIterator[tuple[DataPlane, Target]]:
             await rt.close()
 
 
-async def main(n: int, rounds: int, whole: int, crun: bool) -> None:
+async def measure(n: int, rounds: int, whole: int, crun: bool, served_only: bool) -> dict[str, list[float]]:
+    """µs of CPU per request, per round: ``{files,archive} {raw,fastapi}`` (or ``... served``: the app as
+    this tree serves it, whichever its routes are), stubbed; the same prefixed ``whole`` for the whole call;
+    ``service {files,archive}``: the stubs alone."""
     info = FileInfo(name="x.txt", path="/tmp/x.txt", type="file", size=len(FILE), mode=0o644, mtime=1754000000.0)
     real_write, real_put = DataPlane.write_file, DataPlane.put_archive
 
@@ -182,8 +173,7 @@ async def main(n: int, rounds: int, whole: int, crun: bool) -> None:
         await _drained(body)
         return info
 
-    async def put_archive(self: DataPlane, t: Target, dest: str, body: AsyncIterable[bytes], *,
-                          declared: int | None = None) -> int:
+    async def put_archive(self: DataPlane, t: Target, dest: str, body: AsyncIterable[bytes], **kw: Any) -> int:
         await _drained(body)
         return 3
 
@@ -195,45 +185,99 @@ async def main(n: int, rounds: int, whole: int, crun: bool) -> None:
         async with stack(Path(tmp)) as st, st.client() as c:
             sb = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()
             sid, token = sb["id"], sb["access_token"]
-            apps = {"raw": create_node_app(st.agent, TOKEN),
-                    "fastapi": without(create_node_app(st.agent, TOKEN), UploadRoute)}
+            if served_only:
+                apps = {"served": create_node_app(st.agent, TOKEN)}
+            else:
+                from pilldrops.node.uploadroute import UploadRoute
+                apps = {"raw": create_node_app(st.agent, TOKEN),
+                        "fastapi": without(create_node_app(st.agent, TOKEN), UploadRoute)}
             DataPlane.write_file, DataPlane.put_archive = write_file, put_archive   # type: ignore[method-assign]
             try:
                 out = await _rounds(apps, sid, token, {"files": "/tmp/x.txt", "archive": "/up"}, n, rounds,
                                     {"service files": (service, "files"), "service archive": (service, "archive")})
             finally:
                 DataPlane.write_file, DataPlane.put_archive = real_write, real_put  # type: ignore[method-assign]
-            _report(f"framework only (data plane stubbed): {n} requests x {rounds} rounds, median µs of CPU per "
-                    "request (min-max):", out, {"files": "service files", "archive": "service archive"})
             if not whole:
-                return
-            if crun:
-                async with _crun_target() as (plane, target):
+                return out
+            async with contextlib.AsyncExitStack() as stack_:
+                if crun:
+                    plane, target = await stack_.enter_async_context(_crun_target())
+
                     async def w(self: DataPlane, t: Target, path: str, body: AsyncIterable[bytes]) -> FileInfo:
                         return await real_write(plane, target, path, body)
 
-                    async def p(self: DataPlane, t: Target, dest: str, body: AsyncIterable[bytes], *,
-                                declared: int | None = None) -> int:
-                        return await real_put(plane, target, dest, body, declared=declared)
+                    async def p(self: DataPlane, t: Target, dest: str, body: AsyncIterable[bytes], **kw: Any) -> int:
+                        return await real_put(plane, target, dest, body, **kw)
 
                     DataPlane.write_file, DataPlane.put_archive = w, p   # type: ignore[method-assign]
-                    try:
-                        out = await _rounds(apps, sid, token, {"files": "/root/x.txt", "archive": "/root/up"},
-                                            whole, rounds)
-                    finally:
-                        DataPlane.write_file, DataPlane.put_archive = real_write, real_put  # type: ignore[method-assign]
-                where = "a real crun sandbox (tiny, through pd-init)"
-            else:
-                out = await _rounds(apps, sid, token, {"files": f"{tmp}/w/x.txt", "archive": f"{tmp}/up"}, whole, rounds)
-                where = "the fake runtime (a host sh per call)"
-            _report(f"whole call on {where}: {whole} requests x {rounds} rounds, median µs of CPU per request:", out)
+                    dest = {"files": "/root/x.txt", "archive": "/root/up"}
+                else:
+                    dest = {"files": f"{tmp}/w/x.txt", "archive": f"{tmp}/up"}
+                try:
+                    out.update({f"whole {k}": v for k, v in (await _rounds(apps, sid, token, dest, whole, rounds)).items()})
+                finally:
+                    DataPlane.write_file, DataPlane.put_archive = real_write, real_put  # type: ignore[method-assign]
+            return out
 
 
-if __name__ == "__main__":
+def _print(out: dict[str, list[float]], a: str, b: str) -> None:
+    """Medians (min-max) of every figure, and ``b`` against ``a`` (e.g. fastapi -> raw, main -> this tree)."""
+    med = {k: statistics.median(v) for k, v in out.items()}
+    for k, v in out.items():
+        print(f"  {k:28s} {med[k]:9.1f}   ({min(v):.1f}-{max(v):.1f})")
+    for tail in ("files", "archive"):
+        if f"service {tail}" in med:
+            s = med[f"service {tail}"]
+            x, y = med[f"{tail} {a}"] - s, med[f"{tail} {b}"] - s
+            print(f"  {tail}: framework share per request {a} {x:.1f} -> {b} {y:.1f} µs ({y / x:.2f}x)")
+        if f"whole {tail} {a}" in med:
+            x, y = med[f"whole {tail} {a}"], med[f"whole {tail} {b}"]
+            print(f"  {tail}: whole call {a} {x:.1f} -> {b} {y:.1f} µs ({y / x:.2f}x, {x - y:.1f} µs less)")
+
+
+def ab(other_src: str, n: int, rounds: int, whole: int, crun: bool) -> None:
+    """This tree against ``other_src`` (e.g. main's ``src``), each as it serves the two routes: one
+    subprocess per tree and round, alternated."""
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    out: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for name, src in ((("main", other_src), ("this", here)) if r % 2 == 0 else
+                          (("this", here), ("main", other_src))):
+            argv = [sys.executable, __file__, "--as-served", "--n", str(n), "--rounds", "1", "--whole", str(whole)]
+            done = subprocess.run([*argv, *(["--crun"] if crun else [])], env={**os.environ, "PYTHONPATH": src},
+                                  capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"{name} ({src}) failed:\n{done.stderr[-3000:]}")
+            for k, v in json.loads(done.stdout.splitlines()[-1]).items():
+                out.setdefault(k.replace("served", name) if "service" not in k else f"{k} ({name})", []).extend(v)
+    for tail in ("files", "archive"):
+        out[f"service {tail}"] = out.pop(f"service {tail} (this)") + out.pop(f"service {tail} (main)")
+    print(f"{other_src} (main) against this tree, {rounds} rounds alternated, {n} stubbed and {whole} whole calls "
+          "per round; median µs of CPU per request (min-max):")
+    _print(out, "main", "this")
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--whole", type=int, default=300, help="requests per round of the whole call (0: none)")
     ap.add_argument("--crun", action="store_true", help="the whole call on a real crun sandbox (root)")
+    ap.add_argument("--ab-src", help="another tree's src (e.g. main's): it against this one, as each serves")
+    ap.add_argument("--as-served", action="store_true", help=argparse.SUPPRESS)   # one A/B round, as JSON
     a = ap.parse_args()
-    anyio.run(main, a.n, a.rounds, a.whole, a.crun)
+    if a.ab_src:
+        ab(a.ab_src, a.n, a.rounds, a.whole, a.crun)
+        return
+    out = anyio.run(measure, a.n, a.rounds, a.whole, a.crun, a.as_served)
+    if a.as_served:
+        print(json.dumps(out))
+        return
+    print(f"{a.n} stubbed and {a.whole} whole calls x {a.rounds} rounds (whole: "
+          f"{'a real crun sandbox, tiny, through pd-init' if a.crun else 'the fake runtime, a host sh per call'}); "
+          "median µs of CPU per request (min-max):")
+    _print(out, "fastapi", "raw")
+
+
+if __name__ == "__main__":
+    main()
