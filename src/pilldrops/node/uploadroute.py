@@ -37,9 +37,7 @@ log = logging.getLogger("pilldrops.node.upload")
 
 # the router's ``/v1/sandboxes/{sandbox_id}/files`` and ``.../archive``
 PATTERN = re.compile(r"/v1/sandboxes/(?P<sandbox_id>[^/]+)/(?:files|archive)")
-
-
-PATH_MAX = 4096
+PATH_MAX = 4096           # the FastAPI routes' ``Path_``: ``Query(min_length=1, max_length=4096)``
 
 
 class _Query(BaseModel):
