@@ -1,14 +1,15 @@
-"""What the raw ASGI hot routes share (the node's create, run and kill, the control plane's create and
-kill): the route itself (``JsonRoute``: method and path matched, the answer sent with a request id, every
-failure the same typed error ``_internal.http``'s FastAPI handlers make of it), and request bodies read
-bounded (``payload_too_large``), parsed by orjson and validated by the route's own pydantic model
-(``invalid_request`` with FastAPI's ``details`` shape)."""
+"""What the raw ASGI hot routes share (the node's create, run, kill, file write and archive upload, the
+control plane's create and kill): the route itself (``JsonRoute``: method and path matched, the answer sent
+with a request id, every failure the same typed error ``_internal.http``'s FastAPI handlers make of it), and
+request bodies read bounded (``payload_too_large``), parsed by orjson and validated by the route's own
+pydantic model (``invalid_request`` with FastAPI's ``details`` shape), or streamed to their reader
+(``stream_body``)."""
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -59,6 +60,19 @@ async def read_bounded(receive: Receive, declared: int | None, limit: int, what:
         parts.append(part)
         if not msg.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def stream_body(receive: Receive) -> AsyncIterator[bytes]:
+    """A request's body as it arrives, part by part (nothing buffered here: its reader bounds it);
+    ``Gone`` if the client goes away before its end."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise Gone
+        if part := msg.get("body", b""):
+            yield part
+        if not msg.get("more_body", False):
+            return
 
 
 def declared_length(headers: Any) -> int | None:

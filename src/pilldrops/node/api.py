@@ -11,6 +11,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import Send
 
 from pilldrops import errors
+from pilldrops._internal.asgibody import declared_length
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops._internal.ids import same_secret as same
 from pilldrops._version import __version__
@@ -22,6 +23,7 @@ from pilldrops.node.fsops import FileOps, fs_routes
 from pilldrops.node.killroute import KillRoute
 from pilldrops.node.process_api import process_routes
 from pilldrops.node.runroute import RunRoute, send_stream
+from pilldrops.node.uploadroute import UploadRoute
 from pilldrops.schema.api import FileInfo, RunRequest
 from pilldrops.schema.node import (
     NodeBuildRequest,
@@ -161,10 +163,12 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
         stream = await plane.run(target(sandbox_id, x_access_token), body)
         return RunStream(stream, media_type="application/x-ndjson")
 
+    # this and ``write_file`` are answered by ``node.uploadroute`` in front of this app, the same way
     @data.put("/archive")
     async def put_archive(sandbox_id: str, request: Request, path: Path_,
                           x_access_token: Token = None) -> dict[str, int]:
-        n = await plane.put_archive(target(sandbox_id, x_access_token), path, request.stream())
+        n = await plane.put_archive(target(sandbox_id, x_access_token), path, request.stream(),
+                                    declared=declared_length(request.headers))
         return {"entries": n}
 
     @data.get("/archive", response_class=StreamingResponse)
@@ -217,9 +221,12 @@ def create_node_app(agent: NodeAgent, node_token: str) -> FastAPI:
     app.include_router(data)
     app.include_router(process_routes(agent.processes, target))
     app.include_router(fs_routes(FileOps(plane), target))
-    # the kill's (the control plane's call on every kill: ``node.killroute``), behind the two below (a kill
-    # is neither's method: it passes them at the cost of a comparison, and runs never reach it)
+    # the kill's (the control plane's call on every kill: ``node.killroute``), behind the three below (a
+    # kill is none's method: it passes them at the cost of a comparison, and runs never reach it)
     app.add_middleware(KillRoute, kill=lambda sid: agent.kill(sid), node_token=node_token, admit=recovered)
+    # the file write's and the archive upload's (every rollout's ``files.write`` and ``upload``:
+    # ``node.uploadroute``; the two FastAPI routes above document them and answer the same way)
+    app.add_middleware(UploadRoute, plane=plane, target=target, admit=recovered)
     # the run route's hot path, in front of everything (the FastAPI route above documents it and answers
     # the same way)
     app.add_middleware(RunRoute, plane=plane, target=target, admit=recovered)

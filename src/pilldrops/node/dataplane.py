@@ -32,6 +32,7 @@ MAX_UPLOAD_BYTES = 8 * 1024**3
 MAX_READ_BYTES = 256 * 1024**2
 _SPOOL = 8 * 1024**2
 _CHUNK = 256 * 1024
+_WHOLE = 1024**2          # a sanitised archive up to this size goes to its ``tar`` as bytes (no feed thread)
 
 
 @dataclass
@@ -103,9 +104,79 @@ def _raise_if_full(t: Target, err: bytes, what: str) -> None:
                                        details={"free_bytes": _disk_free(t)})
 
 
-async def _file_chunks(f: IO[bytes]) -> AsyncIterator[bytes]:
+async def _file_chunks(f: IO[bytes], first: bytes = b"") -> AsyncIterator[bytes]:
+    if first:
+        yield first
     while chunk := f.read(_CHUNK):
         yield chunk
+
+
+def _whole_or_chunks(f: IO[bytes]) -> bytes | AsyncIterator[bytes]:
+    """The rest of ``f`` as bytes when it is small (``_WHOLE``: a command gets bytes without a thread
+    pulling a stream for it), else as chunks."""
+    head = f.read(_WHOLE + 1)
+    return head if len(head) <= _WHOLE else _file_chunks(f, head)
+
+
+async def _next_part(it: AsyncIterator[bytes]) -> bytes | None:
+    async for chunk in it:
+        if chunk:
+            return chunk
+    return None
+
+
+async def _whole_or_streamed(body: AsyncIterable[bytes]) -> bytes | AsyncIterator[bytes]:
+    """``body`` as bytes when it came whole in one part (most writes: the server's first message holds it),
+    which the command gets without a thread pulling the stream for it; else the stream, read on from where
+    this left off (its first two parts held here meanwhile: a server's messages, not the body)."""
+    it = body.__aiter__()
+    first = await _next_part(it)
+    if first is None:
+        return b""
+    second = await _next_part(it)
+    if second is None:
+        return first
+
+    async def rest() -> AsyncIterator[bytes]:
+        yield first
+        yield second
+        async for chunk in it:
+            yield chunk
+
+    return rest()
+
+
+class _Feed:
+    """A streamed body as a command's stdin (``write_file``'s request body). The runtime pulls it from a
+    thread of its own, which can only stop feeding when the body fails (the client went away mid-body, a
+    bound was passed): the command would then wait for the rest of its stdin for ever (pd-init's stdin is
+    never closed) or end with what it had, as if the body were whole. So the failure is kept here, the
+    command killed at once, and ``DataPlane._sh`` raises it in place of the command's result."""
+
+    def __init__(self, body: AsyncIterable[bytes]) -> None:
+        self._it = body.__aiter__()
+        self.error: Exception | None = None
+        self._proc: ExecProcess | None = None
+
+    def __aiter__(self) -> _Feed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._it.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            if self._proc is not None:
+                await _kill_quietly(self._proc)
+            raise
+
+    async def feeding(self, proc: ExecProcess) -> None:
+        """The command now being fed (killed now if the body already failed while it started)."""
+        self._proc = proc
+        if self.error is not None:
+            await _kill_quietly(proc)
 
 
 class DataPlane:
@@ -136,14 +207,19 @@ class DataPlane:
 
     async def _sh(self, t: Target, script: str, *args: str, stdin: AsyncIterable[bytes] | bytes | None = None,
                   limit: int = MAX_READ_BYTES) -> tuple[bytes, bytes, int]:
-        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=stdin)
+        feed = None if stdin is None or isinstance(stdin, bytes) else _Feed(stdin)
+        proc = await self._exec(t, ["/bin/sh", "-c", script, "sh", *args], stdin=feed or stdin)
         try:
+            if feed is not None:
+                await feed.feeding(proc)
             out = await _drain(proc, limit)
         except BaseException:
             await _kill_quietly(proc)
             raise
         finally:
             t.active.discard(proc)
+        if feed is not None and feed.error is not None:
+            raise feed.error             # not the result of a command that was fed part of its stdin
         if t.pausing:
             raise errors.InvalidState(f"sandbox {t.id} was paused during the transfer", current="pausing",
                                       target="running")
@@ -206,8 +282,13 @@ class DataPlane:
 
     # ---- archives ------------------------------------------------------------------------------------
 
-    async def put_archive(self, t: Target, dest: str, body: AsyncIterable[bytes]) -> int:
+    async def put_archive(self, t: Target, dest: str, body: AsyncIterable[bytes], *,
+                          declared: int | None = None) -> int:
+        """``body`` (a tar stream, its ``declared`` length if known) unpacked under ``dest``; refused past
+        ``MAX_UPLOAD_BYTES`` by its declared length before any of it is read, and as it arrives."""
         _check_path(dest)
+        if declared is not None and declared > MAX_UPLOAD_BYTES:
+            raise errors.PayloadTooLarge(f"upload is larger than {MAX_UPLOAD_BYTES} bytes")
         with tempfile.SpooledTemporaryFile(_SPOOL) as raw, tempfile.SpooledTemporaryFile(_SPOOL) as clean:
             size = 0
             async for chunk in body:
@@ -220,7 +301,7 @@ class DataPlane:
             count = await anyio.to_thread.run_sync(lambda: sanitize(raw, clean, max_bytes=free))
             clean.seek(0)
             _, err, code = await self._sh(t, 'mkdir -p "$1" && exec tar -x -f - -C "$1"', dest,
-                                          stdin=_file_chunks(clean))
+                                          stdin=_whole_or_chunks(clean))
         if code != 0:
             _raise_if_full(t, err, f"unpacking into {dest}")
             raise errors.InvalidRequest(f"unpacking into {dest} failed: {err.decode(errors='replace').strip()}")
@@ -280,7 +361,7 @@ class DataPlane:
         _check_path(path)
         # one exec writes and stats (a second crun exec would cost ~7 ms more per write)
         out, err, code = await self._sh(t, 'mkdir -p "$(dirname "$1")" && cat > "$1" && stat -c "$2" "$1"', path,
-                                        _STAT_FORMAT, stdin=body)
+                                        _STAT_FORMAT, stdin=await _whole_or_streamed(body))
         if code != 0:
             _raise_if_full(t, err, f"writing {path}")
             raise errors.InvalidRequest(f"writing {path} failed: {err.decode(errors='replace').strip()}")
