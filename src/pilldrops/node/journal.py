@@ -13,7 +13,10 @@ Two fsyncs per create cost milliseconds on the hot path for no protection.
 
 Entries are written with orjson (``_internal.jsonfile``: ~1 µs to encode instead of the ~0.3 ms that
 ``json.dump(asdict(entry))`` took, issue 15) and read with ``json.loads`` from their bytes, so what an older
-agent wrote (the stdlib's ASCII-escaped JSON) reads as before, and its entries are read by this one.
+agent wrote (the stdlib's ASCII-escaped JSON) reads as before, and its entries are read by this one. They
+are UTF-8: an older agent reading them back after a downgrade decodes them with its locale's encoding
+(``read_text``), which is UTF-8 under a UTF-8 or the C locale (Python's UTF-8 mode); under another explicit
+locale a non-ASCII value (an env of the sandbox) would read garbled.
 
 Every record carries a format version (``version``), and so does the runtime handle inside it. Records
 written before versions existed have none and are read as version 1 (the same layout), so an upgraded agent

@@ -13,6 +13,7 @@ Streams (template builds) and data-plane relays use the httpx client (``http``) 
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -108,11 +109,11 @@ class AiohttpExchange:
         return self._session
 
     def _proxy_for(self, url: str) -> str | None:
-        scheme, _, rest = url.partition("://")
-        host = rest.split("/", 1)[0]
-        key = (scheme, host)
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
         if key not in self._proxy:
-            proxy = self._env_proxies.get(scheme) or self._env_proxies.get("all")
+            host = parts.netloc.rpartition("@")[2]          # host[:port], as the proxy bypass rules read it
+            proxy = self._env_proxies.get(parts.scheme) or self._env_proxies.get("all")
             bypass = proxy is not None and urllib.request.proxy_bypass_environment(host, self._env_proxies)
             self._proxy[key] = None if bypass else proxy
         return self._proxy[key]
