@@ -19,6 +19,20 @@ def without(app: Any, raw: type) -> Any:
     return app
 
 
+def same_fields(a: httpx.Response, b: httpx.Response, own: set[str]) -> dict[str, Any]:
+    """Two JSON answers (the raw route's, the FastAPI route's) with the same fields in the same order and the
+    same values, but for ``own``'s (each sandbox's own, or its clock's), which need only the same type;
+    ``a``'s body."""
+    ja, jb = a.json(), b.json()
+    assert list(ja) == list(jb)
+    for k in ja:
+        if k in own:
+            assert type(ja[k]) is type(jb[k]), (k, ja[k], jb[k])
+        else:
+            assert ja[k] == jb[k], (k, ja[k], jb[k])
+    return ja  # type: ignore[no-any-return]
+
+
 def strip(body: dict) -> dict:  # type: ignore[type-arg]
     body["error"].pop("request_id")
     return body

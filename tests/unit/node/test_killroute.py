@@ -11,7 +11,7 @@ import pytest
 from pilldrops.node.api import create_node_app
 from pilldrops.node.killroute import KillRoute
 from tests.stack import TOKEN, stack
-from tests.unit.rawroutes import strip, without
+from tests.unit.rawroutes import same_fields, strip, without
 
 pytestmark = pytest.mark.anyio
 
@@ -51,13 +51,7 @@ async def test_kill_and_its_errors_match_the_fastapi_route(tmp_path, monkeypatch
             assert a.status_code == b.status_code == 200, (a.text, b.text)
             assert a.headers["content-type"] == b.headers["content-type"] == "application/json"
             assert a.headers["x-request-id"].startswith("req_") and b.headers["x-request-id"].startswith("req_")
-            ja, jb = a.json(), b.json()
-            assert list(ja) == list(jb)
-            for k in ja:
-                if k in _OWN:
-                    assert type(ja[k]) is type(jb[k]), (k, ja[k], jb[k])
-                else:
-                    assert ja[k] == jb[k], (k, ja[k], jb[k])
+            ja = same_fields(a, b, _OWN)
             assert (ja["id"], ja["state"], ja["end_reason"]) == (ids[0], "stopped", "killed") and ja["ended_at"]
             assert st.agent.sandboxes.get(ids[0]) is None and st.agent.sandboxes.get(ids[1]) is None
             assert await st.runtime.list_ids() == [ids[2]]
