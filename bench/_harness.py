@@ -288,6 +288,39 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def memory_cgroups() -> int:
+    """The memory controller's cgroup count (/proc/cgroups): removed cgroups whose memory is still charged
+    ("dying") count until the kernel frees them."""
+    with open("/proc/cgroups") as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[0] == "memory":
+                return int(parts[2])
+    return 0
+
+
+def settle_host(limit: float = 90.0, quiet: float = 3.0) -> dict[str, float]:
+    """Let what an earlier run tore down finish leaving before a memory baseline is read: write back and drop
+    the page cache (the pages that keep removed cgroups alive as "dying" ones), then wait until the memory
+    cgroup count has not fallen for ``quiet`` seconds (at most ``limit``). Without it a baseline taken right
+    after hundreds of teardowns (another benchmark's, or this run's previous phase) starts on memory that is
+    still being freed, and the phase after it looks cheaper or dearer than it is. Root only (else a no-op)."""
+    t0 = time.monotonic()
+    before = memory_cgroups()
+    if os.geteuid() == 0:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    low, low_t = memory_cgroups(), time.monotonic()
+    while time.monotonic() - low_t < quiet and time.monotonic() - t0 < limit:
+        time.sleep(0.25)
+        n = memory_cgroups()
+        if n < low:
+            low, low_t = n, time.monotonic()
+    return {"memory_cgroups_before": before, "memory_cgroups_after": memory_cgroups(),
+            "settle_s": round(time.monotonic() - t0, 1)}
+
+
 def _rss1(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:

@@ -10,7 +10,8 @@ down with zero leaks". What it does:
    large enough for N sandboxes (the default, cores x 64 vCPU, would refuse the 129th 1-vCPU sandbox on a
    2-core machine) and ``--unlimited-credits``; 3 untimed create/kill warm-ups.
 2. PillDrops: creates N sandboxes with ``--threads`` client threads through the sync SDK and keeps them
-   all live; reads /proc/meminfo before (after a 2 s settle) and with N live (2 s settle); checks that the
+   all live; reads /proc/meminfo before (once the host settled: page cache dropped, removed cgroups freed,
+   ``_harness.settle_host``; then 2 s) and with N live (2 s settle); checks that the
    control plane lists N running; uses every one (``files.write`` of a small file, then ``run`` of a
    command reading it, output checked); kills them all with the same threads.
 3. Baseline, same run, same template layers and concurrency: N raw crun containers from the same spec
@@ -56,6 +57,7 @@ from _harness import (
     profiled,
     rss,
     run_phase,
+    settle_host,
     summarize_profile,
 )
 from rich import box
@@ -69,6 +71,13 @@ MEM_KEYS = ("MemAvailable", "Slab", "SUnreclaim", "AnonPages", "PageTables", "Sh
 def settle_mem(seconds: float = 2.0) -> dict[str, int]:
     time.sleep(seconds)
     return meminfo()
+
+
+def baseline_mem(res: dict, phase: str) -> dict[str, int]:  # type: ignore[type-arg]
+    """/proc/meminfo before a phase creates anything, read once the host has settled (``settle_host``: what an
+    earlier benchmark or phase tore down is freed first, so both phases start from the same kind of host)."""
+    res[f"{phase}_settle"] = settle_host()
+    return settle_mem()
 
 
 def mem_delta(before: dict[str, int], after: dict[str, int], anon: tuple[int, int] | None = None) -> dict[str, int]:
@@ -97,7 +106,7 @@ def pd_phases(a: argparse.Namespace, up: Up, st, res: dict) -> None:  # type: ig
     for i in range(3):                      # warm-up: the node's cgroup parent, HTTP pools, caches
         create(i).kill()
     rss0 = rss(up.proc.pid)
-    mem0 = settle_mem()
+    mem0 = baseline_mem(res, "pd")
     anon0 = own_anon(up.proc.pid, f"/{MATCH}-")
     with prof("create"):
         ph, sbs = run_phase("create", list(range(a.n)), create, a.threads, up.proc.pid, st)
@@ -152,7 +161,7 @@ def raw_phases(a: argparse.Namespace, up: Up, st, res: dict, disk_mb: int = 0) -
             return raw.start(f"{pre}{PID}-{i}")
 
         raw.warm_up(pre)
-        mem0 = settle_mem()
+        mem0 = baseline_mem(res, pre)
         anon0 = own_anon(up.proc.pid, f"/{RAW_PARENT}/")
         ph, cids = run_phase(f"{pre} create", list(range(a.n)), create, a.threads, up.proc.pid, st)
         res[f"{pre}_create"] = ph
@@ -212,6 +221,11 @@ def report(a: argparse.Namespace, res: dict, info: dict[str, str], leaks: list[s
                   mib(res[ak]["used"]), mib(d["attributed"]) if "attributed" in d else "-",
                   f"{d['attributed'] / nl / 1024:,.0f} KiB" if "attributed" in d else "-")
     console.print(m)
+    settled = [f"{ph} {v['settle_s']:g} s (memory cgroups {v['memory_cgroups_before']:,} → "
+               f"{v['memory_cgroups_after']:,})" for ph in ("pd", "raw", "rawdisk") if (v := res.get(f"{ph}_settle"))]
+    if settled:
+        console.print("before each phase's baseline the host settled (page cache dropped, removed cgroups freed): "
+                      + "; ".join(settled))
     if "attributed" in res.get("pd_mem", {}) and "attributed" in res.get("raw_mem", {}):
         p, b = res["pd_mem"], res["raw_mem"]
         console.print(f"attributed = ΔSUnreclaim + ΔKernelStack + ΔPageTables + ΔPercpu + Δ(anonymous memory of `up`'s "
