@@ -237,6 +237,7 @@ def test_another_team_sees_nothing_of_ours(up: Up, api: httpx.Client, other_key:
     b"not json", b"{", b"[]", b'{"template": 7}', b'{"template": "tiny", "vcpu": "lots"}',
     b'{"template": "tiny", "memory_mb": -5}', b'{"template": "tiny", "timeout": 1e400}',
     b'{"template": "../../etc"}', b'{"template": "tiny", "envs": {"A\\u0000B": "x"}}',
+    b'{"template": "tiny", "metadata": {"k": "v\\u0000"}}', b'{"template": "tiny", "metadata": {"k\\u0000": "v"}}',
     b'{"template": "tiny", "metadata": {"k": "' + b"v" * 100_000 + b'"}}',
     b'{"template": "tiny", "isolation": "root"}', b'{"template": "tiny", "vcpu": NaN}',
 ])

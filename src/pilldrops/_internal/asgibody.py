@@ -162,3 +162,27 @@ class JsonRoute:
 
     async def answer(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         raise NotImplementedError
+
+
+class NulGuard:
+    """ASGI middleware: a request whose path or query string holds a NUL character (``%00``) is answered
+    ``400 invalid_request`` before any route reads it; every other request goes on to ``app`` untouched. No
+    id, name or filter value of the API can hold one, and PostgreSQL's text refuses one: a lookup or filter
+    with it failed as a 500 there (and matched nothing on SQLite)."""
+
+    log = logging.getLogger("pilldrops.http")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            qs = scope.get("query_string", b"")
+            if "\x00" in scope["path"] or b"%00" in qs or b"\x00" in qs:
+                await serve_json(scope, receive, send, _refuse_nul, self.log)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _refuse_nul() -> tuple[int, bytes]:
+    raise errors.InvalidRequest("the URL holds a NUL character (%00), which no id, name or filter value can")

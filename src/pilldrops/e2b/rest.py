@@ -285,6 +285,8 @@ class E2BApi:
         p = await self.principal(request)
         q = request.query_params
         labels = dict(parse_qsl(q.get("metadata", ""), keep_blank_values=True))
+        if any("\x00" in t for kv in labels.items() for t in kv):     # %2500: a NUL once decoded twice
+            raise errors.InvalidRequest("metadata filters cannot hold a NUL character")
         wanted = [s.strip() for s in q.get("state", "").split(",") if s.strip()] if v2 else ["running"]
         bad = [s for s in wanted if s not in LISTED]
         if bad:

@@ -7,6 +7,7 @@ Units are in the names (``memory_mb``); ``timeout`` is in seconds everywhere.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -150,6 +151,13 @@ def check_ports(v: list[int]) -> list[int]:
     return sorted(set(v))
 
 
+def refuse_nul(texts: Iterable[str], what: str) -> None:
+    """ValueError when any of ``texts`` holds a NUL character: no name, id, metadata pair or environment
+    variable can (the kernel's strings end at one, PostgreSQL's text refuses one)."""
+    if any("\x00" in t for t in texts):
+        raise ValueError(f"{what} cannot hold a NUL character")
+
+
 def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dict[str, str]:
     if len(v) > max_items:
         raise ValueError(f"at most {max_items} {what} entries")
@@ -158,6 +166,7 @@ def _check_string_map(v: dict[str, str], what: str, max_items: int = 128) -> dic
             raise ValueError(f"{what} keys must be 1..256 characters")
         if len(val) > 8192:
             raise ValueError(f"{what} value for {k!r} is longer than 8192 characters")
+        refuse_nul((k, val), f"{what} keys and values")
     return v
 
 
@@ -304,6 +313,13 @@ class KillSandboxesRequest(_Request):
     labels: dict[str, str] | None = Field(None, max_length=32,
                                           description="kill every live sandbox with all these metadata pairs")
 
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None:
+            refuse_nul((*v, *v.values()), "labels")
+        return v
+
 
 class KillItem(_Response):
     id: str
@@ -400,6 +416,12 @@ class FileInfo(_Response):
 
 class KeyCreateRequest(_Request):
     name: str = Field("default", min_length=1, max_length=128)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        refuse_nul((v,), "a key's name")
+        return v
 
 
 class KeyInfo(_Response):

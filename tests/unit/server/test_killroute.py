@@ -73,7 +73,8 @@ async def test_kill_and_its_errors_match_the_fastapi_route(tmp_path, store_url, 
                 path = f"{URL}/{quote(sid, safe='')}"
                 ra = await fast.delete(path, headers=headers)
                 rb = await plain.delete(path, headers=headers)
-                assert ra.status_code == rb.status_code and ra.status_code in (401, 404), (sid, ra.text, rb.text)
+                want = (400,) if "\x00" in sid else (401, 404)       # a NUL in the URL: NulGuard, before both
+                assert ra.status_code == rb.status_code and ra.status_code in want, (sid, ra.text, rb.text)
                 assert ra.headers["x-request-id"] == ra.json()["error"]["request_id"]
                 assert strip(ra.json()) == strip(rb.json()), (sid, ra.text, rb.text)
             assert (await fast.get(f"{URL}/{ids[2]}", headers=auth)).json()["state"] == "running"
@@ -94,7 +95,7 @@ async def test_kill_and_its_errors_match_the_fastapi_route(tmp_path, store_url, 
             assert (await fast.get(f"{URL}/{ids[2]}", headers=auth)).json()["state"] == "running"
             assert st.agent.sandboxes.get(ids[2]) is not None
             # every other request above went on to FastAPI (the raw route answered only its own kills)
-            assert answered == [ids[0], ids[0], ids[0], ids[1], ids[1], *(sid for sid, _ in cases)]
+            assert answered == [ids[0], ids[0], ids[0], ids[1], ids[1], *(sid for sid, _ in cases if "\x00" not in sid)]
             # the schema still documents the kill
             spec = (await fast.get("/openapi.json")).json()
             assert spec["paths"][f"{URL}/{{sandbox_id}}"]["delete"]["responses"]["200"]

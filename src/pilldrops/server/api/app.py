@@ -13,6 +13,7 @@ from fastapi import Path as FPath
 from fastapi.responses import StreamingResponse
 
 from pilldrops import errors
+from pilldrops._internal.asgibody import NulGuard
 from pilldrops._internal.http import RequestIdMiddleware, bearer, install_error_handlers
 from pilldrops._version import __version__ as VERSION
 from pilldrops.e2b.routing import E2BRouting
@@ -115,6 +116,7 @@ def create_app(services: Services) -> FastAPI:
     # FastAPI route below documents it and answers the same way
     app.add_middleware(CreateRoute, services=services)
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
+    app.add_middleware(NulGuard)                          # outermost: a NUL in the URL is a 400 for every route
     install_error_handlers(app)
     app.state.services = services
 
