@@ -164,11 +164,21 @@ class JsonRoute:
         raise NotImplementedError
 
 
+NUL_IN_URL = "the URL holds a NUL character (%00), which no id, name or filter value can"
+
+
+def url_has_nul(scope: Scope) -> bool:
+    """The request's path (decoded) or query string (``%00``, or a raw NUL) holds a NUL character."""
+    qs = scope.get("query_string", b"")
+    return "\x00" in scope.get("path", "") or b"%00" in qs or b"\x00" in qs
+
+
 class NulGuard:
-    """ASGI middleware: a request whose path or query string holds a NUL character (``%00``) is answered
-    ``400 invalid_request`` before any route reads it; every other request goes on to ``app`` untouched. No
-    id, name or filter value of the API can hold one, and PostgreSQL's text refuses one: a lookup or filter
-    with it failed as a 500 there (and matched nothing on SQLite)."""
+    """ASGI middleware: a request whose path or query string holds a NUL character is answered ``400
+    invalid_request`` before any route reads it; every other request goes on to ``app`` untouched. No id,
+    name or filter value of the API can hold one, and PostgreSQL's text refuses one: a lookup or filter with
+    it failed as a 500 there (and matched nothing on SQLite). It sits behind E2B's routing: traffic for a
+    sandbox's own ports is the sandbox's to judge, and E2B's REST answers in E2B's error shape."""
 
     log = logging.getLogger("pilldrops.http")
 
@@ -176,13 +186,11 @@ class NulGuard:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            qs = scope.get("query_string", b"")
-            if "\x00" in scope["path"] or b"%00" in qs or b"\x00" in qs:
-                await serve_json(scope, receive, send, _refuse_nul, self.log)
-                return
+        if scope["type"] == "http" and url_has_nul(scope):
+            await serve_json(scope, receive, send, _refuse_nul, self.log)
+            return
         await self.app(scope, receive, send)
 
 
 async def _refuse_nul() -> tuple[int, bytes]:
-    raise errors.InvalidRequest("the URL holds a NUL character (%00), which no id, name or filter value can")
+    raise errors.InvalidRequest(NUL_IN_URL)

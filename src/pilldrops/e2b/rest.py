@@ -296,8 +296,11 @@ class E2BApi:
             limit = min(max(int(q.get("limit", "100")), 1), 1000)
         except ValueError as exc:
             raise errors.InvalidRequest("limit must be an integer") from exc
-        page = await self.sbx.store.list_sandboxes(p.team_id, states=states, labels=labels, limit=limit,
-                                                   cursor=q.get("nextToken") or None)
+        try:
+            page = await self.sbx.store.list_sandboxes(p.team_id, states=states, labels=labels, limit=limit,
+                                                       cursor=q.get("nextToken") or None)
+        except ValueError as exc:       # a nextToken this listing did not give (was a 500)
+            raise errors.InvalidRequest("invalid nextToken") from exc
         headers = {"X-Next-Token": page.next_cursor} if v2 and page.next_cursor else {}
         return JSONResponse([self.detail(r, token=False) for r in page.items], headers=headers)
 

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pilldrops import errors
+from pilldrops._internal.asgibody import NUL_IN_URL, url_has_nul
+from pilldrops._internal.ids import new_id
 from pilldrops.e2b import code_interpreter
 from pilldrops.e2b.context import STATE_KEY, NodeLink, SandboxRef, from_e2b_id, to_e2b_id
 from pilldrops.e2b.rest import create_rest_app, is_rest_path
@@ -120,6 +122,12 @@ class E2BRouting:
             if self.ports.matches(scope.get("path", "")):
                 await self.ports.misdirected(scope, receive, send)
             elif scope["type"] == "http" and is_rest_path(scope.get("path", "")):
+                if url_has_nul(scope):          # as NulGuard does for ours, in E2B's shape
+                    rid = new_id("req", 12)
+                    await send_json(send, 400, {"code": 400, "message": NUL_IN_URL,
+                                                **errors.InvalidRequest(NUL_IN_URL, request_id=rid).to_body()},
+                                    [(b"x-request-id", rid.encode())])
+                    return
                 await self.rest(scope, receive, send)
             else:
                 await self.app(scope, receive, send)

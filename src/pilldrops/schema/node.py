@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pilldrops.schema.api import (
     DEFAULT_ISOLATION,
@@ -21,6 +21,7 @@ from pilldrops.schema.api import (
     SandboxState,
     TemplateInfo,
     TemplateNetwork,
+    refuse_nul,
 )
 
 
@@ -31,6 +32,12 @@ class _Model(BaseModel):
 class NodeRegister(_Model):
     name: str
     url: str = Field(..., description="base URL of the node API and data plane, as clients should reach it")
+
+    @field_validator("name", "url", "instance")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        refuse_nul((v,), "a node's name, url and instance")
+        return v
     capacity_vcpu: float
     capacity_memory_mb: int
     templates: list[TemplateInfo] = Field(default_factory=list)

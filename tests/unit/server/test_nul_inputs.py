@@ -6,13 +6,14 @@ REST surface."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
 import httpx
 import pytest
 
-from tests.stack import stack
+from tests.stack import TOKEN, stack
 
 pytestmark = pytest.mark.anyio
 
@@ -100,3 +101,31 @@ async def test_nul_in_text_fields_is_invalid_request_and_creates_nothing(tmp_pat
                 _invalid(await e2b.request(method, "/sandboxes/x%00y"), method)
             ok = await e2b.get("/v2/sandboxes", params={"metadata": "run=keep"})
             assert [s["sandboxID"] for s in ok.json()] == [keep.replace("_", "")], ok.text   # E2B ids: no "_"
+
+
+async def test_nul_decoded_twice_and_where_the_guard_stays_out(tmp_path, store_url) -> None:
+    """What no URL check can see: a NUL inside a paging cursor (base64) is an invalid cursor, a node's
+    registration with one a 4xx (never a 500 on PostgreSQL); and what the guard must leave alone: ``%2500``
+    (the text "%00") in a filter, and a request for a sandbox's own port (the sandbox's to judge)."""
+    async with stack(tmp_path, db_url=store_url) as st, st.client() as c:
+        cursor = base64.urlsafe_b64encode(f"2026-01-01T00:00:00+00:00|sb_a{NUL}b".encode()).decode()
+        for path in ("/v1/sandboxes", "/v1/history"):
+            _invalid(await c.get(path, params={"cursor": cursor}), path)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=st.cp.app), base_url="http://cp",
+                                     headers={"X-API-Key": st.key}) as e2b:
+            for token in (cursor, "not-a-token"):          # (any token it did not give was a 500 too)
+                r = await e2b.get("/v2/sandboxes", params={"nextToken": token})
+                assert r.status_code == 400 and r.json()["code"] == 400, r.text   # E2B's shape, typed
+            r = await e2b.get("/sandboxes/x%00y")
+            assert r.status_code == 400 and r.json()["code"] == 400 and r.json()["message"], r.text
+            assert r.json()["error"]["code"] == "invalid_request"
+            # a sandbox's own port: not ours to refuse (the port gateway answers: no URL token here)
+            sid = (await c.post("/v1/sandboxes", json={"template": "tiny"})).json()["id"]
+            r = await e2b.get("/api/%00", params={"q": NUL},
+                              headers={"E2b-Sandbox-Id": sid.replace("_", ""), "E2b-Sandbox-Port": "8080"})
+            assert "NUL" not in r.text, r.text
+        r = await c.get("/v1/sandboxes", params={"metadata.run": "%00"})       # sent as %2500: the text "%00"
+        assert r.status_code == 200 and r.json()["items"] == [], r.text
+        node = {"name": f"evil{NUL}", "url": "http://127.0.0.1:1", "capacity_vcpu": 1, "capacity_memory_mb": 512}
+        r = await c.post("/internal/v1/nodes/register", json=node, headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code in (400, 422) and r.json()["error"]["code"] == "invalid_request", r.text

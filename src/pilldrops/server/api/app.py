@@ -115,8 +115,8 @@ def create_app(services: Services) -> FastAPI:
     # the create's hot path (``api.createroute``), after E2B's routing (sandbox traffic is never ours); the
     # FastAPI route below documents it and answers the same way
     app.add_middleware(CreateRoute, services=services)
+    app.add_middleware(NulGuard)                          # a NUL in the URL is a 400 for every route of ours
     app.add_middleware(E2BRouting, services=services)    # E2B's sandbox traffic and REST (docs: README)
-    app.add_middleware(NulGuard)                          # outermost: a NUL in the URL is a 400 for every route
     install_error_handlers(app)
     app.state.services = services
 

@@ -106,7 +106,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         when = datetime.fromisoformat(at)
     except Exception as exc:  # any garbage is a bad cursor
         raise ValueError("invalid cursor") from exc
-    if when.tzinfo is None:
+    if when.tzinfo is None or "\x00" in sid:      # PostgreSQL's text refuses a NUL: no id holds one
         raise ValueError("invalid cursor")
     return when, sid
 
