@@ -32,12 +32,6 @@ class _Model(BaseModel):
 class NodeRegister(_Model):
     name: str
     url: str = Field(..., description="base URL of the node API and data plane, as clients should reach it")
-
-    @field_validator("name", "url", "instance")
-    @classmethod
-    def _no_nul(cls, v: str) -> str:
-        refuse_nul((v,), "a node's name, url and instance")
-        return v
     capacity_vcpu: float
     capacity_memory_mb: int
     templates: list[TemplateInfo] = Field(default_factory=list)
@@ -49,6 +43,12 @@ class NodeRegister(_Model):
                                           "before isolation modes): container only")
     ram_mb: int = Field(0, ge=0, exclude_if=lambda v: not v, description="the host's RAM in MiB: no sandbox's memory_mb may be more "
                                             "(capacity_memory_mb overcommits it); 0: unknown (an older agent)")
+
+    @field_validator("name", "url", "instance")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        refuse_nul((v,), "a node's name, url and instance")
+        return v
 
 
 class NodePoolSpec(_Model):
