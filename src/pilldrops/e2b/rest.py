@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pilldrops import errors
 from pilldrops._internal.http import RequestIdMiddleware, request_id_var
 from pilldrops.e2b.context import ENVD_VERSION, from_e2b_id, to_e2b_id
-from pilldrops.schema.api import CreateSandboxRequest, NetworkPolicy, SandboxState
+from pilldrops.schema.api import CreateSandboxRequest, NetworkPolicy, SandboxState, refuse_nul
 from pilldrops.server.domain.states import ENDED
 
 if TYPE_CHECKING:
@@ -285,8 +285,10 @@ class E2BApi:
         p = await self.principal(request)
         q = request.query_params
         labels = dict(parse_qsl(q.get("metadata", ""), keep_blank_values=True))
-        if any("\x00" in t for kv in labels.items() for t in kv):     # %2500: a NUL once decoded twice
-            raise errors.InvalidRequest("metadata filters cannot hold a NUL character")
+        try:                    # %2500: a NUL once decoded twice, past NulGuard
+            refuse_nul((*labels, *labels.values()), "metadata filters")
+        except ValueError as exc:
+            raise errors.InvalidRequest(str(exc)) from exc
         wanted = [s.strip() for s in q.get("state", "").split(",") if s.strip()] if v2 else ["running"]
         bad = [s for s in wanted if s not in LISTED]
         if bad:
